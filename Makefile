@@ -37,7 +37,7 @@ test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install-test
-	$(BIN)/python tests/bench/bench_generate.py
+	$(BIN)/python tests/bench/bench_serving.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

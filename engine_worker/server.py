@@ -1,0 +1,221 @@
+"""The engine worker process: load a model, serve it over ZeroMQ, step the batch forever.
+
+Wire: the engine binds a ROUTER socket; each gateway (and the supervisor) connects a DEALER,
+sends ClientHello and gets EngineHello back. AddRequest/AbortRequest flow in; after every step
+the engine sends each client one StepOutputs with the new tokens of that client's requests, and
+every ``stats_interval`` an EngineStats to all clients (routing load, and the supervisor's sign of
+life). Bad frames are logged and dropped; they never stop the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import orjson
+import zmq
+
+from protocol import (
+    MAX_FRAME_BYTES,
+    AbortRequest,
+    AddRequest,
+    ClientHello,
+    EngineHello,
+    EngineStats,
+    ErrorMessage,
+    ProtocolError,
+    RequestOutput,
+    StepOutputs,
+    decode,
+    encode,
+)
+from zserve.catalog import ModelSource
+from zserve.proc import StatusPipe, die_with_parent, ignore_terminal_signals, set_title, setup_logging
+
+from .scheduler import Scheduler, Sequence
+
+log = logging.getLogger("zserve.engine")
+
+
+class EngineServer:
+    def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
+                 stats_interval: float = 0.1):
+        self.rank = rank
+        self.runner = runner
+        self.scheduler = scheduler
+        self.hello = hello
+        self.stats_interval = stats_interval
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(endpoint)
+        self.clients: dict[bytes, float] = {}
+        self._last_stats = 0.0
+        self._stop = False
+
+    def send(self, client: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([client, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("client %r is not reading; dropped a %s message", client, msg.TYPE)
+
+    # -- inbound -----------------------------------------------------------------------------
+    def handle(self, client: bytes, frames: list) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as e:
+            log.warning("dropped a bad frame from client %r: %s", client, e)
+            if e.request_id is not None:
+                self.send(client, StepOutputs(self.rank, (RequestOutput(e.request_id, (), "error", error=f"bad request frame: {e}"),)))
+            else:
+                self.send(client, ErrorMessage("bad_frame", str(e)[:4000]))
+            return
+        self.clients[client] = time.monotonic()
+        if isinstance(msg, AddRequest):
+            self.add(client, msg)
+        elif isinstance(msg, AbortRequest):
+            done = [self.scheduler.abort(rid) for rid in msg.request_ids]
+            outs = tuple(RequestOutput(s.request_id, (), "abort") for s in done if s is not None and s.client == client)
+            if outs:
+                self.send(client, StepOutputs(self.rank, outs))
+        elif isinstance(msg, ClientHello):
+            self.send(client, self.hello)
+            self.send(client, self.stats())
+        else:
+            log.warning("client %r sent an unexpected %s message; ignored", client, msg.TYPE)
+
+    def add(self, client: bytes, msg: AddRequest) -> None:
+        vocab = self.runner.vocab_size
+        bad = next((t for t in msg.prompt_token_ids if t >= vocab), None)
+        err = f"token id {bad} is outside the vocabulary ({vocab})" if bad is not None else None
+        if err is None:
+            seq = Sequence(msg.request_id, client, list(msg.prompt_token_ids), msg.sampling)
+            err = self.scheduler.add(seq)
+        if err is not None:
+            self.send(client, StepOutputs(self.rank, (RequestOutput(msg.request_id, (), "error", error=err),)))
+
+    def poll_inbound(self, timeout_ms: int) -> None:
+        """Wait up to ``timeout_ms`` for messages, then take every message already queued."""
+        if not self.sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                client, *frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.handle(client.bytes, [f.buffer for f in frames])
+
+    # -- stepping ----------------------------------------------------------------------------
+    def step(self) -> None:
+        step = self.scheduler.schedule()
+        if not step.seqs:
+            return
+        try:
+            results = self.runner.execute(step.inputs)
+        except Exception as e:  # a failed forward must fail its requests, not the engine
+            log.exception("forward pass failed; failing the %d requests in it", len(step.seqs))
+            for seq in {s.request_id: s for s in step.seqs}.values():
+                self.scheduler.abort(seq.request_id)
+                self.send(seq.client, StepOutputs(self.rank, (RequestOutput(seq.request_id, (), "error", error=f"engine error: {e}"[:4000]),)))
+            return
+        per_client: dict[bytes, list[RequestOutput]] = {}
+        for seq, out in self.scheduler.update(step, results):
+            per_client.setdefault(seq.client, []).append(out)
+        for client, outs in per_client.items():
+            self.send(client, StepOutputs(self.rank, tuple(outs)))
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            rank=self.rank,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_used=min(1.0, len(s.running) / max(1, self.runner.max_num_seqs)),
+            generated_tokens=s.generated_tokens,
+            steps=s.steps,
+            timestamp=time.time(),
+        )
+
+    def publish_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < self.stats_interval:
+            return
+        self._last_stats = now
+        st = self.stats()
+        for client in list(self.clients):
+            self.send(client, st)
+
+    def serve_forever(self) -> None:
+        while not self._stop:
+            busy = self.scheduler.has_work
+            self.poll_inbound(0 if busy else int(self.stats_interval * 1000))
+            if self.scheduler.has_work:
+                self.step()
+            self.publish_stats()
+
+
+def _progress(stage: str, done: int, total: int) -> None:
+    # One line on start, every 10%, and at the end: readable under systemd as well as a terminal.
+    step = max(1, total // 10)
+    if done == total or done % step == 0 or done == 1:
+        print(f"[engine] {stage}: {done}/{total} ({100 * done // max(1, total)}%)", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m engine_worker", description="zserve engine worker (started by `launch`)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc:///run/zserve/engine-0.sock")
+    p.add_argument("--model-source", required=True, help="JSON from zserve.catalog.ModelSource.to_json()")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", type=int, default=None, help="CUDA device index (None: the default choice)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
+    a = p.parse_args(argv)
+
+    die_with_parent(a.parent_pid)
+    ignore_terminal_signals()
+    set_title(f"zserve: engine {a.rank}")
+    setup_logging(f"engine {a.rank}")
+
+    from .device import configure_cpu_threads, resolve_dtype, select_device
+    from .loader import load_model
+    from .runner import ModelRunner
+
+    source = ModelSource.from_json(orjson.loads(a.model_source))
+    device = select_device(a.device)
+    dtype = resolve_dtype(a.dtype, device)
+    if device.type == "cpu":
+        configure_cpu_threads(a.threads)
+    t0 = time.monotonic()
+    loaded = load_model(source, dtype, device, progress=_progress)
+    max_model_len = min(a.max_model_len, loaded.config.max_position_embeddings)
+    runner = ModelRunner(loaded, device, dtype, a.max_num_seqs, max_model_len)
+    scheduler = Scheduler(runner, a.max_num_seqs, max(a.max_num_batched_tokens, a.max_num_seqs))
+    hello = EngineHello(
+        rank=a.rank,
+        model_id=source.model_id,
+        max_num_seqs=a.max_num_seqs,
+        max_model_len=max_model_len,
+        vocab_size=runner.vocab_size,
+        eos_token_ids=tuple(runner.eos_token_ids),
+        pid=os.getpid(),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
+    log.info("engine %d ready: %s on %s (%s) in %.1fs, endpoint %s", a.rank, source.model_id, device, hello.dtype,
+             time.monotonic() - t0, a.endpoint)
+    StatusPipe(a.status_fd).send("ready", rank=a.rank, endpoint=a.endpoint, device=hello.device, dtype=hello.dtype)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass

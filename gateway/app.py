@@ -1,0 +1,22 @@
+"""Assemble the aiohttp application: middlewares, then each route family's routes."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from .errors import error_middleware
+from .routers import core, openai
+from .state import STATE, GatewayState
+
+# Route families, each a module with a ``routes`` table (see ARCHITECTURE.md's route map).
+ROUTE_FAMILIES = {"core": core, "openai": openai}
+
+MAX_BODY_BYTES = 32 << 20
+
+
+def build_app(state: GatewayState, families: list[str] | None = None) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = state
+    for name in families or list(ROUTE_FAMILIES):
+        app.add_routes(ROUTE_FAMILIES[name].routes)
+    return app

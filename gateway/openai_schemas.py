@@ -1,0 +1,128 @@
+"""Request schemas of the OpenAI-compatible routes, with the vLLM-style extra sampling fields.
+
+pydantic turns a malformed body into a list of located errors; ``parse`` reports the first one as
+OpenAI does (a 400 naming the offending ``param``). Unknown fields are ignored, like OpenAI and vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import bad_request
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_STOP_LEN = 1024
+MAX_LOGIT_BIAS = 1024
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both completions and chat completions accept."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM extensions, accepted under the same names
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"stop sequences are at most {MAX_STOP_LEN} characters")
+        return [s for s in stops if s]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for k in v:
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        return v
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _param(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in {"str", "list[str]", "list[int]", "list[list[int]]"}))
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """Decode and validate a JSON body, or raise a 400 naming the bad field."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param or None) from None

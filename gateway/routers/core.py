@@ -1,0 +1,59 @@
+"""Core routes: liveness, readiness, version, load."""
+
+from __future__ import annotations
+
+import os
+
+from aiohttp import web
+
+import zserve
+from protocol import PROTOCOL_VERSION
+
+from ..errors import APIError
+from ..state import STATE
+
+routes = web.RouteTableDef()
+
+
+def _ready(request: web.Request) -> None:
+    if not request.app[STATE].engines.ready_engines:
+        raise APIError(503, "no engine is ready", headers={"Retry-After": "1"})
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    """200 once at least one engine is connected and ready, else 503 (for load balancers)."""
+    _ready(request)
+    return web.Response(status=200)
+
+
+@routes.get("/ping")
+@routes.post("/ping")
+async def ping(request: web.Request) -> web.Response:
+    """SageMaker's liveness probe: the same answer as /health."""
+    _ready(request)
+    return web.Response(status=200)
+
+
+@routes.get("/version")
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": zserve.__version__, "protocol_version": PROTOCOL_VERSION})
+
+
+@routes.get("/load")
+async def load(request: web.Request) -> web.Response:
+    """This gateway's in-flight requests and each engine's last reported load."""
+    state = request.app[STATE]
+    engines = []
+    for e in state.engines.engines:
+        st = e.stats
+        engines.append({
+            "endpoint": e.endpoint,
+            "rank": e.hello.rank if e.hello else None,
+            "ready": e.hello is not None,
+            "running": st.running if st else None,
+            "waiting": st.waiting if st else None,
+            "kv_used": st.kv_used if st else None,
+        })
+    return web.json_response({"gateway": state.index, "pid": os.getpid(), "in_flight": state.engines.in_flight,
+                              "engines": engines})

@@ -1,0 +1,378 @@
+"""The gateway's tokenizer: text <-> token ids, built from a GGUF file or a Hugging Face directory.
+
+The gateway tokenizes prompts and detokenizes generated ids, so it needs the model's exact
+tokenizer without importing torch or transformers. A GGUF file carries no ``tokenizer.json``, only
+llama.cpp metadata (vocabulary, merges, token types, special ids), so ``Tokenizer.from_gguf`` turns
+that metadata into a ``tokenizers.Tokenizer`` (Rust) with the pre-tokenizer the model was trained
+with. Reading the metadata with ``gguf.GGUFReader`` costs ~2 s, so the built tokenizer can be cached
+on disk and later gateway starts load it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+log = logging.getLogger(__name__)
+
+# Bump when the way a GGUF becomes a tokenizer changes, so that stale cache files are rebuilt.
+_CACHE_FORMAT = 1
+
+# llama.cpp's token types (llama_token_type): 3 is CONTROL (<|im_start|> etc.), 4 is USER_DEFINED.
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback tokens
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by every byte-level BPE.
+
+    ``tokenizers`` applies it internally but does not expose the mapping, and we need it both
+    ways: to respell odd GGUF tokens and to recover a token's raw bytes (OpenAI logprobs).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer named by ``tokenizer.ggml.pre``, as in the model's own tokenizer.json.
+
+    Merges only reproduce the reference ids when text is split the way it was at training time.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre == "smollm":
+        # SmolLM/SmolLM2: every digit is its own pre-token, then GPT-2's byte-level split. This
+        # differs from plain GPT-2 on e.g. "  1" (two spaces, digit): "ĠĠ" "1", not "Ġ" "Ġ" "1".
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default"):
+        return byte_level
+    raise ValueError(
+        f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: smollm, gpt2, default"
+    )
+
+
+def _read_gguf_tokenizer(path: str) -> dict[str, Any]:
+    """The tokenizer metadata of a GGUF file as plain Python values."""
+    import gguf  # numpy-based, torch-free; imported here so that from_dir never pays for it
+
+    reader = gguf.GGUFReader(path)
+
+    def value(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    meta = {
+        "model": value("tokenizer.ggml.model"),
+        "pre": value("tokenizer.ggml.pre", "default"),
+        "tokens": value("tokenizer.ggml.tokens"),
+        "token_type": value("tokenizer.ggml.token_type") or [],
+        "merges": value("tokenizer.ggml.merges") or [],
+        "bos_token_id": value("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": value("tokenizer.ggml.eos_token_id"),
+        "unk_token_id": value("tokenizer.ggml.unknown_token_id"),
+        "pad_token_id": value("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(value("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(value("tokenizer.ggml.add_eos_token", False)),
+        "chat_template": value("tokenizer.chat_template"),
+    }
+    if not meta["tokens"]:
+        raise ValueError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
+    return meta
+
+
+def _special_tokens_processor(
+    backend: _Backend, bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool
+) -> processors.PostProcessor | None:
+    """What ``encode(add_special_tokens=True)`` adds: BOS/EOS only where the file asks for them."""
+    single, specials = ["$A:0"], []
+    if add_bos and bos_id is not None:
+        bos = backend.id_to_token(bos_id)
+        single.insert(0, f"{bos}:0")
+        specials.append((bos, bos_id))
+    if add_eos and eos_id is not None:
+        eos = backend.id_to_token(eos_id)
+        single.append(f"{eos}:0")
+        specials.append((eos, eos_id))
+    if not specials:
+        return None
+    return processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
+
+
+def _build_from_gguf_metadata(meta: dict[str, Any]) -> _Backend:
+    if meta["model"] != "gpt2":
+        raise ValueError(
+            f"unsupported GGUF tokenizer model {meta['model']!r} (tokenizer.ggml.model); only byte-level "
+            "BPE ('gpt2') is supported"
+        )
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    tokens: list[str] = list(meta["tokens"])
+    # A byte-level vocabulary spells every token in the byte alphabet. llama.cpp sometimes stores a
+    # token in plain UTF-8 instead; respell it so that merges and lookups agree (transformers does too).
+    vocab = {
+        (tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))): i
+        for i, tok in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+    backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(meta["pre"])
+    backend.decoder = decoders.ByteLevel()
+
+    # Control tokens become special tokens so that "<|im_start|>" in a rendered chat prompt is one id
+    # and decode(skip_special_tokens=True) drops them. A "control" token outside the byte alphabet is
+    # a llama.cpp mislabel; adding it would grow the vocabulary past the model's, so skip it.
+    types = list(meta["token_type"])
+    control = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind in zip(tokens, types)
+        if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet
+    ]
+    user_defined = [
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind in zip(tokens, types)
+        if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab
+    ]
+    backend.add_special_tokens(control)
+    if user_defined:
+        backend.add_tokens(user_defined)
+    processor = _special_tokens_processor(
+        backend, meta["bos_token_id"], meta["eos_token_id"], meta["add_bos_token"], meta["add_eos_token"]
+    )
+    if processor is not None:
+        backend.post_processor = processor
+    return backend
+
+
+def _cache_file(cache_dir: str, gguf_path: Path) -> Path:
+    digest = hashlib.sha256(str(gguf_path).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{gguf_path.stem}.{digest}.tokenizer.json"
+
+
+def _cache_key(gguf_path: Path) -> dict[str, Any]:
+    st = gguf_path.stat()
+    return {"format": _CACHE_FORMAT, "path": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    # Several gateways may start at once: write a private temp file and rename it into place so
+    # that a reader never sees half a file.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the cache from gateways run as another user
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _config_chat_template(config: dict[str, Any], directory: Path) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class Tokenizer:
+    """A model's tokenizer: a ``tokenizers.Tokenizer`` plus the special tokens and chat template.
+
+    ``encode`` recognises special tokens written in the text (a rendered chat prompt contains
+    "<|im_start|>"), as Hugging Face tokenizers do.
+    """
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None = None,
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+    ) -> None:
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.chat_template = chat_template
+        self._special_ids = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
+        )
+        self._byte_level = _uses_byte_level(backend)
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], cache_dir: str | None = None) -> "Tokenizer":
+        """Build the tokenizer a GGUF file describes; with ``cache_dir``, reuse an earlier build.
+
+        The cache entry is valid while the GGUF's path, size and mtime are unchanged.
+        """
+        gguf_path = Path(path).resolve()
+        cache = _cache_file(cache_dir, gguf_path) if cache_dir else None
+        key = _cache_key(gguf_path) if cache is not None else {}
+        if cache is not None:
+            cached = _load_cache(cache, key)
+            if cached is not None:
+                return cached
+
+        meta = _read_gguf_tokenizer(str(gguf_path))
+        backend = _build_from_gguf_metadata(meta)
+        config = {
+            "bos_token_id": meta["bos_token_id"],
+            "eos_token_id": meta["eos_token_id"],
+            "pad_token_id": meta["pad_token_id"],
+            "unk_token_id": meta["unk_token_id"],
+            "chat_template": meta["chat_template"],
+        }
+        if cache is not None:
+            try:
+                entry = {"key": key, "config": config, "tokenizer": backend.to_str()}
+                _write_atomically(cache, json.dumps(entry, ensure_ascii=False))
+            except OSError as e:
+                # The cache only speeds up the next start; serving works without it.
+                log.warning("could not cache the tokenizer of %s in %s (%s); next start rebuilds it", path, cache, e)
+        return cls(backend, **config)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """Load a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json)."""
+        directory = Path(path)
+        backend = _Backend.from_file(str(directory / "tokenizer.json"))
+        config_file = directory / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+        def token_id(name: str) -> int | None:
+            content = _token_content(config.get(name))
+            return backend.token_to_id(content) if content is not None else None
+
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            pad_token_id=token_id("pad_token"),
+            unk_token_id=token_id("unk_token"),
+            chat_template=_config_chat_template(config, directory),
+        )
+
+    # -- text <-> ids -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in it are matched whole."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self._token(i) for i in ids]
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (may be part of a UTF-8 character).
+
+        OpenAI's logprobs report these in the ``bytes`` field.
+        """
+        token = self._token(token_id)
+        if token_id in self._special_ids:
+            return token.encode("utf-8")
+        if self._byte_level:
+            table = _unicode_to_bytes()
+            if all(c in table for c in token):
+                return bytes(table[c] for c in token)
+            return token.encode("utf-8")  # an added token written in plain text
+        match = _BYTE_TOKEN.match(token)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return token.replace("\u2581", " ").encode("utf-8")  # sentencepiece spells spaces as U+2581
+
+    def _token(self, token_id: int) -> str:
+        token = self._backend.id_to_token(int(token_id))
+        if token is None:
+            raise ValueError(f"token id {token_id} is out of range for a vocabulary of {self.vocab_size}")
+        return token
+
+    # -- special tokens and sizes -------------------------------------------------------------
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._backend.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self._backend.id_to_token(self.eos_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        return set(self._special_ids)
+
+    @property
+    def backend(self) -> _Backend:
+        """The underlying ``tokenizers.Tokenizer`` (for batch encoding and offsets)."""
+        return self._backend
+
+
+def _uses_byte_level(backend: _Backend) -> bool:
+    if backend.decoder is None:
+        return False
+    decoder = json.loads(backend.decoder.__getstate__())
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(part.get("type") == "ByteLevel" for part in parts)
+
+
+def _load_cache(cache: Path, key: dict[str, Any]) -> Tokenizer | None:
+    try:
+        entry = json.loads(cache.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable tokenizer cache %s (%s); rebuilding it", cache, e)
+        return None
+    if entry.get("key") != key:
+        return None  # the GGUF changed (or moved): rebuild
+    try:
+        return Tokenizer(_Backend.from_str(entry["tokenizer"]), **entry["config"])
+    except Exception as e:  # noqa: BLE001 - a bad cache entry must never stop a start
+        log.warning("ignoring corrupt tokenizer cache %s (%s); rebuilding it", cache, e)
+        return None

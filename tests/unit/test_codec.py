@@ -1,0 +1,132 @@
+"""The wire codec: every message type round-trips; malformed frames raise ProtocolError."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    AddRequest,
+    ClientHello,
+    EngineHello,
+    EngineStats,
+    ErrorMessage,
+    ProtocolError,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    TopLogprobs,
+    decode,
+    encode,
+)
+from protocol.codec import MAX_FRAME_BYTES
+
+SAMPLES = [
+    ClientHello("gw0-123"),
+    EngineHello(rank=1, model_id="m", max_num_seqs=8, max_model_len=2048, vocab_size=49152, eos_token_ids=(2,),
+                pid=42, device="cpu", dtype="float32"),
+    AddRequest("req-1", (1, 2, 3, 49151), SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
+                                                      stop_token_ids=(5, 6), logit_bias=((10, -2.5),), logprobs=2)),
+    AddRequest("req-2", tuple(range(5000))),
+    AbortRequest(("a", "b")),
+    StepOutputs(0, (
+        RequestOutput("a", (5, 6), None, (-0.5, -1.25), TopLogprobs(2, (5, 7, 6, 8), (-0.5, -2.0, -1.25, -3.0)), 12),
+        RequestOutput("b", (9,), "stop"),
+        RequestOutput("c", (), "error", error="boom"),
+    )),
+    StepOutputs(3, ()),
+    EngineStats(rank=0, running=3, waiting=1, kv_used=0.25, generated_tokens=100, steps=40, timestamp=1.5),
+    ErrorMessage("bad_frame", "nope"),
+    ErrorMessage("bad_frame", "nope", request_id="r"),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    assert decode(encode(msg)) == msg
+
+
+def test_token_ids_travel_as_binary_frames():
+    frames = encode(AddRequest("r", tuple(range(1000))))
+    assert len(frames) == 2 and len(frames[1]) == 4000
+    assert b"999" not in frames[0]
+
+
+def _header(**kw) -> bytes:
+    return orjson.dumps({"v": PROTOCOL_VERSION, **kw})
+
+
+@pytest.mark.parametrize("frames, words", [
+    ([], "frames"),
+    ([b"not json"], "JSON"),
+    ([b"[1,2]"], "object"),
+    ([orjson.dumps({"v": 99, "t": "client_hello", "client_id": "x"})], "version"),
+    ([orjson.dumps({"t": "client_hello", "client_id": "x"})], "version"),
+    ([_header(t="launch_missiles")], "unknown message type"),
+    ([_header(t="client_hello", client_id=5)], "client_id"),
+    ([_header(t="client_hello", client_id="x", extra=1)], "unknown fields"),
+    ([_header(t="client_hello")], "client_hello"),
+    ([_header(t="abort", request_ids=[])], "request_ids"),
+    ([_header(t="abort", request_ids=["x" * 500])], "request_id"),
+    ([_header(t="stats", rank=0, running=-1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0)], "running"),
+    ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=2.0, generated_tokens=0, steps=0, timestamp=0)], "kv_used"),
+    ([_header(t="stats", rank=True, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0)], "rank"),
+])
+def test_malformed_frames_are_rejected(frames, words):
+    with pytest.raises(ProtocolError, match=words):
+        decode(frames)
+
+
+def _add_frames(**sampling) -> list[bytes]:
+    return encode(AddRequest("rid-7", (1, 2, 3), SamplingParams(**sampling)))
+
+
+def test_truncated_token_frame_is_rejected_with_request_id():
+    head, toks = _add_frames()
+    with pytest.raises(ProtocolError) as ei:
+        decode([head, toks[:-2]])
+    assert ei.value.request_id == "rid-7"
+    with pytest.raises(ProtocolError, match="n_prompt"):
+        decode([head, toks[:-4]])
+    with pytest.raises(ProtocolError):
+        decode([head])
+
+
+def test_wrong_typed_sampling_fields_are_rejected():
+    head, toks = _add_frames()
+    h = orjson.loads(head)
+    for field, bad in [("temperature", "hot"), ("max_tokens", 0), ("max_tokens", 1.5), ("top_p", 0), ("seed", "x"),
+                       ("logprobs", 21), ("stop_token_ids", [-1]), ("logit_bias", [[1, 500]]), ("ignore_eos", 1)]:
+        h2 = {**h, "sampling": {**h["sampling"], field: bad}}
+        with pytest.raises(ProtocolError) as ei:
+            decode([orjson.dumps(h2), toks])
+        assert ei.value.request_id == "rid-7", field
+    with pytest.raises(ProtocolError, match="unknown sampling"):
+        decode([orjson.dumps({**h, "sampling": {"evil": 1}}), toks])
+
+
+def test_oversized_frame_is_rejected_before_parsing():
+    head, _ = _add_frames()
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode([head, b"\0" * (MAX_FRAME_BYTES + 4)])
+
+
+def test_outputs_whose_arrays_disagree_with_items_are_rejected():
+    frames = encode(StepOutputs(0, (RequestOutput("a", (1, 2)),)))
+    with pytest.raises(ProtocolError):
+        decode([frames[0], frames[1][:4], *frames[2:]])
+    with pytest.raises(ProtocolError, match="more values"):
+        decode([frames[0], frames[1] + frames[1], *frames[2:]])
+    with pytest.raises(ProtocolError):
+        decode(frames[:3])
+
+
+def test_building_an_invalid_message_fails_too():
+    with pytest.raises(ProtocolError):
+        AddRequest("", (1,))
+    with pytest.raises(ProtocolError):
+        AddRequest("r", ())
+    with pytest.raises(ProtocolError):
+        RequestOutput("r", (1,), "exploded")
