@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 import orjson
@@ -57,6 +59,9 @@ class EngineServer:
         self.clients: dict[bytes, float] = {}
         self._last_stats = 0.0
         self._stop = False
+        self.draining = False
+        self.loop_tick = time.monotonic()  # the step loop's last sign of life
+        self.step_started: float | None = None  # set while a forward pass runs
 
     def send(self, client: bytes, msg) -> None:
         try:
@@ -90,6 +95,9 @@ class EngineServer:
             log.warning("client %r sent an unexpected %s message; ignored", client, msg.TYPE)
 
     def add(self, client: bytes, msg: AddRequest) -> None:
+        if self.draining:  # hand it back: the gateway sends it to another engine
+            self.send(client, ErrorMessage("engine_draining", f"engine {self.rank} is draining", msg.request_id))
+            return
         vocab = self.runner.vocab_size
         bad = next((t for t in msg.prompt_token_ids if t >= vocab), None)
         err = f"token id {bad} is outside the vocabulary ({vocab})" if bad is not None else None
@@ -115,6 +123,7 @@ class EngineServer:
         step = self.scheduler.schedule()
         if not step.seqs:
             return
+        self.step_started = time.monotonic()
         try:
             results = self.runner.execute(step.inputs)
         except Exception as e:  # a failed forward must fail its requests, not the engine
@@ -123,6 +132,8 @@ class EngineServer:
                 self.scheduler.abort(seq.request_id)
                 self.send(seq.client, StepOutputs(self.rank, (RequestOutput(seq.request_id, (), "error", error=f"engine error: {e}"[:4000]),)))
             return
+        finally:
+            self.step_started = None
         per_client: dict[bytes, list[RequestOutput]] = {}
         for seq, out in self.scheduler.update(step, results):
             per_client.setdefault(seq.client, []).append(out)
@@ -135,7 +146,7 @@ class EngineServer:
             rank=self.rank,
             running=len(s.running),
             waiting=len(s.waiting),
-            kv_used=min(1.0, len(s.running) / max(1, self.runner.max_num_seqs)),
+            kv_used=min(1.0, max(0.0, float(self.runner.kv_used))),
             generated_tokens=s.generated_tokens,
             steps=s.steps,
             timestamp=time.time(),
@@ -151,12 +162,38 @@ class EngineServer:
             self.send(client, st)
 
     def serve_forever(self) -> None:
-        while not self._stop:
+        while not (self.draining and not self.scheduler.has_work):
+            self.loop_tick = time.monotonic()
             busy = self.scheduler.has_work
             self.poll_inbound(0 if busy else int(self.stats_interval * 1000))
             if self.scheduler.has_work:
                 self.step()
             self.publish_stats()
+        self.publish_stats()
+        log.info("engine %d drained; exiting", self.rank)
+
+    def start_draining(self, *_) -> None:
+        """SIGTERM: take no new requests, finish the running ones, then leave the loop."""
+        if not self.draining:
+            log.info("engine %d draining %d running, %d waiting request(s)", self.rank, len(self.scheduler.running),
+                     len(self.scheduler.waiting))
+        self.draining = True
+
+    def alive(self, stall_limit: float = 10.0, max_step: float = 600.0) -> bool:
+        """For the heartbeat thread: the loop ticks, or is inside a forward pass of bounded length."""
+        now = time.monotonic()
+        started = self.step_started
+        return now - self.loop_tick < stall_limit or (started is not None and now - started < max_step)
+
+
+def _heartbeat(server: EngineServer, status: StatusPipe, interval: float) -> None:
+    """Beat while the step loop is healthy, so a long forward pass is not mistaken for a hang."""
+    while True:
+        if server.alive():
+            s = server.scheduler
+            status.send("heartbeat", running=len(s.running), waiting=len(s.waiting),
+                        kv_used=round(float(server.runner.kv_used), 4), draining=server.draining)
+        time.sleep(interval)
 
 
 def _progress(stage: str, done: int, total: int) -> None:
@@ -179,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
+    p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor (unused by engines)")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
     a = p.parse_args(argv)
 
     die_with_parent(a.parent_pid)
@@ -214,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
     log.info("engine %d ready: %s on %s (%s) in %.1fs, endpoint %s", a.rank, source.model_id, device, hello.dtype,
              time.monotonic() - t0, a.endpoint)
-    StatusPipe(a.status_fd).send("ready", rank=a.rank, endpoint=a.endpoint, device=hello.device, dtype=hello.dtype)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    status = StatusPipe(a.status_fd)
+    signal.signal(signal.SIGTERM, server.start_draining)
+    threading.Thread(target=_heartbeat, args=(server, status, a.heartbeat_interval), daemon=True,
+                     name="heartbeat").start()
+    status.send("ready", rank=a.rank, endpoint=a.endpoint, device=hello.device, dtype=hello.dtype)
+    server.serve_forever()

@@ -1,0 +1,192 @@
+"""The sampler on random logits: greedy, seeded reproducibility, truncation, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine_worker.sampler import Sampler
+from protocol.messages import SamplingParams
+
+CPU = torch.device("cpu")
+EOS = 2
+V = 16  # small enough that logprobs=V returns the whole distribution
+
+
+@dataclass
+class Row:
+    sampling: SamplingParams
+    prompt_ids: list[int] = field(default_factory=list)
+    past_output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def make_sampler(vocab: int = V) -> Sampler:
+    return Sampler(vocab, [EOS], CPU, seed=1234)
+
+
+def random_logits(rows: int, vocab: int = V, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def full_logprobs(sampler: Sampler, logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """The processed distribution of one row (``logits`` is [V]), via logprobs=V, in token order."""
+    assert row.sampling.logprobs == logits.shape[0]
+    out = sampler.sample(logits.clone()[None], [row])[0]
+    lp = torch.full((logits.shape[0],), float("nan"))
+    lp[torch.tensor(out.top_ids)] = torch.tensor(out.top_logprobs)
+    return lp
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = random_logits(6, 1000)
+    rows = [Row(SamplingParams(temperature=0.0)) for _ in range(6)]
+    outs = make_sampler(1000).sample(logits.clone(), rows)
+    assert [o.token_id for o in outs] == logits.argmax(-1).tolist()
+    assert all(o.logprob is None and o.top_ids is None for o in outs)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = random_logits(8, 1000, seed=1)
+    s = make_sampler(1000)
+    for params in (SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=1.3, top_p=1e-6)):
+        outs = s.sample(logits.clone(), [Row(params) for _ in range(8)])
+        assert [o.token_id for o in outs] == logits.argmax(-1).tolist(), params
+
+
+def _seeded_run(sampler: Sampler, logits_steps: list[torch.Tensor], target: int, mates: list[Row]) -> list[int]:
+    """Sample the seeded row ``target`` over several steps with ``mates`` around it."""
+    row = Row(SamplingParams(temperature=1.0, seed=42), generator=sampler.make_generator(42))
+    got = []
+    for logits in logits_steps:
+        rows = list(mates)
+        rows.insert(target, row)
+        got.append(sampler.sample(logits.clone(), rows)[target].token_id)
+    return got
+
+
+def test_seeded_rows_repeat_regardless_of_batch_mates():
+    vocab = 5000
+    steps = [random_logits(1, vocab, seed=10 + i)[0] * 0.3 for i in range(6)]  # flat-ish: draws matter
+    alone = _seeded_run(make_sampler(vocab), [s[None] for s in steps], 0, [])
+
+    s = make_sampler(vocab)
+    mates = [
+        Row(SamplingParams(temperature=1.0)),  # unseeded: shared generator
+        Row(SamplingParams(temperature=0.7, seed=7), generator=s.make_generator(7)),
+        Row(SamplingParams(temperature=0.0)),
+        Row(SamplingParams(temperature=1.0, top_p=0.9)),
+    ]
+    batched_steps = [torch.cat([random_logits(2, vocab, seed=99 + i), st[None], random_logits(2, vocab, seed=50 + i)])
+                     for i, st in enumerate(steps)]
+    batched = _seeded_run(s, batched_steps, 2, mates)
+    assert batched == alone
+    # The draws really are random: another seed gives another sequence.
+    other = make_sampler(vocab)
+    row = Row(SamplingParams(temperature=1.0, seed=43), generator=other.make_generator(43))
+    assert [other.sample(st[None].clone(), [row])[0].token_id for st in steps] != alone
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    n = 4000
+    logits = probs.log().repeat(n, 1)
+    outs = Sampler(4, [EOS], CPU, seed=3).sample(logits, [Row(SamplingParams()) for _ in range(n)])
+    freq = torch.bincount(torch.tensor([o.token_id for o in outs]), minlength=4).float() / n
+    # 4 standard errors of a binomial proportion at p=0.5, n=4000 is ~0.032.
+    assert torch.allclose(freq, probs, atol=0.035), freq
+
+
+def test_top_k_and_min_p_restrict_the_candidates():
+    logits = random_logits(1, 50, seed=5)[0]
+    top2 = set(logits.topk(2).indices.tolist())
+    s = make_sampler(50)
+    n = 300
+    outs = s.sample(logits.repeat(n, 1), [Row(SamplingParams(temperature=5.0, top_k=2)) for _ in range(n)])
+    assert {o.token_id for o in outs} == top2  # both survive at a high temperature, nothing else
+
+    probs = (logits / 5.0).softmax(-1)
+    allowed = set((probs >= 0.5 * probs.max()).nonzero()[:, 0].tolist())
+    outs = s.sample(logits.repeat(n, 1), [Row(SamplingParams(temperature=5.0, min_p=0.5)) for _ in range(n)])
+    assert {o.token_id for o in outs} <= allowed
+
+
+def test_logit_bias_shifts_the_chosen_token():
+    logits = random_logits(1, V, seed=2)
+    worst = int(logits[0].argmin())
+    s = make_sampler()
+    out = s.sample(logits.clone(), [Row(SamplingParams(temperature=0.0, logit_bias=((worst, 100.0),)))])[0]
+    assert out.token_id == worst
+    best = int(logits[0].argmax())
+    out = s.sample(logits.clone(), [Row(SamplingParams(temperature=0.0, logit_bias=((best, -100.0),)))])[0]
+    assert out.token_id != best
+
+    base = full_logprobs(s, logits[0], Row(SamplingParams(temperature=0.0, logprobs=V)))
+    biased = full_logprobs(s, logits[0], Row(SamplingParams(temperature=0.0, logprobs=V, logit_bias=((3, 1.5),))))
+    # Log-prob differences are logit differences: token 3 gains exactly 1.5 over every other token.
+    assert (biased[3] - biased[0]) - (base[3] - base[0]) == pytest.approx(1.5, abs=1e-4)
+
+
+def test_presence_and_frequency_penalties_lower_output_tokens():
+    logits = random_logits(1, V, seed=3)[0]
+    s = make_sampler()
+    past = [5, 5, 5, 7]  # token 5 three times, token 7 once; token 9 never
+    base = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V), past_output_ids=past))
+    pres = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V, presence_penalty=0.5), past_output_ids=past))
+    freq = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V, frequency_penalty=0.5), past_output_ids=past))
+    rel = lambda lp, t: float(lp[t] - lp[9])  # noqa: E731 - logit of t relative to an unseen token
+    assert rel(pres, 5) == pytest.approx(rel(base, 5) - 0.5, abs=1e-4)
+    assert rel(pres, 7) == pytest.approx(rel(base, 7) - 0.5, abs=1e-4)
+    assert rel(freq, 5) == pytest.approx(rel(base, 5) - 1.5, abs=1e-4)
+    assert rel(freq, 7) == pytest.approx(rel(base, 7) - 0.5, abs=1e-4)
+    # Prompt tokens are not penalised by presence/frequency.
+    prompt_only = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V, presence_penalty=2.0),
+                                                prompt_ids=[5, 7]))
+    assert rel(prompt_only, 5) == pytest.approx(rel(base, 5), abs=1e-4)
+
+
+def test_repetition_penalty_pushes_seen_tokens_toward_unlikely():
+    logits = torch.zeros(V)
+    logits[4], logits[6], logits[9] = 2.0, -1.0, 0.5
+    s = make_sampler()
+    row = Row(SamplingParams(temperature=0.0, logprobs=V, repetition_penalty=2.0), prompt_ids=[4], past_output_ids=[6])
+    lp = full_logprobs(s, logits, row)
+    ref = logits.clone()
+    ref[4], ref[6] = 1.0, -2.0  # positive divided, negative multiplied; 9 unseen, untouched
+    assert torch.allclose(lp, torch.log_softmax(ref, -1), atol=1e-5)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.zeros(1, V)
+    logits[0, EOS], logits[0, 11], logits[0, 8] = 10.0, 9.0, 8.0
+    s = make_sampler()
+    params = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=10, stop_token_ids=(11,))
+    assert s.sample(logits.clone(), [Row(params, past_output_ids=[1])])[0].token_id == 8
+    assert s.sample(logits.clone(), [Row(params, past_output_ids=[1, 1, 1])])[0].token_id == EOS
+    # Sampled rows too: with EOS and 11 masked, their probability is exactly zero.
+    hot = SamplingParams(temperature=1.0, min_tokens=3, max_tokens=10, stop_token_ids=(11,), logprobs=2)
+    outs = s.sample(logits.repeat(50, 1), [Row(hot, past_output_ids=[1]) for _ in range(50)])
+    assert all(o.token_id not in (EOS, 11) for o in outs)
+    assert outs[0].top_ids[0] == 8
+
+
+def test_logprobs_are_log_probabilities_of_the_processed_distribution():
+    logits = random_logits(3, 200, seed=4)
+    s = make_sampler(200)
+    temps = [0.0, 1.0, 0.5]
+    rows = [Row(SamplingParams(temperature=t, logprobs=5)) for t in temps]
+    outs = s.sample(logits.clone(), rows)
+    for i, (o, t) in enumerate(zip(outs, temps)):
+        ref = torch.log_softmax(logits[i] / (t or 1.0), -1)
+        assert o.logprob == pytest.approx(float(ref[o.token_id]), abs=1e-5)
+        assert o.top_ids == ref.topk(5).indices.tolist()
+        assert o.top_logprobs == pytest.approx(ref.topk(5).values.tolist(), abs=1e-5)
+        assert o.top_logprobs == sorted(o.top_logprobs, reverse=True)
+        assert sum(math.exp(v) for v in o.top_logprobs) <= 1.0 + 1e-6
+        assert o.logprob <= 0.0
+    # logprobs=0: the sampled token's logprob only.
+    out = s.sample(logits[:1].clone(), [Row(SamplingParams(temperature=0.0, logprobs=0))])[0]
+    assert out.logprob is not None and out.top_ids == [] and out.top_logprobs == []
