@@ -5,11 +5,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from .errors import error_middleware
-from .routers import core, openai
+from .routers import control, core, openai
 from .state import STATE, GatewayState
 
 # Route families, each a module with a ``routes`` table (see ARCHITECTURE.md's route map).
-ROUTE_FAMILIES = {"core": core, "openai": openai}
+ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai}
 
 MAX_BODY_BYTES = 32 << 20
 
@@ -17,6 +17,14 @@ MAX_BODY_BYTES = 32 << 20
 def build_app(state: GatewayState, families: list[str] | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    app.on_response_prepare.append(_close_while_draining)
     for name in families or list(ROUTE_FAMILIES):
         app.add_routes(ROUTE_FAMILIES[name].routes)
     return app
+
+
+async def _close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """A draining gateway answers what reaches it, but tells keep-alive clients to reconnect
+    (to a gateway that is staying)."""
+    if request.app[STATE].draining:
+        response.headers["Connection"] = "close"

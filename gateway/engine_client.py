@@ -1,9 +1,14 @@
-"""The gateway's side of the engine tier: one DEALER socket per engine, least-loaded routing.
+"""The gateway's side of the engine tier: membership, least-loaded routing, and failure handling.
 
-Each gateway connects to every engine, says ClientHello, and keeps the latest EngineHello and
-EngineStats of each. ``generate`` sends one request to the least-loaded ready engine and yields
-that request's outputs as the engine streams them; leaving the iterator early (client gone, stop
-string hit) aborts the request in the engine so its KV slot is freed at once.
+Each gateway keeps one DEALER socket per engine. The engine set comes from the supervisor's
+cluster state (engines join, drain and leave at run time) or, standalone, from ``--engine``.
+A socket monitor tells us the moment an engine's connection drops: every request in flight on
+it then ends with an error at once, and the engine is not routed to until it (or its
+replacement, on the same endpoint) says hello again.
+
+``generate`` sends a request to the least-loaded routable engine (outstanding work, not
+round-robin) and yields its outputs; leaving the iterator early aborts the request in the
+engine. An engine that is draining hands new requests back, and they go to another engine.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol import (
     MAX_FRAME_BYTES,
@@ -33,8 +39,12 @@ from protocol import (
     decode,
     encode,
 )
+from zserve.cluster import ClusterState
 
 log = logging.getLogger("zserve.gateway.engines")
+
+DRAINING = "engine_draining"
+MAX_HANDBACKS = 8
 
 
 class NoEngineAvailable(RuntimeError):
@@ -42,18 +52,28 @@ class NoEngineAvailable(RuntimeError):
 
 
 class EngineRequestError(RuntimeError):
-    """The engine ended a request with an error."""
+    """The engine ended a request with an error (or died with it)."""
+
+
+class _HandBack:
+    """Queued for a request that a draining engine refused before starting it."""
 
 
 @dataclass
 class EngineConnection:
     endpoint: str
     sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    cluster_state: str | None = None  # the supervisor's word: starting / ready / draining; None = standalone
     hello: EngineHello | None = None
     stats: EngineStats | None = None
     outstanding: int = 0  # this gateway's requests in flight on the engine
     last_seen: float = 0.0
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def routable(self) -> bool:
+        return self.hello is not None and self.cluster_state in (None, "ready")
 
     @property
     def load(self) -> float:
@@ -61,49 +81,116 @@ class EngineConnection:
         waiting = self.stats.waiting if self.stats else 0
         return self.outstanding + waiting
 
+    @property
+    def rank(self) -> int | None:
+        return self.hello.rank if self.hello else None
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    engine: EngineConnection | None = None
+
 
 class EngineClient:
-    def __init__(self, endpoints: list[str], client_id: str | None = None):
+    def __init__(self, endpoints: list[str] | None = None, client_id: str | None = None):
         self.client_id = client_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.ctx = zmq.asyncio.Context.instance()
-        self.engines: list[EngineConnection] = []
-        for ep in endpoints:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"{self.client_id}".encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
-            sock.connect(ep)
-            self.engines.append(EngineConnection(ep, sock))
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._tasks: list[asyncio.Task] = []
+        self.engines: dict[str, EngineConnection] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._static = list(endpoints or [])
+        self.any_ready = asyncio.Event()
 
-    async def start(self, timeout: float = 600.0) -> None:
-        """Say hello to every engine and wait until all have answered."""
-        for eng in self.engines:
-            await eng.sock.send_multipart(encode(ClientHello(self.client_id)))
-            self._tasks.append(asyncio.create_task(self._read(eng), name=f"engine-reader {eng.endpoint}"))
-        await asyncio.wait_for(asyncio.gather(*(e.ready.wait() for e in self.engines)), timeout)
+    # -- membership ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        for ep in self._static:
+            self._connect(ep)
+
+    def _connect(self, endpoint: str) -> EngineConnection:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.client_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for an engine that is not connected
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint)
+        eng = EngineConnection(endpoint, sock, monitor)
+        eng.tasks = [asyncio.create_task(self._read(eng), name=f"engine-reader {endpoint}"),
+                     asyncio.create_task(self._watch(eng), name=f"engine-monitor {endpoint}")]
+        self.engines[endpoint] = eng
+        return eng
+
+    async def _drop(self, eng: EngineConnection, why: str) -> None:
+        self.engines.pop(eng.endpoint, None)
+        self._fail_streams(eng, why)
+        for t in eng.tasks:
+            t.cancel()
+        await asyncio.gather(*eng.tasks, return_exceptions=True)
+        eng.sock.disable_monitor()
+        eng.monitor.close(0)
+        eng.sock.close(0)
+
+    async def apply_cluster(self, state: ClusterState) -> None:
+        """Follow the supervisor's engine set: connect to new engines, drop departed ones."""
+        wanted = {e.endpoint: e for e in state.engines}
+        for ep, info in wanted.items():
+            eng = self.engines.get(ep) or self._connect(ep)
+            if eng.cluster_state != info.state:
+                log.info("engine %d at %s is %s", info.rank, ep, info.state)
+            eng.cluster_state = info.state
+        for ep, eng in list(self.engines.items()):
+            if ep not in wanted:
+                await self._drop(eng, f"engine {eng.rank} left the cluster")
+        self._update_ready()
+
+    def _update_ready(self) -> None:
+        if any(e.routable for e in self.engines.values()):
+            self.any_ready.set()
+        else:
+            self.any_ready.clear()
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for eng in self.engines:
-            eng.sock.close(0)
+        for eng in list(self.engines.values()):
+            await self._drop(eng, "gateway shutting down")
 
     @property
     def ready_engines(self) -> list[EngineConnection]:
-        return [e for e in self.engines if e.hello is not None]
+        return [e for e in self.engines.values() if e.routable]
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
-    def pick_engine(self) -> EngineConnection:
-        ready = self.ready_engines
+    def pick_engine(self, exclude: set[str] = frozenset()) -> EngineConnection:
+        ready = [e for e in self.ready_engines if e.endpoint not in exclude]
         if not ready:
             raise NoEngineAvailable("no engine is ready")
         return min(ready, key=lambda e: e.load)
+
+    # -- inbound ------------------------------------------------------------------------------
+    async def _watch(self, eng: EngineConnection) -> None:
+        while True:
+            event = parse_monitor_message(await eng.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                await eng.sock.send_multipart(encode(ClientHello(self.client_id)))
+            elif event == zmq.EVENT_DISCONNECTED:
+                was = eng.rank
+                eng.hello = None
+                eng.stats = None
+                self._update_ready()
+                n = self._fail_streams(eng, f"engine {was} died while serving the request")
+                log.warning("lost the connection to engine %s at %s; failed its %d in-flight request(s)", was,
+                            eng.endpoint, n)
+
+    def _fail_streams(self, eng: EngineConnection, why: str) -> int:
+        n = 0
+        for rid, st in list(self._streams.items()):
+            if st.engine is eng:
+                st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
+                n += 1
+        return n
 
     async def _read(self, eng: EngineConnection) -> None:
         while True:
@@ -116,29 +203,59 @@ class EngineClient:
             eng.last_seen = time.monotonic()
             if isinstance(msg, StepOutputs):
                 for out in msg.outputs:
-                    q = self._streams.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
+                    st = self._streams.get(out.request_id)
+                    if st is not None and st.engine is eng:
+                        st.queue.put_nowait(out)
             elif isinstance(msg, EngineStats):
                 eng.stats = msg
             elif isinstance(msg, EngineHello):
                 eng.hello = msg
-                eng.ready.set()
+                self._update_ready()
                 log.info("engine %d at %s: %s, %s/%s", msg.rank, eng.endpoint, msg.model_id, msg.device, msg.dtype)
             elif isinstance(msg, ErrorMessage):
-                log.warning("engine %s reports %s: %s", eng.endpoint, msg.code, msg.message)
+                st = self._streams.get(msg.request_id) if msg.request_id else None
+                if st is not None and st.engine is eng:
+                    st.queue.put_nowait(_HandBack() if msg.code == DRAINING else
+                                        RequestOutput(msg.request_id, (), "error", error=msg.message))
+                else:
+                    log.warning("engine %s reports %s: %s", eng.endpoint, msg.code, msg.message)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+    # -- requests -------------------------------------------------------------------------------
+    def fail_all(self, why: str) -> int:
+        """End every in-flight request with an error (shutdown timeout)."""
+        for rid, st in list(self._streams.items()):
+            st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until one carries a finish reason."""
-        eng = self.pick_engine()
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = q
-        eng.outstanding += 1
+        st = _Stream(asyncio.Queue())
+        self._streams[request_id] = st
+        frames = encode(AddRequest(request_id, tuple(prompt_token_ids), sampling))
+        refused: set[str] = set()
         finished = False
         try:
-            await eng.sock.send_multipart(encode(AddRequest(request_id, tuple(prompt_token_ids), sampling)), copy=False)
             while True:
-                out = await q.get()
+                eng = self.pick_engine(refused)
+                st.engine = eng
+                eng.outstanding += 1
+                try:
+                    await eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    refused.add(eng.endpoint)  # the connection dropped between the pick and the send
+                    eng.outstanding -= 1
+                    st.engine = None
+                    continue
+                out = await st.queue.get()
+                if not isinstance(out, _HandBack):
+                    break
+                eng.outstanding -= 1
+                st.engine = None
+                refused.add(eng.endpoint)
+                if len(refused) > MAX_HANDBACKS:
+                    raise NoEngineAvailable("every engine is draining")
+            while True:
                 if out.finish_reason == "error":
                     finished = True
                     raise EngineRequestError(out.error or "the engine failed the request")
@@ -147,11 +264,13 @@ class EngineClient:
                 yield out
                 if finished:
                     return
+                out = await st.queue.get()
         finally:
-            eng.outstanding -= 1
             self._streams.pop(request_id, None)
-            if not finished:
-                try:
-                    await eng.sock.send_multipart(encode(AbortRequest((request_id,))))
-                except zmq.ZMQError:
-                    pass
+            if st.engine is not None:
+                st.engine.outstanding -= 1
+                if not finished and st.engine.hello is not None:
+                    try:
+                        await st.engine.sock.send_multipart(encode(AbortRequest((request_id,))), flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from zserve.catalog import ModelSource
+from zserve.cluster import ClusterState
 
 from .engine_client import EngineClient
 from .text.chat_template import ChatTemplate
@@ -23,6 +24,13 @@ class GatewayState:
     chat_template: ChatTemplate | None
     engines: EngineClient
     started_at: float = field(default_factory=time.time)
+    control_socket: str | None = None  # the supervisor's, for cluster-wide operations
+    cluster: ClusterState | None = None  # the latest state the supervisor broadcast
+    draining: bool = False  # SIGTERM received: finishing in-flight work, then exiting
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.cluster and self.cluster.paused)
 
     @property
     def model_id(self) -> str:

@@ -1,12 +1,19 @@
-"""The ``launch`` command line: ``launch api-server`` starts and supervises both tiers."""
+"""The ``launch`` command line.
+
+``launch api-server`` starts and supervises both tiers; ``launch scale``, ``launch status`` and
+``launch stop`` talk to a running supervisor over its owner-only control socket.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 
 import click
 
+from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, resolve
 from zserve.proc import set_title, setup_logging
 
@@ -35,15 +42,18 @@ def main() -> None:
 @click.option("--max-num-batched-tokens", type=click.IntRange(1, 1 << 20), default=512, show_default=True,
               help="Token budget of one engine step (chunked prefill).")
 @click.option("--engine-threads", type=click.IntRange(1, 1024), default=None, help="CPU threads per engine.")
-@click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True)
-@click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=10, show_default=True)
+@click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
+              help="Seconds a process may take to become ready.")
+@click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
+              help="Seconds in-flight requests may take to finish on SIGTERM or scale-down.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
+              help="A process silent for this long is hung and gets replaced.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def api_server(count: int, engines: int, model: str, served_model_name: tuple[str, ...], host: str, port: int,
                dtype: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-               engine_threads: int | None, ready_timeout: float, shutdown_timeout: float, log_level: str) -> None:
+               engine_threads: int | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
+               log_level: str) -> None:
     """Serve MODEL over HTTP with COUNT gateways in front of ENGINES engine workers."""
-    import os
-
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
@@ -54,7 +64,8 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
     cfg = ServeConfig(source=source, host=host, port=port, gateways=count, engines=engines, dtype=dtype,
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, served_model_names=list(served_model_name),
-                      engine_threads=engine_threads, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout)
+                      engine_threads=engine_threads, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
+                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
     sup = Supervisor(cfg)
     code = 0
     try:
@@ -66,9 +77,78 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
     except StartupError as e:
         click.echo(f"error: {e}", err=True)
         code = 1
-    except KeyboardInterrupt:
-        code = 0
     finally:
-        sup.stop()
-        logging.getLogger("zserve.launch").info("stopped")
+        code = sup.stop() or code
+        logging.getLogger("zserve.launch").info("stopped (exit code %d)", code)
     sys.exit(code)
+
+
+def _ask(port: int, cmd: dict, timeout: float = 30.0) -> dict:
+    try:
+        reply = control.request(control.find_control_socket(port), cmd, timeout)
+    except (ConnectionError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    if not reply.get("ok"):
+        raise click.ClickException(reply.get("error", "the supervisor refused"))
+    return reply
+
+
+port_option = click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+                           help="Port of the server to control.")
+
+
+@main.command("scale")
+@click.argument("tier", type=click.Choice(["api-server", "engine"]))
+@click.argument("count", type=click.IntRange(1, 256))
+@port_option
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the tier has COUNT ready processes.")
+@click.option("--timeout", type=float, default=600, show_default=True)
+def scale(tier: str, count: int, port: int, wait: bool, timeout: float) -> None:
+    """Scale the gateway (api-server) or engine tier to COUNT processes while serving."""
+    _ask(port, {"cmd": "scale", "tier": tier, "count": count})
+    name = "gateway" if tier == "api-server" else "engine"
+    deadline = time.monotonic() + timeout
+    while wait:
+        procs = _ask(port, {"cmd": "status"})["processes"]
+        mine = [p for p in procs if p["tier"] == name]
+        if len([p for p in mine if p["state"] == "ready"]) == count and len(mine) == count:
+            break
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"the {name} tier did not reach {count} ready processes in {timeout:.0f}s")
+        time.sleep(0.2)
+    click.echo(f"{name} tier: {count}")
+
+
+@main.command("status")
+@port_option
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+def status(port: int, as_json: bool) -> None:
+    """Print every process of a running server: tier, index, pid, state, restarts, uptime, load."""
+    st = _ask(port, {"cmd": "status"})
+    if as_json:
+        import orjson
+
+        click.echo(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode())
+        return
+    click.echo(f"{st['model']} at {st['url']}  supervisor pid {st['pid']}  up {st['uptime_s']:.0f}s  "
+               f"{'PAUSED  ' if st['paused'] else ''}desired: {st['desired']['gateway']} gateways, "
+               f"{st['desired']['engine']} engines")
+    click.echo(f"{'TIER':8} {'IDX':>3} {'PID':>7} {'STATE':10} {'RESTARTS':>8} {'UPTIME':>8}  LOAD")
+    for p in st["processes"]:
+        if p["tier"] == "engine":
+            load = f"running {p.get('running', '-')} waiting {p.get('waiting', '-')} kv {p.get('kv_used', 0):.0%}"
+        else:
+            load = f"in-flight {p.get('in_flight', '-')}"
+        if p.get("crash_looping"):
+            load += "  CRASH-LOOPING" + (f" ({p['last_exit']})" if p.get("last_exit") else "")
+        uptime = f"{p['uptime_s']:.0f}s" if p.get("uptime_s") is not None else "-"
+        click.echo(f"{p['tier']:8} {p['index']:>3} {p['pid'] or '-':>7} {p['state']:10} {p['restarts']:>8} "
+                   f"{uptime:>8}  {load}")
+
+
+@main.command("stop")
+@port_option
+def stop(port: int) -> None:
+    """Drain and stop a running server (like SIGTERM to its supervisor)."""
+    _ask(port, {"cmd": "stop"})
+    click.echo("stopping")

@@ -1,22 +1,27 @@
-"""The supervisor: spawn the engine and gateway tiers, watch them, stop them cleanly.
+"""The supervisor: a reconcile loop over two tiers of processes (gunicorn's arbiter is the model).
 
-It is one loop over declared tiers (gunicorn's arbiter is the model): wake on a child's status
-pipe, a child's exit or a signal, and act on each kind of event in one place. Children are
-started in their own session (the terminal's Ctrl-C reaches only the supervisor) with a
-parent-death signal, so no child can outlive the supervisor, even after ``kill -9``.
+Each turn of the loop waits for something to happen — a status line from a child, a control
+command, a signal, or a one-second tick — then:
+
+1. reaps children that exited (an unexpected exit is a failure of its slot: backoff, crash-loop
+   detection, cleanup of its ipc socket and metric files);
+2. kills children whose heartbeats stopped (hung), which step 1 then replaces;
+3. starts or drains processes until each tier has its desired count;
+4. publishes the cluster state (engine membership, pause) to every gateway when it changed.
+
+Scaling is only a change of a desired count; draining is SIGTERM to the victim, which finishes its
+work and exits. Children run in their own session with a parent-death signal, so the terminal's
+Ctrl-C reaches only the supervisor and ``kill -9`` of the supervisor takes every child with it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import selectors
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -24,21 +29,24 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from zserve import control
 from zserve.catalog import ModelSource
+from zserve.cluster import ClusterStore, EngineInfo
 
+from . import systemd
+from .children import Child, Slot, spawn
 from .sockets import create_listener
 
 log = logging.getLogger("zserve.launch")
 
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def _child_setup() -> None:  # runs in the child between fork and exec
-    if _libc is not None:
-        _libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the supervisor
+TIERS = ("engine", "gateway")
 
 
 class StartupError(RuntimeError):
+    pass
+
+
+class TierFailed(RuntimeError):
     pass
 
 
@@ -56,74 +64,101 @@ class ServeConfig:
     served_model_names: list[str] = field(default_factory=list)
     engine_threads: int | None = None
     ready_timeout: float = 600.0
-    shutdown_timeout: float = 10.0
+    shutdown_timeout: float = 30.0
+    heartbeat_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
 
 
 @dataclass
-class Child:
-    tier: str
-    index: int
-    proc: subprocess.Popen
-    status_fd: int
-    started: float = field(default_factory=time.monotonic)
-    ready: bool = False
-    buf: bytes = b""
+class PendingReply:
+    """A control request answered once every live gateway has applied ``version``."""
 
-    @property
-    def name(self) -> str:
-        return f"{self.tier} {self.index}"
+    conn: socket.socket
+    version: int
+    deadline: float
+    body: dict
 
 
 class Supervisor:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
+        self.desired = {"engine": cfg.engines, "gateway": cfg.gateways}
+        self.slots: dict[tuple[str, int], Slot] = {}
         self.children: list[Child] = []
+        self.store = ClusterStore()
         self.sel = selectors.DefaultSelector()
         self.run_dir = ""
         self.listener: socket.socket | None = None
+        self.control_sock: socket.socket | None = None
+        self.control_path = ""
+        self.pointer = ""
+        self.url = ""
         self._signal_r, self._signal_w = socket.socketpair()
-        self._signal_r.setblocking(False)
-        self._signal_w.setblocking(False)
+        for s in (self._signal_r, self._signal_w):
+            s.setblocking(False)
+        self._conns: dict[socket.socket, bytes] = {}
+        self.pending: list[PendingReply] = []
         self.stopping = False
+        self.fast_stop = False
         self.exit_code = 0
+        self.started_at = time.time()
+        self._last_watchdog = 0.0
 
-    # -- spawning ----------------------------------------------------------------------------
+    # -- set-up ------------------------------------------------------------------------------
+    def _make_run_dir(self) -> None:
+        base = control.runtime_base()
+        for d in os.listdir(base):  # run dirs of supervisors that died without cleaning up
+            pid_file = os.path.join(base, d, "supervisor.pid")
+            if d.startswith("run-") and os.path.exists(pid_file):
+                try:
+                    os.kill(int(open(pid_file).read()), 0)
+                except (ProcessLookupError, ValueError):
+                    shutil.rmtree(os.path.join(base, d), ignore_errors=True)
+                except PermissionError:
+                    pass
+        self.run_dir = tempfile.mkdtemp(prefix="run-", dir=base)
+        with open(os.path.join(self.run_dir, "supervisor.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        for sub in ("cache", "metrics"):
+            os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
+
     def engine_endpoint(self, rank: int) -> str:
         return f"ipc://{self.run_dir}/engine-{rank}.sock"
 
-    def _spawn(self, tier: str, index: int, module: str, args: list[str], pass_fds: tuple[int, ...] = ()) -> Child:
-        r, w = os.pipe()
-        cmd = [sys.executable, "-m", module, *args, "--status-fd", str(w), "--parent-pid", str(os.getpid())]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, pass_fds=(w, *pass_fds), start_new_session=True, preexec_fn=_child_setup,
-                                env=env, stdin=subprocess.DEVNULL)
-        os.close(w)
-        os.set_blocking(r, False)
-        child = Child(tier, index, proc, r)
-        self.sel.register(r, selectors.EVENT_READ, child)
+    def _slot(self, tier: str, index: int) -> Slot:
+        return self.slots.setdefault((tier, index), Slot(tier, index))
+
+    # -- spawning ----------------------------------------------------------------------------
+    def _spawn(self, tier: str, index: int) -> Child:
+        c = self.cfg
+        slot = self._slot(tier, index)
+        common = ["--model-source", orjson.dumps(c.source.to_json()).decode(),
+                  "--heartbeat-interval", str(c.heartbeat_interval)]
+        if tier == "engine":
+            threads = c.engine_threads or max(1, (os.cpu_count() or 1) // max(1, self.desired["engine"]))
+            args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index), "--dtype", c.dtype,
+                    "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(c.max_model_len),
+                    "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--threads", str(threads), *common]
+            child = spawn(slot, "engine_worker", args)
+        else:
+            assert self.listener is not None
+            fd = self.listener.fileno()
+            args = ["--index", str(index), "--fd", str(fd), "--cache-dir", os.path.join(self.run_dir, "cache"),
+                    "--control-socket", self.control_path, "--shutdown-timeout", str(c.shutdown_timeout), *common]
+            for name in c.served_model_names:
+                args += ["--served-model-name", name]
+            env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
+            child = spawn(slot, "gateway", args, pass_fds=(fd,), env=env)
+            child.send({"event": "cluster", "state": self.store.get().to_json()})
+        self.sel.register(child.status_fd, selectors.EVENT_READ, child)
         self.children.append(child)
-        log.debug("started %s as pid %d", child.name, proc.pid)
+        if slot.restarts or slot.failures:
+            log.info("restarted %s as pid %d", child.name, child.pid)
+        slot.restarts += 1
         return child
 
-    def spawn_engine(self, rank: int) -> Child:
-        c = self.cfg
-        threads = c.engine_threads or max(1, (os.cpu_count() or 1) // c.engines)
-        args = ["--rank", str(rank), "--endpoint", self.engine_endpoint(rank),
-                "--model-source", orjson.dumps(c.source.to_json()).decode(), "--dtype", c.dtype,
-                "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(c.max_model_len),
-                "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--threads", str(threads)]
-        return self._spawn("engine", rank, "engine_worker", args)
-
-    def spawn_gateway(self, index: int) -> Child:
-        assert self.listener is not None
-        fd = self.listener.fileno()
-        args = ["--index", str(index), "--fd", str(fd), "--model-source", orjson.dumps(self.cfg.source.to_json()).decode(),
-                "--cache-dir", os.path.join(self.run_dir, "cache")]
-        for rank in range(self.cfg.engines):
-            args += ["--engine", self.engine_endpoint(rank)]
-        for name in self.cfg.served_model_names:
-            args += ["--served-model-name", name]
-        return self._spawn("gateway", index, "gateway", args, pass_fds=(fd,))
+    def _live(self, tier: str) -> list[Child]:
+        return [c for c in self.children if c.tier == tier and c.alive]
 
     # -- events ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:
@@ -132,12 +167,28 @@ class Supervisor:
         except OSError:
             pass
 
+    def _handle_signal(self, signum: int) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            if self.stopping and signum == signal.SIGINT:
+                log.warning("second SIGINT: stopping now without draining")
+                self.fast_stop = True
+            elif not self.stopping:
+                log.info("received %s: draining (up to %.0fs) and stopping", signal.Signals(signum).name,
+                         self.cfg.shutdown_timeout)
+            self.stopping = True
+        elif signum == signal.SIGTTIN:
+            self.scale("gateway", self.desired["gateway"] + 1)
+        elif signum == signal.SIGTTOU:
+            self.scale("gateway", max(1, self.desired["gateway"] - 1))
+
     def _read_status(self, child: Child) -> None:
         try:
             data = os.read(child.status_fd, 65536)
         except BlockingIOError:
             return
-        if not data:  # EOF: the child exited (or closed its pipe)
+        except OSError:
+            data = b""
+        if not data:  # EOF: the child is exiting; reaping happens in reconcile
             self.sel.unregister(child.status_fd)
             os.close(child.status_fd)
             child.status_fd = -1
@@ -147,125 +198,369 @@ class Supervisor:
         for line in lines:
             try:
                 msg = orjson.loads(line)
-            except orjson.JSONDecodeError:
+                event = msg["event"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
                 log.warning("%s sent an unreadable status line", child.name)
                 continue
-            if isinstance(msg, dict) and msg.get("event") == "ready":
-                child.ready = True
-                log.info("%s ready (pid %d) after %.1fs", child.name, child.proc.pid, time.monotonic() - child.started)
+            child.last_beat = time.monotonic()
+            if event == "ready" and not child.ready:
+                child.ready_at = time.monotonic()
+                log.info("%s ready (pid %d) after %.1fs", child.name, child.pid, child.ready_at - child.started)
+            elif event == "heartbeat":
+                child.info = {k: v for k, v in msg.items() if k != "event"}
+            elif event == "ack":
+                child.acked_version = int(msg.get("version", -1))
 
-    def _poll(self, timeout: float) -> list[int]:
-        """Wait for status lines or signals; return the signals that arrived."""
-        signals: list[int] = []
+    def _accept(self) -> None:
+        assert self.control_sock is not None
+        try:
+            conn, _ = self.control_sock.accept()
+        except BlockingIOError:
+            return
+        if not control.peer_is_owner(conn):
+            log.warning("refused a control connection from another user")
+            conn.close()
+            return
+        conn.setblocking(False)
+        self._conns[conn] = b""
+        self.sel.register(conn, selectors.EVENT_READ, "conn")
+
+    def _read_conn(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(control.MAX_LINE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_conn(conn)
+            return
+        buf = self._conns[conn] + data
+        if b"\n" not in buf:
+            if len(buf) > control.MAX_LINE:
+                self._reply(conn, {"ok": False, "error": "command too long"})
+            else:
+                self._conns[conn] = buf
+            return
+        line = buf.split(b"\n", 1)[0]
+        self.sel.unregister(conn)
+        try:
+            cmd = orjson.loads(line)
+            if not isinstance(cmd, dict):
+                raise ValueError("a command is a JSON object")
+            self._command(conn, cmd)
+        except (ValueError, KeyError, TypeError, orjson.JSONDecodeError) as e:
+            self._reply(conn, {"ok": False, "error": f"bad command: {e}"})
+
+    def _close_conn(self, conn: socket.socket) -> None:
+        self._conns.pop(conn, None)
+        try:
+            self.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _reply(self, conn: socket.socket, body: dict) -> None:
+        try:
+            conn.setblocking(True)
+            conn.settimeout(2)
+            conn.sendall(orjson.dumps(body) + b"\n")
+        except OSError:
+            pass
+        self._conns.pop(conn, None)
+        conn.close()
+
+    def _command(self, conn: socket.socket, cmd: dict) -> None:
+        name = cmd.get("cmd")
+        if name == "status":
+            self._reply(conn, {"ok": True, **self.status()})
+        elif name == "scale":
+            tier = {"api-server": "gateway", "gateway": "gateway", "engine": "engine"}.get(cmd.get("tier"))
+            count = cmd.get("count")
+            if tier is None or not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 256:
+                self._reply(conn, {"ok": False, "error": "scale needs tier (api-server|engine) and count in 1..256"})
+                return
+            self.scale(tier, count)
+            self._reply(conn, {"ok": True, "tier": tier, "desired": count})
+        elif name in ("pause", "resume"):
+            state = self.store.get()
+            paused = name == "pause"
+            if state.paused != paused:
+                state = self.store.update(paused=paused)
+                self._broadcast()
+                log.info("admission %s (cluster state v%d)", "paused" if paused else "resumed", state.version)
+            self.pending.append(PendingReply(conn, state.version, time.monotonic() + 5.0,
+                                             {"ok": True, "paused": paused, "version": state.version}))
+        elif name == "stop":
+            self.stopping = True
+            self._reply(conn, {"ok": True, "stopping": True})
+        else:
+            self._reply(conn, {"ok": False, "error": f"unknown command {name!r}"})
+
+    def _answer_pending(self) -> None:
+        now = time.monotonic()
+        still = []
+        for p in self.pending:
+            lagging = [c.name for c in self._live("gateway") if c.ready and c.acked_version < p.version]
+            if not lagging:
+                self._reply(p.conn, p.body)
+            elif now > p.deadline:
+                self._reply(p.conn, {**p.body, "unacknowledged": lagging})
+            else:
+                still.append(p)
+        self.pending = still
+
+    def _poll(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
             if key.data is None:
                 try:
-                    signals.extend(self._signal_r.recv(64))
+                    for signum in self._signal_r.recv(64):
+                        self._handle_signal(signum)
                 except BlockingIOError:
                     pass
+            elif key.data == "control":
+                self._accept()
+            elif key.data == "conn":
+                self._read_conn(key.fileobj)  # type: ignore[arg-type]
             else:
                 self._read_status(key.data)
-        return signals
 
-    def _dead(self) -> list[Child]:
-        return [c for c in self.children if c.proc.poll() is not None]
+    # -- the reconcile loop --------------------------------------------------------------------
+    def scale(self, tier: str, count: int) -> None:
+        if self.desired[tier] != count:
+            log.info("scaling %ss %d → %d", tier, self.desired[tier], count)
+            self.desired[tier] = count
 
-    def _wait_ready(self, tier: str, deadline: float) -> None:
-        while True:
-            kids = [c for c in self.children if c.tier == tier]
-            if all(c.ready for c in kids):
-                return
-            dead = self._dead()
-            if dead:
-                c = dead[0]
-                raise StartupError(f"{c.name} exited with code {c.proc.returncode} while starting (see its log above)")
-            if time.monotonic() > deadline:
-                waiting = ", ".join(c.name for c in kids if not c.ready)
-                raise StartupError(f"{waiting} not ready within {self.cfg.ready_timeout:.0f}s (--ready-timeout)")
-            if self._poll(0.2):
-                raise StartupError("interrupted while starting")
+    def _reap(self, now: float) -> None:
+        for c in [c for c in self.children if not c.alive]:
+            self.children.remove(c)
+            if c.status_fd >= 0:
+                self.sel.unregister(c.status_fd)
+            c.close_pipes()
+            self._clean_after(c)
+            code = c.proc.returncode
+            if c.draining or self.stopping:
+                log.info("%s (pid %d) exited with code %s", c.name, c.pid, code)
+                continue
+            why = "hung (no heartbeat)" if c.killed_hung else f"exit code {code}"
+            delay = c.slot.record_failure(now, why)
+            if c.slot.crash_looping(now):
+                log.error("%s is crash-looping: %d failures in %.0fs (last: %s); next try in %.0fs", c.name,
+                          len(c.slot.failures), 60, why, delay)
+            else:
+                log.error("%s (pid %d) died (%s); restarting it in %.1fs", c.name, c.pid, why, delay)
+
+    def _clean_after(self, c: Child) -> None:
+        if c.tier == "engine":
+            path = self.engine_endpoint(c.index).removeprefix("ipc://")
+            if os.path.exists(path) and not [o for o in self._live("engine") if o.index == c.index]:
+                os.unlink(path)
+        else:
+            try:
+                from prometheus_client import multiprocess
+
+                multiprocess.mark_process_dead(c.pid, os.path.join(self.run_dir, "metrics"))
+            except ImportError:
+                pass
+
+    def _check_hung(self, now: float) -> None:
+        for c in self.children:
+            if not c.alive or c.killed_hung:
+                continue
+            if c.ready and now - c.last_beat > self.cfg.heartbeat_timeout:
+                log.error("%s (pid %d) sent no heartbeat for %.0fs; killing it", c.name, c.pid, now - c.last_beat)
+            elif not c.ready and now - c.started > self.cfg.ready_timeout:
+                log.error("%s (pid %d) not ready after %.0fs; killing it", c.name, c.pid, now - c.started)
+            else:
+                continue
+            c.killed_hung = True
+            c.signal(signal.SIGKILL)
+
+    def _match_counts(self, now: float) -> None:
+        for tier in TIERS:
+            live = self._live(tier)
+            active = {c.index for c in live if not c.draining}
+            for index in range(self.desired[tier]):
+                slot = self._slot(tier, index)
+                busy = [c for c in live if c.index == index]  # a draining process still holds the socket
+                if index not in active and now >= slot.next_start and not (tier == "engine" and busy):
+                    self._spawn(tier, index)
+            for c in live:
+                if c.index >= self.desired[tier] and not c.draining:
+                    log.info("draining %s (pid %d)", c.name, c.pid)
+                    c.draining = True
+                    c.drain_started = now
+                    self._publish()  # gateways stop routing to a draining engine before it hears SIGTERM
+                    c.signal(signal.SIGTERM)
+            for c in live:
+                if c.draining and c.drain_started and now - c.drain_started > self.cfg.shutdown_timeout + 5:
+                    log.warning("%s did not finish draining in time; killing it", c.name)
+                    c.signal(signal.SIGKILL)
+
+    def _check_tiers(self, now: float) -> None:
+        for tier in TIERS:
+            slots = [self._slot(tier, i) for i in range(self.desired[tier])]
+            if any(c.ready for c in self._live(tier)):
+                continue
+            if slots and all(s.crash_looping(now) for s in slots):
+                reasons = "; ".join(f"{s.name}: {s.last_exit}" for s in slots)
+                raise TierFailed(f"the {tier} tier cannot run: every {tier} is crash-looping ({reasons})")
+
+    def _publish(self) -> None:
+        engines = tuple(
+            EngineInfo(c.index, self.engine_endpoint(c.index), c.state, c.pid)
+            for c in sorted(self._live("engine"), key=lambda c: c.index)
+        )
+        st = self.store.get()
+        if engines != st.engines or st.gateways_desired != self.desired["gateway"] or st.engines_desired != self.desired["engine"]:
+            self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
+                              engines_desired=self.desired["engine"], model_id=self.cfg.source.model_id)
+            self._broadcast()
+
+    def _broadcast(self) -> None:
+        msg = {"event": "cluster", "state": self.store.get().to_json()}
+        for c in self._live("gateway"):
+            c.send(msg)
+
+    def reconcile(self) -> None:
+        now = time.monotonic()
+        self._reap(now)
+        self._check_hung(now)
+        if not self.stopping:
+            self._match_counts(now)
+            self._check_tiers(now)
+        self._publish()
+        self._answer_pending()
+        self._watchdog(now)
+
+    def _watchdog(self, now: float) -> None:
+        interval = systemd.watchdog_interval()
+        if interval and now - self._last_watchdog >= interval:
+            systemd.notify("WATCHDOG=1")
+            self._last_watchdog = now
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
         t0 = time.monotonic()
-        base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-        self.run_dir = tempfile.mkdtemp(prefix="zserve-", dir=base)
-        os.makedirs(os.path.join(self.run_dir, "cache"), exist_ok=True)
-        self.listener = create_listener(self.cfg.host, self.cfg.port)
+        self._make_run_dir()
+        self.listener = systemd.inherited_listener() or create_listener(self.cfg.host, self.cfg.port)
+        self.control_path = os.path.join(self.run_dir, "control.sock")
+        self.control_sock = control.listen(self.control_path)
         self.sel.register(self._signal_r, selectors.EVENT_READ, None)
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        self.sel.register(self.control_sock, selectors.EVENT_READ, "control")
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(s, self._on_signal)
-        deadline = time.monotonic() + self.cfg.ready_timeout
-        log.info("starting %d engine(s) for %s", self.cfg.engines, self.cfg.source.model_id)
-        # Both tiers start at once: gateways build their tokenizer while engines load weights, then
-        # wait for every engine's hello before they report ready.
-        for rank in range(self.cfg.engines):
-            self.spawn_engine(rank)
-        for i in range(self.cfg.gateways):
-            self.spawn_gateway(i)
-        self._wait_ready("engine", deadline)
-        self._wait_ready("gateway", deadline)
         host, port = self.listener.getsockname()[:2]
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        self._check_health(url, deadline)
-        n_gw, n_en = self.cfg.gateways, self.cfg.engines
-        print(f"zserve: serving {self.cfg.source.model_id} at {url} ({n_gw} gateway{'s' * (n_gw != 1)}, "
-              f"{n_en} engine{'s' * (n_en != 1)}; ready in {time.monotonic() - t0:.1f}s)", flush=True)
-        return url
-
-    def _check_health(self, url: str, deadline: float) -> None:
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        self.pointer = control.pointer_path(port)
+        with open(self.pointer, "w") as f:
+            f.write(self.control_path)
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        log.info("starting %d engine(s) for %s and %d gateway(s)", self.desired["engine"], self.cfg.source.model_id,
+                 self.desired["gateway"])
+        # Both tiers start at once: gateways build their tokenizer while engines load weights.
         while True:
             try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                self.reconcile()
+            except TierFailed as e:
+                raise StartupError(str(e)) from None
+            if self.stopping:
+                raise StartupError("interrupted while starting")
+            if all(len([c for c in self._live(t) if c.ready]) >= self.desired[t] for t in TIERS):
+                break
+            if time.monotonic() > deadline:
+                raise StartupError(f"not ready within {self.cfg.ready_timeout:.0f}s (--ready-timeout)")
+            self._poll(0.2)
+        self._check_health(deadline)
+        n_gw, n_en = self.desired["gateway"], self.desired["engine"]
+        print(f"zserve: serving {self.cfg.source.model_id} at {self.url} ({n_gw} gateway{'s' * (n_gw != 1)}, "
+              f"{n_en} engine{'s' * (n_en != 1)}; ready in {time.monotonic() - t0:.1f}s)", flush=True)
+        systemd.notify(f"READY=1\nSTATUS=serving {self.cfg.source.model_id} at {self.url}")
+        return self.url
+
+    def _check_health(self, deadline: float) -> None:
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise StartupError(f"{url}/health did not answer 200")
+                raise StartupError(f"{self.url}/health did not answer 200")
             self._poll(0.1)
 
     def run(self) -> int:
-        """Serve until a signal or a child's death; return the exit code."""
-        while not self.stopping:
-            for signum in self._poll(1.0):
-                if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                    log.info("received %s: stopping", signal.Signals(signum).name)
-                    self.stopping = True
-            dead = self._dead()
-            if dead and not self.stopping:
-                for c in dead:
-                    log.error("%s (pid %d) exited with code %s; stopping the server", c.name, c.proc.pid, c.proc.returncode)
-                self.exit_code = 1
-                self.stopping = True
+        """Serve until told to stop; return the exit code."""
+        try:
+            while not self.stopping:
+                self._poll(self.cfg.heartbeat_interval)
+                self.reconcile()
+        except TierFailed as e:
+            log.error("%s; stopping", e)
+            self.exit_code = 1
+            self.stopping = True
         return self.exit_code
 
-    def stop(self) -> None:
-        """Terminate gateways first (stop taking requests), then engines; kill what lingers."""
+    def stop(self) -> int:
+        """Drain gateways (they finish in-flight requests up to the shutdown timeout), then engines."""
+        self.stopping = True
+        systemd.notify("STOPPING=1")
+        drained = True
         for tier in ("gateway", "engine"):
-            kids = [c for c in self.children if c.tier == tier and c.proc.poll() is None]
+            kids = self._live(tier)
             for c in kids:
-                try:
-                    c.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + self.cfg.shutdown_timeout
+                c.draining = True
+                c.signal(signal.SIGKILL if self.fast_stop else signal.SIGTERM)
+            deadline = time.monotonic() + self.cfg.shutdown_timeout + 5
+            while any(c.alive for c in kids) and time.monotonic() < deadline:
+                self._poll(0.1)
+                if self.fast_stop:
+                    for c in kids:
+                        c.signal(signal.SIGKILL)
             for c in kids:
-                try:
-                    c.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+                if c.alive:
                     log.warning("%s did not stop in time; killing it", c.name)
-                    c.proc.kill()
-                    c.proc.wait()
-        for c in self.children:
-            if c.status_fd >= 0:
-                try:
-                    self.sel.unregister(c.status_fd)
-                except (KeyError, ValueError):
-                    pass
-                os.close(c.status_fd)
-                c.status_fd = -1
+                    c.signal(signal.SIGKILL)
+                c.proc.wait()
+                if tier == "gateway" and c.proc.returncode != 0:
+                    drained = False
+            self._reap(time.monotonic())
+        for conn in list(self._conns):
+            self._close_conn(conn)
+        for p in self.pending:
+            p.conn.close()
         if self.listener is not None:
             self.listener.close()
+        if self.control_sock is not None:
+            self.control_sock.close()
+        for path in (self.pointer,):
+            try:
+                if path and open(path).read().strip() == self.control_path:
+                    os.unlink(path)
+            except OSError:
+                pass
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.exit_code == 0 and not drained:
+            log.warning("some requests were cut off by the shutdown timeout")
+            self.exit_code = 1
+        return self.exit_code
+
+    # -- status ------------------------------------------------------------------------------
+    def status(self) -> dict:
+        now = time.monotonic()
+        procs = []
+        for c in sorted(self.children, key=lambda c: (c.tier, c.index)):
+            procs.append({"tier": c.tier, "index": c.index, "pid": c.pid, "state": c.state,
+                          "restarts": max(0, c.slot.restarts - 1), "uptime_s": round(now - c.started, 1),
+                          "crash_looping": c.slot.crash_looping(now), **c.info})
+        for (tier, index), slot in sorted(self.slots.items()):
+            if index < self.desired[tier] and not [c for c in self.children if c.slot is slot]:
+                procs.append({"tier": tier, "index": index, "pid": None, "state": "backoff",
+                              "restarts": max(0, slot.restarts - 1), "crash_looping": slot.crash_looping(now),
+                              "last_exit": slot.last_exit, "next_start_in_s": round(max(0.0, slot.next_start - now), 1)})
+        st = self.store.get()
+        return {"url": self.url, "model": self.cfg.source.model_id, "pid": os.getpid(),
+                "uptime_s": round(time.time() - self.started_at, 1), "desired": dict(self.desired),
+                "paused": st.paused, "cluster_version": st.version, "processes": procs}

@@ -45,7 +45,7 @@ async def load(request: web.Request) -> web.Response:
     """This gateway's in-flight requests and each engine's last reported load."""
     state = request.app[STATE]
     engines = []
-    for e in state.engines.engines:
+    for e in state.engines.engines.values():
         st = e.stats
         engines.append({
             "endpoint": e.endpoint,

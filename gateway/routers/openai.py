@@ -200,6 +200,9 @@ def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> 
 async def respond(request: web.Request, *, request_id: str, model: str, choices: list[Choice], opts: TextOptions,
                   prompt_tokens: int, stream: bool, include_usage: bool, shape: "Shape") -> web.StreamResponse:
     state = request.app[STATE]
+    if state.paused:
+        raise APIError(503, "the server is paused and admits no new requests; retry later",
+                       code="server_paused", headers={"Retry-After": "1"})
     try:
         state.engines.pick_engine()  # fail fast with 503 before any byte is sent
     except NoEngineAvailable as e:

@@ -1,0 +1,68 @@
+"""Cluster-wide control: pause/resume admission and the cluster status, from any gateway.
+
+A gateway holds no control state of its own: ``POST /pause`` is forwarded to the supervisor,
+which changes the cluster state and answers only once every gateway has applied it. So whichever
+gateway a client reaches, ``/is_paused`` and ``/status`` say the same.
+"""
+
+from __future__ import annotations
+
+import os
+
+from aiohttp import web
+
+from zserve import control
+
+from ..errors import APIError
+from ..state import STATE, GatewayState
+
+routes = web.RouteTableDef()
+
+
+async def _forward(state: GatewayState, cmd: str) -> dict:
+    if not state.control_socket:
+        raise APIError(503, "this gateway runs without a supervisor; cluster control is unavailable")
+    try:
+        reply = await control.request_async(state.control_socket, {"cmd": cmd}, timeout=10)
+    except (OSError, ConnectionError, TimeoutError) as e:
+        raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
+    if not reply.get("ok"):
+        raise APIError(500, reply.get("error", "the supervisor refused"))
+    return reply
+
+
+@routes.post("/pause")
+async def pause(request: web.Request) -> web.Response:
+    """Stop admitting new generation requests on every gateway; in-flight ones finish."""
+    reply = await _forward(request.app[STATE], "pause")
+    return web.json_response({"paused": True, "version": reply["version"]})
+
+
+@routes.post("/resume")
+async def resume(request: web.Request) -> web.Response:
+    reply = await _forward(request.app[STATE], "resume")
+    return web.json_response({"paused": False, "version": reply["version"]})
+
+
+@routes.get("/is_paused")
+async def is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": request.app[STATE].paused})
+
+
+@routes.get("/status")
+async def status(request: web.Request) -> web.Response:
+    """This gateway's view of the cluster (the same on every gateway once they acknowledged)."""
+    state = request.app[STATE]
+    cl = state.cluster
+    engines = []
+    for e in state.engines.engines.values():
+        engines.append({"endpoint": e.endpoint, "rank": e.rank, "state": e.cluster_state,
+                        "connected": e.hello is not None, "routable": e.routable,
+                        "running": e.stats.running if e.stats else None,
+                        "waiting": e.stats.waiting if e.stats else None})
+    return web.json_response({
+        "gateway": state.index, "pid": os.getpid(), "model": state.model_id, "paused": state.paused,
+        "draining": state.draining, "cluster_version": cl.version if cl else None,
+        "gateways_desired": cl.gateways_desired if cl else None, "engines": engines,
+        "in_flight": state.engines.in_flight,
+    })

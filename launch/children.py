@@ -1,0 +1,151 @@
+"""One supervised child process and the slot it fills.
+
+A *slot* is a position in a tier (gateway 1, engine 0): it outlives the processes that fill it,
+and remembers their failures so restarts back off and a crash loop is noticed. Each child has
+two pipes: *status* (child → supervisor: ready, heartbeats, acks; EOF = the child is gone) and
+*control* (supervisor → child: the cluster state).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import orjson
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+CRASH_LOOP_FAILURES = 5
+CRASH_LOOP_WINDOW = 60.0
+BACKOFF_BASE = 0.5
+BACKOFF_MAX = 30.0
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    if _libc is not None:
+        _libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the supervisor
+
+
+@dataclass
+class Slot:
+    tier: str
+    index: int
+    failures: deque = field(default_factory=deque)  # monotonic times of unexpected exits
+    next_start: float = 0.0
+    restarts: int = 0
+    last_exit: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.tier} {self.index}"
+
+    def record_failure(self, now: float, why: str) -> float:
+        """Note an unexpected exit; return the delay before the next start."""
+        self.failures.append(now)
+        while self.failures and now - self.failures[0] > CRASH_LOOP_WINDOW:
+            self.failures.popleft()
+        self.last_exit = why
+        delay = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (len(self.failures) - 1))
+        self.next_start = now + delay
+        return delay
+
+    def crash_looping(self, now: float) -> bool:
+        recent = [t for t in self.failures if now - t <= CRASH_LOOP_WINDOW]
+        return len(recent) >= CRASH_LOOP_FAILURES
+
+
+@dataclass
+class Child:
+    slot: Slot
+    proc: subprocess.Popen
+    status_fd: int
+    control_fd: int
+    started: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    last_beat: float = field(default_factory=time.monotonic)
+    draining: bool = False
+    drain_started: float | None = None
+    killed_hung: bool = False
+    acked_version: int = -1
+    info: dict = field(default_factory=dict)  # the last heartbeat's payload (load, in-flight)
+    buf: bytes = b""
+
+    @property
+    def tier(self) -> str:
+        return self.slot.tier
+
+    @property
+    def index(self) -> int:
+        return self.slot.index
+
+    @property
+    def name(self) -> str:
+        return self.slot.name
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_at is not None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def state(self) -> str:
+        if not self.alive:
+            return "exited"
+        if self.draining:
+            return "draining"
+        return "ready" if self.ready else "starting"
+
+    def send(self, msg: dict) -> bool:
+        """Write one control line; False if the child can no longer read it."""
+        if self.control_fd < 0:
+            return False
+        try:
+            os.write(self.control_fd, orjson.dumps(msg) + b"\n")
+            return True
+        except (BlockingIOError, BrokenPipeError, OSError):
+            return False
+
+    def signal(self, sig: int) -> None:
+        try:
+            self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def close_pipes(self) -> None:
+        for name in ("status_fd", "control_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, name, -1)
+
+
+def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = (), env: dict | None = None) -> Child:
+    """Start ``python -m module`` for a slot, in its own session, dying with the supervisor."""
+    status_r, status_w = os.pipe()
+    control_r, control_w = os.pipe()
+    cmd = [sys.executable, "-m", module, *args, "--status-fd", str(status_w), "--control-fd", str(control_r),
+           "--parent-pid", str(os.getpid())]
+    proc = subprocess.Popen(cmd, pass_fds=(status_w, control_r, *pass_fds), start_new_session=True,
+                            preexec_fn=_child_setup, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdin=subprocess.DEVNULL)
+    os.close(status_w)
+    os.close(control_r)
+    os.set_blocking(status_r, False)
+    os.set_blocking(control_w, False)
+    return Child(slot, proc, status_r, control_w)

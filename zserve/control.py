@@ -1,0 +1,95 @@
+"""The supervisor's control socket: a Unix socket only its owner can open.
+
+One JSON line in, one JSON line out: ``{"cmd": "status"}``, ``{"cmd": "scale", "tier": "gateway",
+"count": 3}``, ``{"cmd": "pause"}``, ``{"cmd": "resume"}``, ``{"cmd": "stop"}``. `launch scale`,
+`launch status` and `launch stop` use it, and so do gateways for cluster-wide operations.
+
+Only the owner: the socket lives in a 0700 directory, is itself 0600, and every connection's
+peer uid (SO_PEERCRED) must be the supervisor's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import tempfile
+
+import orjson
+
+MAX_LINE = 1 << 16
+
+
+def runtime_base() -> str:
+    """Per-user directory that holds every server's run directory and control-socket pointer."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "zserve") if base else os.path.join(tempfile.gettempdir(), f"zserve-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def pointer_path(port: int) -> str:
+    """Where the supervisor serving ``port`` records its control socket's path."""
+    return os.path.join(runtime_base(), f"port-{port}.ctl")
+
+
+def find_control_socket(port: int) -> str:
+    try:
+        with open(pointer_path(port)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        raise ConnectionError(f"no zserve server is running on port {port} (no {pointer_path(port)})") from None
+
+
+def listen(path: str) -> socket.socket:
+    if os.path.exists(path):
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        s.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    s.listen(64)
+    s.setblocking(False)
+    return s
+
+
+def peer_is_owner(conn: socket.socket) -> bool:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+def request(path: str, cmd: dict, timeout: float = 30.0) -> dict:
+    """Send one command and wait for its answer (blocking; for the CLI)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(orjson.dumps(cmd) + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(MAX_LINE)
+            if not chunk:
+                break
+            buf += chunk
+    if not buf:
+        raise ConnectionError("the supervisor closed the control connection without answering")
+    return orjson.loads(buf)
+
+
+async def request_async(path: str, cmd: dict, timeout: float = 30.0) -> dict:
+    """The same from an event loop (gateways forwarding pause/resume)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+    try:
+        writer.write(orjson.dumps(cmd) + b"\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout)
+    finally:
+        writer.close()
+    if not line:
+        raise ConnectionError("the supervisor closed the control connection without answering")
+    return orjson.loads(line)
