@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from .errors import error_middleware
+from .metrics import metrics_middleware
 from .routers import control, core, openai
 from .state import STATE, GatewayState
 
@@ -15,7 +16,7 @@ MAX_BODY_BYTES = 32 << 20
 
 
 def build_app(state: GatewayState, families: list[str] | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.on_response_prepare.append(_close_while_draining)
     for name in families or list(ROUTE_FAMILIES):

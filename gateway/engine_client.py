@@ -45,6 +45,7 @@ log = logging.getLogger("zserve.gateway.engines")
 
 DRAINING = "engine_draining"
 MAX_HANDBACKS = 8
+DISCONNECT_GRACE = 0.2  # seconds; well inside the 1 s in which a dead engine's requests must end
 
 
 class NoEngineAvailable(RuntimeError):
@@ -90,6 +91,7 @@ class EngineConnection:
 class _Stream:
     queue: asyncio.Queue
     engine: EngineConnection | None = None
+    failed_here: bool = False  # ended by this gateway (shutdown, engine lost), not by the engine
 
 
 class EngineClient:
@@ -124,6 +126,8 @@ class EngineClient:
 
     async def _drop(self, eng: EngineConnection, why: str) -> None:
         self.engines.pop(eng.endpoint, None)
+        if any(st.engine is eng for st in self._streams.values()):
+            await asyncio.sleep(DISCONNECT_GRACE)  # let already-received outputs through first
         self._fail_streams(eng, why)
         for t in eng.tasks:
             t.cancel()
@@ -180,6 +184,9 @@ class EngineClient:
                 eng.hello = None
                 eng.stats = None
                 self._update_ready()
+                # The monitor and the data socket are not ordered: give the reader a moment to
+                # deliver what the engine sent before it went (a drained engine's last tokens).
+                await asyncio.sleep(DISCONNECT_GRACE)
                 n = self._fail_streams(eng, f"engine {was} died while serving the request")
                 log.warning("lost the connection to engine %s at %s; failed its %d in-flight request(s)", was,
                             eng.endpoint, n)
@@ -188,6 +195,7 @@ class EngineClient:
         n = 0
         for rid, st in list(self._streams.items()):
             if st.engine is eng:
+                st.failed_here = True
                 st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
                 n += 1
         return n
@@ -224,6 +232,7 @@ class EngineClient:
     def fail_all(self, why: str) -> int:
         """End every in-flight request with an error (shutdown timeout)."""
         for rid, st in list(self._streams.items()):
+            st.failed_here = True
             st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
         return len(self._streams)
 
@@ -269,7 +278,7 @@ class EngineClient:
             self._streams.pop(request_id, None)
             if st.engine is not None:
                 st.engine.outstanding -= 1
-                if not finished and st.engine.hello is not None:
+                if (not finished or st.failed_here) and st.engine.hello is not None:
                     try:
                         await st.engine.sock.send_multipart(encode(AbortRequest((request_id,))), flags=zmq.NOBLOCK)
                     except zmq.ZMQError:

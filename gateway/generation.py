@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from protocol import RequestOutput, SamplingParams
 
+from .metrics import IN_FLIGHT, PROMPT_TOKENS, TokenTimer
 from .state import GatewayState
 from .text.detokenizer import IncrementalDetokenizer
 from .text.stop import StopChecker
@@ -60,23 +61,27 @@ async def generate_text(state: GatewayState, request_id: str, prompt_ids: list[i
     stopper = StopChecker(opts.stop, opts.include_stop_str_in_output) if opts.stop else None
     final_ids = state.eos_token_ids | set(sampling.stop_token_ids)
     n_out = 0
-    async with aclosing(state.engines.generate(request_id, prompt_ids, sampling)) as outs:
-        async for out in outs:
-            ids = list(out.new_token_ids)
-            n_out += len(ids)
-            finish = out.finish_reason
-            # The token that ended generation (EOS or a stop token id) counts as output but is not text.
-            text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in final_ids else ids
-            text = detok.push(text_ids)
-            if finish is not None:
-                text += detok.flush()
-            if stopper is not None:
-                text, stopped = stopper.push(text)
-                if stopped:
-                    yield Delta(text, ids, _logprobs(out), "stop", n_out)
-                    return  # leaving the engine stream aborts the request there
+    timer = TokenTimer()
+    PROMPT_TOKENS.inc(len(prompt_ids))
+    with IN_FLIGHT.track_inprogress():
+        async with aclosing(state.engines.generate(request_id, prompt_ids, sampling)) as outs:
+            async for out in outs:
+                ids = list(out.new_token_ids)
+                n_out += len(ids)
+                timer.tokens(len(ids))
+                finish = out.finish_reason
+                # The token that ended generation (EOS or a stop token id) counts as output but is not text.
+                text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in final_ids else ids
+                text = detok.push(text_ids)
                 if finish is not None:
-                    text += stopper.flush()
-            yield Delta(text, ids, _logprobs(out), finish, n_out)
-            if finish is not None:
-                return
+                    text += detok.flush()
+                if stopper is not None:
+                    text, stopped = stopper.push(text)
+                    if stopped:
+                        yield Delta(text, ids, _logprobs(out), "stop", n_out)
+                        return  # leaving the engine stream aborts the request there
+                    if finish is not None:
+                        text += stopper.flush()
+                yield Delta(text, ids, _logprobs(out), finish, n_out)
+                if finish is not None:
+                    return

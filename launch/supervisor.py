@@ -40,6 +40,7 @@ from .sockets import create_listener
 log = logging.getLogger("zserve.launch")
 
 TIERS = ("engine", "gateway")
+EXIT_CUT_OFF = 3  # a gateway's exit code when the shutdown timeout cut requests off
 
 
 class StartupError(RuntimeError):
@@ -523,7 +524,7 @@ class Supervisor:
                     log.warning("%s did not stop in time; killing it", c.name)
                     c.signal(signal.SIGKILL)
                 c.proc.wait()
-                if tier == "gateway" and c.proc.returncode != 0:
+                if tier == "gateway" and c.proc.returncode == EXIT_CUT_OFF:
                     drained = False
             self._reap(time.monotonic())
         for conn in list(self._conns):

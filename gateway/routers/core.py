@@ -9,6 +9,7 @@ from aiohttp import web
 import zserve
 from protocol import PROTOCOL_VERSION
 
+from .. import metrics
 from ..errors import APIError
 from ..state import STATE
 
@@ -57,3 +58,10 @@ async def load(request: web.Request) -> web.Response:
         })
     return web.json_response({"gateway": state.index, "pid": os.getpid(), "in_flight": state.engines.in_flight,
                               "engines": engines})
+
+
+@routes.get("/metrics")
+async def prometheus_metrics(request: web.Request) -> web.Response:
+    """Prometheus text: request metrics of every gateway process plus every engine's load."""
+    body = metrics.render(request.app)
+    return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})

@@ -1,0 +1,294 @@
+"""The supervisor keeps the service up: crashes, hangs, scaling, draining and cluster-wide control.
+
+Every test runs real `launch api-server` processes with the tiny random model and talks to them
+over real HTTP and the real control socket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import orjson
+import psutil
+import pytest
+
+from .conftest import LAUNCH, ROOT, Server, wait_until
+
+TINY = ("--model", "tiny-random", "--dtype", "float32")
+
+
+def status(server: Server) -> dict:
+    out = subprocess.run([*LAUNCH, "status", "--port", str(server.port), "--json"], cwd=ROOT, capture_output=True,
+                         timeout=30, check=True)
+    return orjson.loads(out.stdout)
+
+
+def procs(server: Server, tier: str) -> list[dict]:
+    return [p for p in status(server)["processes"] if p["tier"] == tier]
+
+
+def ready_pids(server: Server, tier: str) -> list[int]:
+    return [p["pid"] for p in procs(server, tier) if p["state"] == "ready"]
+
+
+def stream_body(max_tokens: int) -> dict:
+    return {"model": "tiny-random", "prompt": "hello", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+
+
+class StreamResult:
+    def __init__(self):
+        self.chunks = 0
+        self.error: dict | None = None
+        self.finish: str | None = None
+        self.ended_at: float | None = None
+        self.done = False
+
+
+def run_stream(url: str, body: dict, res: StreamResult) -> None:
+    with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                res.done = True
+                break
+            msg = orjson.loads(data)
+            if "error" in msg:
+                res.error = msg["error"]
+                res.ended_at = time.monotonic()
+            else:
+                res.chunks += 1
+                res.finish = msg["choices"][0]["finish_reason"] or res.finish
+    res.ended_at = res.ended_at or time.monotonic()
+
+
+def complete(url: str, max_tokens: int = 4) -> httpx.Response:
+    # A fresh connection per request, as separate clients behind a load balancer would make.
+    with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+        return c.post(url + "/v1/completions", json={"model": "tiny-random", "prompt": "hi", "max_tokens": max_tokens})
+
+
+def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins():
+    s = Server("--count", "2", "--engines", "2", "--max-model-len", "8192", *TINY, log_name="engine-death")
+    try:
+        results = [StreamResult() for _ in range(4)]
+        threads = [threading.Thread(target=run_stream, args=(s.url, stream_body(6000), r)) for r in results]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(r.chunks > 3 for r in results), 30, what="all 4 streams to flow")
+        # heartbeats carry each engine's load to the supervisor about once a second
+        def loaded_engines():
+            e = procs(s, "engine")
+            return e if sum(p.get("running", 0) for p in e) == 4 else None
+
+        engines = wait_until(loaded_engines, 10, what="the engines to report the 4 streams")
+        victim = max(engines, key=lambda p: p.get("running", 0))
+        killed_at = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        # a new request succeeds at once, on the surviving engine
+        assert complete(s.url).status_code == 200
+        for t in threads:
+            t.join(timeout=60)
+        failed = [r for r in results if r.error]
+        assert failed, "no stream was on the killed engine"
+        for r in failed:
+            assert r.ended_at - killed_at < 1.0, f"stream ended {r.ended_at - killed_at:.2f}s after the kill"
+            assert "died" in r.error["message"] and r.done
+        for r in results:
+            assert r.error or r.finish == "length"
+        # the replacement joins and takes traffic
+        wait_until(lambda: len(ready_pids(s, "engine")) == 2 and victim["pid"] not in ready_pids(s, "engine"), 60,
+                   what="a replacement engine")
+        replacement = next(p for p in procs(s, "engine") if p["index"] == victim["index"])
+        assert replacement["restarts"] == 1
+
+        def replacement_served() -> bool:
+            with ThreadPoolExecutor(4) as ex:
+                assert all(r.status_code == 200 for r in ex.map(lambda _: complete(s.url, 8), range(8)))
+            load = httpx.get(s.url + "/metrics").text
+            line = next((l for l in load.splitlines() if l.startswith(f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}"}}')), "")
+            return line and float(line.split()[-1]) > 0
+
+        wait_until(replacement_served, 60, interval=0.2, what="the replacement engine to serve requests")
+    finally:
+        s.stop()
+
+
+def test_gateway_killed_under_load_is_replaced_and_others_serve_every_new_request():
+    s = Server("--count", "3", *TINY, log_name="gateway-death")
+    try:
+        victim = ready_pids(s, "gateway")[0]
+        results: list[tuple[float, int]] = []
+        stop = threading.Event()
+
+        def load():
+            while not stop.is_set():
+                try:
+                    results.append((time.monotonic(), complete(s.url).status_code))
+                except httpx.HTTPError:
+                    results.append((time.monotonic(), -1))
+
+        t = threading.Thread(target=load)
+        t.start()
+        wait_until(lambda: len(results) >= 10, 30, what="steady load")
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_until(lambda: len(ready_pids(s, "gateway")) == 3 and victim not in ready_pids(s, "gateway"), 60,
+                   what="a replacement gateway")
+        wait_until(lambda: len([r for r in results if r[0] > killed_at + 0.5]) >= 20, 60, what="more load")
+        stop.set()
+        t.join()
+        after = [code for when, code in results if when > killed_at + 0.2]
+        assert after and all(code == 200 for code in after), after
+    finally:
+        s.stop()
+
+
+def test_crash_looping_tier_is_backed_off_reported_and_fatal(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    t0 = time.monotonic()
+    r = subprocess.run([*LAUNCH, "api-server", "--port", "0", "--model", str(bad)], cwd=ROOT, capture_output=True,
+                       timeout=180)
+    elapsed = time.monotonic() - t0
+    err = r.stderr.decode()
+    assert r.returncode == 1
+    assert "crash-looping" in err and "cannot run" in err
+    restarts = [line for line in err.splitlines() if "restarting it in" in line]
+    # 5 failures with doubling back-off (0.5 + 1 + 2 + 4 s) — not a tight loop
+    assert len(restarts) <= 8 and elapsed > 7
+
+
+def test_hung_gateway_is_killed_and_replaced():
+    s = Server("--count", "2", "--heartbeat-timeout", "2", *TINY, log_name="hung")
+    try:
+        victim = ready_pids(s, "gateway")[0]
+        os.kill(victim, signal.SIGSTOP)
+        wait_until(lambda: not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE,
+                   15, what="the hung gateway to be killed")
+        wait_until(lambda: len(ready_pids(s, "gateway")) == 2, 30, what="a replacement gateway")
+        assert "sent no heartbeat" in s.tail(20000)
+        assert all(complete(s.url).status_code == 200 for _ in range(5))
+    finally:
+        s.stop()
+
+
+def test_scaling_both_tiers_while_serving_fails_no_request():
+    s = Server("--count", "2", *TINY, log_name="scale")
+    try:
+        results: list[int] = []
+        stop = threading.Event()
+
+        def load():
+            while not stop.is_set():
+                with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                    try:
+                        with c.stream("POST", s.url + "/v1/completions", json=stream_body(40)) as r:
+                            body = "".join(r.iter_lines())
+                            results.append(r.status_code if '"error"' not in body and "[DONE]" in body else -1)
+                    except httpx.HTTPError:
+                        results.append(-2)
+
+        clients = [threading.Thread(target=load) for _ in range(3)]
+        for c in clients:
+            c.start()
+        steps = [("api-server", 3), ("api-server", 1), ("engine", 2), ("engine", 1), ("api-server", 2)]
+        counts = []
+        for tier, n in steps:
+            before = len(results)
+            r = subprocess.run([*LAUNCH, "scale", tier, str(n), "--port", str(s.port)], cwd=ROOT, capture_output=True,
+                               timeout=120)
+            assert r.returncode == 0, r.stderr
+            wait_until(lambda: len(results) >= before + 5, 60, what="requests during the scaling step")
+            counts.append(len(results) - before)
+        stop.set()
+        for c in clients:
+            c.join(timeout=60)
+        assert len(results) > 25
+        assert [x for x in results if x != 200] == [], results
+        st = status(s)
+        assert st["desired"] == {"gateway": 2, "engine": 1}
+        assert len(ready_pids(s, "gateway")) == 2 and len(ready_pids(s, "engine")) == 1
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("timeout, code", [("30", 0), ("0", 1)])
+def test_sigterm_drains_in_flight_requests(timeout, code):
+    s = Server("--count", "2", "--shutdown-timeout", timeout, *TINY, log_name=f"sigterm-{timeout}")
+    results = [StreamResult() for _ in range(3)]
+    threads = [threading.Thread(target=run_stream, args=(s.url, stream_body(1500), r)) for r in results]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(r.chunks > 2 for r in results), 30, what="streams to flow")
+    s.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    assert s.proc.wait(60) == code
+    if code == 0:
+        assert all(r.finish == "length" and r.error is None and r.done for r in results)
+    else:
+        assert all(r.error and "shutting down" in r.error["message"] and r.done for r in results)
+    s.stop()
+
+
+def test_pause_through_one_gateway_is_seen_by_every_gateway(tiny_server):
+    url = tiny_server.url
+
+    def views() -> dict[int, dict]:
+        seen: dict[int, dict] = {}
+        for _ in range(200):
+            with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                st = c.get(url + "/status").json()
+            seen[st["gateway"]] = st
+            if len(seen) == 2:
+                return seen
+        raise AssertionError(f"reached only gateways {sorted(seen)}")
+
+    r = httpx.post(url + "/pause")
+    assert r.status_code == 200 and r.json()["paused"] is True
+    try:
+        # the supervisor answered only once every gateway applied it: no waiting needed
+        assert all(v["paused"] for v in views().values())
+        blocked = complete(url)
+        assert blocked.status_code == 503 and blocked.json()["error"]["code"] == "server_paused"
+        assert "Retry-After" in blocked.headers
+    finally:
+        assert httpx.post(url + "/resume").status_code == 200
+    seen = views()
+    assert not any(v["paused"] for v in seen.values())
+    assert len({v["cluster_version"] for v in seen.values()}) == 1
+    assert complete(url).status_code == 200
+
+
+def test_metrics_aggregate_every_gateway_and_the_engines(tiny_server):
+    for _ in range(6):
+        assert complete(tiny_server.url).status_code == 200
+    text = httpx.get(tiny_server.url + "/metrics").text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    ok = samples.get('zserve_http_requests_total{method="POST",route="/v1/completions",status="200"}', 0)
+    assert ok >= 6  # counted across both gateway processes, whichever served each request
+    assert samples["zserve_time_to_first_token_seconds_count"] >= 6
+    assert samples['zserve_engine_up{engine="0"}'] == 1.0
+    assert 'zserve_engine_requests_running{engine="0"}' in samples
+    assert "zserve_inter_token_latency_seconds_bucket" in text
+
+
+def test_launch_status_prints_every_process(tiny_server):
+    out = subprocess.run([*LAUNCH, "status", "--port", str(tiny_server.port)], cwd=ROOT, capture_output=True,
+                         timeout=30, check=True).stdout.decode()
+    lines = [l for l in out.splitlines() if l.startswith(("engine", "gateway"))]
+    assert len(lines) == 3 and all(" ready " in l for l in lines)
+    assert "running" in out and "in-flight" in out
