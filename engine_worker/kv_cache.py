@@ -1,23 +1,26 @@
-"""The KV cache and the attention that reads it, for continuous batching on one device.
+"""The paged KV cache tensors and the attention that reads them.
 
-Each running sequence owns one *slot*: a fixed row of ``max_model_len`` key/value positions per
-layer, allocated once at start-up. This is deliberately simple (a later issue replaces it with a
-paged cache); everything the model needs from a cache goes through ``SlotKVCache``:
+Storage per layer is ``[num_kv_heads, num_blocks * block_size, head_dim]`` for keys and the same
+for values: a token at position ``p`` of a request lives in slot ``table[p // bs] * bs + p % bs``.
+``BlockManager`` decides which blocks a request holds; this module only moves tensors.
 
-- ``plan(...)`` turns one step's sequences into a ``StepLayout`` (token order, positions, masks),
-  computed once per step and shared by every layer;
+- ``plan(...)`` turns one step's sequences into a ``StepLayout`` (token order, positions, slot
+  mapping, gather indices, masks), computed once per step and shared by every layer;
 - ``attend(layer, q, k, v, layout)`` stores the step's new keys/values and returns the attention
   output for every token of the step.
 
-Decode tokens (one new token per sequence) are attended together in one SDPA call; each prefill
-(chunk) is attended on its own with a causal mask. Both read the cache through views, not copies,
-whenever the decoding slots form a compact range: on a CPU the copy of a gathered cache costs
-more than the attention itself.
+Decode tokens (one new token per sequence) are attended together in one SDPA call over keys
+gathered through the block tables; a lone decoder whose blocks are consecutive (the common
+batch-1 case: the free list hands out ascending blocks) reads a view instead of a copy. A
+prefill that starts at position 0 attends to its own new keys directly, causally; one that
+continues a cached prefix (a chunk, or a prefix-cache hit) gathers that prefix.
+
+On CUDA, decode uses FlexAttention over the paged pool when torch has it (no per-step gather);
+the CPU never takes that path.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -25,166 +28,132 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
+class SeqLayout:
+    """One sequence of a step, as the cache needs it."""
+
+    block_table: list[int]
+    start_pos: int  # tokens of this sequence already in the cache
+    num_tokens: int  # new tokens this step
+
+
+@dataclass(frozen=True)
 class PrefillSpan:
     """One sequence that feeds several tokens this step (a prompt or a chunk of one)."""
 
-    slot: int
-    start_pos: int  # tokens of this sequence already in the cache
-    num_tokens: int  # new tokens this step
+    start_pos: int
+    num_tokens: int
     offset: int  # index of its first token in the step's flattened token batch
+    gather: torch.Tensor | None  # [start+n] slots of its keys when start_pos > 0
     mask: torch.Tensor | None  # [n, start+n] bool when start_pos > 0; None means plain causal
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """How one forward step's tokens are laid out; built by ``SlotKVCache.plan``.
+    """How one forward step's tokens are laid out; built by ``PagedKVCache.plan``.
 
-    Tokens are flattened in ``order``: first every decode sequence (sorted by slot, so that their
-    slots are a contiguous range as often as possible), then each prefill in the caller's order.
+    Tokens are flattened in ``order``: first every decode sequence, then each prefill.
     """
 
     order: list[int]  # step-local sequence indices in token order
+    first_token_index: list[int]  # per caller's sequence index: its first token in the flat batch
     last_token_index: list[int]  # per caller's sequence index: its last token in the flat batch
     positions: torch.Tensor  # [N] absolute position of each token (long)
-    write_slots: torch.Tensor  # [N] slot each token's key/value is stored in (long)
+    slot_mapping: torch.Tensor  # [N] cache slot each token's key/value is stored in (long)
     num_decode: int
-    # Decode group: read slots [span_start, span_start + span_rows) as one view when compact,
-    # otherwise gather ``decode_slots``; ``decode_rows`` picks the batch's rows out of the span.
-    decode_slots: torch.Tensor | None
-    span_start: int | None
-    span_rows: int
-    decode_rows: torch.Tensor | None  # None: the span is exactly the decode batch
     decode_len: int  # keys read per decode row (the longest decode context)
-    decode_mask: torch.Tensor | None  # [rows, 1, 1, decode_len] bool, True = attend
+    decode_view: tuple[int, int] | None  # (first slot, length): a lone decoder reads a view
+    decode_gather: torch.Tensor | None  # [B * decode_len] slots, padded rows point at slot 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] bool, True = attend
     prefills: list[PrefillSpan]
+    # CUDA FlexAttention decode (None elsewhere)
+    flex: object | None = None
 
 
-class SlotKVCache:
-    """Per-slot K/V storage: ``[num_layers, max_num_seqs, num_kv_heads, max_model_len, head_dim]``."""
+class PagedKVCache:
+    """K/V pools ``[num_layers, num_kv_heads, num_blocks * block_size, head_dim]``."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        max_num_seqs: int,
-        num_kv_heads: int,
-        max_model_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        shape = (num_layers, max_num_seqs, num_kv_heads, max_model_len, head_dim)
-        # Zeros, not empty: masked-out positions are still multiplied by a zero weight inside
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight inside
         # SDPA, and a NaN bit pattern left in uninitialised memory would poison the row.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.device = device
-        self._free: list[int] = list(range(max_num_seqs))  # a heap: lowest slot first keeps decodes compact
-        self._used: set[int] = set()
+        self.use_flex = device.type == "cuda" and _flex_available()
 
     @staticmethod
-    def bytes_needed(num_layers: int, max_num_seqs: int, num_kv_heads: int, max_model_len: int,
-                     head_dim: int, dtype: torch.dtype) -> int:
-        """Memory the cache will take, so a caller can check before allocating."""
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * max_num_seqs * num_kv_heads * max_model_len * head_dim * elem
-
-    # -- slots -------------------------------------------------------------------------------
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
-
-    def allocate(self) -> int | None:
-        """The lowest free slot, or None when every slot is taken."""
-        if not self._free:
-            return None
-        slot = heapq.heappop(self._free)
-        self._used.add(slot)
-        return slot
-
-    def free(self, slot: int) -> None:
-        """Give a slot back. Its stale contents need no clearing: reads are length-masked."""
-        if slot not in self._used:
-            raise ValueError(f"KV slot {slot} is not allocated")
-        self._used.remove(slot)
-        heapq.heappush(self._free, slot)
-
-    def is_allocated(self, slot: int) -> bool:
-        return slot in self._used
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
     # -- one step ----------------------------------------------------------------------------
 
-    def plan(self, seqs: list[tuple[int, int, int]]) -> StepLayout:
-        """Lay out one step. ``seqs`` holds ``(slot, start_pos, num_new_tokens)`` per sequence."""
-        seen: set[int] = set()
-        for slot, start, n in seqs:
-            if slot not in self._used:
-                raise ValueError(f"KV slot {slot} is not allocated")
-            if slot in seen:
-                raise ValueError(f"KV slot {slot} appears twice in one step")
-            seen.add(slot)
-            if n < 1 or start < 0 or start + n > self.max_model_len:
-                raise ValueError(
-                    f"slot {slot}: {start} cached + {n} new tokens does not fit max_model_len={self.max_model_len}"
-                )
-
-        decode = sorted((i for i, (_, _, n) in enumerate(seqs) if n == 1), key=lambda i: seqs[i][0])
-        prefill = [i for i, (_, _, n) in enumerate(seqs) if n > 1]
+    def plan(self, seqs: list[SeqLayout]) -> StepLayout:
+        bs = self.block_size
+        for s in seqs:
+            if s.num_tokens < 1 or s.start_pos < 0:
+                raise ValueError(f"bad step layout {s.start_pos} cached + {s.num_tokens} new tokens")
+            if s.start_pos + s.num_tokens > len(s.block_table) * bs:
+                raise ValueError(f"{s.start_pos + s.num_tokens} tokens do not fit {len(s.block_table)} KV blocks")
+        decode = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
+        prefill = [i for i, s in enumerate(seqs) if s.num_tokens > 1]
         order = decode + prefill
 
         positions: list[int] = []
-        write_slots: list[int] = []
+        slots: list[int] = []
+        first = [0] * len(seqs)
         last = [0] * len(seqs)
         prefills: list[PrefillSpan] = []
-        for i in order:
-            slot, start, n = seqs[i]
-            offset = len(positions)
-            positions.extend(range(start, start + n))
-            write_slots.extend([slot] * n)
-            last[i] = offset + n - 1
-            if n > 1:
-                mask = None
-                if start > 0:
-                    # Query i (absolute position start+i) sees keys 0..start+i.
-                    q_pos = torch.arange(start, start + n, device=self.device)[:, None]
-                    mask = torch.arange(start + n, device=self.device)[None, :] <= q_pos
-                prefills.append(PrefillSpan(slot, start, n, offset, mask))
-
         dev = self.device
-        layout_kw: dict = dict(decode_slots=None, span_start=None, span_rows=0, decode_rows=None,
-                               decode_len=0, decode_mask=None)
+        for i in order:
+            s = seqs[i]
+            offset = len(positions)
+            end = s.start_pos + s.num_tokens
+            positions.extend(range(s.start_pos, end))
+            slots.extend(_slots(s.block_table, bs, s.start_pos, end))
+            first[i] = offset
+            last[i] = offset + s.num_tokens - 1
+            if s.num_tokens > 1:
+                gather = mask = None
+                if s.start_pos > 0:
+                    gather = torch.tensor(_slots(s.block_table, bs, 0, end), device=dev)
+                    q_pos = torch.arange(s.start_pos, end, device=dev)[:, None]
+                    mask = torch.arange(end, device=dev)[None, :] <= q_pos
+                prefills.append(PrefillSpan(s.start_pos, s.num_tokens, offset, gather, mask))
+
+        kw: dict = dict(decode_len=0, decode_view=None, decode_gather=None, decode_mask=None)
         if decode:
-            slots = [seqs[i][0] for i in decode]
-            lens = [seqs[i][1] + 1 for i in decode]
+            lens = [seqs[i].start_pos + 1 for i in decode]
             width = max(lens)
-            lo, hi = slots[0], slots[-1] + 1
-            if hi - lo <= 2 * len(slots):
-                # Compact enough: read the whole slot range as a view and pad the query rows of
-                # the slots that are not decoding this step (they attend to position 0 only, so
-                # their rows stay finite and are dropped afterwards).
-                row_lens = [1] * (hi - lo)
-                for s, ln in zip(slots, lens):
-                    row_lens[s - lo] = ln
-                layout_kw.update(span_start=lo, span_rows=hi - lo)
-                if hi - lo != len(slots):
-                    layout_kw["decode_rows"] = torch.tensor([s - lo for s in slots], device=dev)
+            kw["decode_len"] = width
+            table0 = seqs[decode[0]].block_table
+            nb = -(-width // bs)
+            if len(decode) == 1 and all(table0[j] == table0[0] + j for j in range(nb)):
+                kw["decode_view"] = (table0[0] * bs, width)
             else:
-                row_lens = lens
-                layout_kw.update(decode_slots=torch.tensor(slots, device=dev), span_rows=len(slots))
-            row_lens_t = torch.tensor(row_lens, device=dev)
-            layout_kw["decode_mask"] = (torch.arange(width, device=dev)[None, :] < row_lens_t[:, None])[:, None, None, :]
-            layout_kw["decode_len"] = width
+                idx: list[int] = []
+                for i, ln in zip(decode, lens):
+                    idx.extend(_slots(seqs[i].block_table, bs, 0, ln))
+                    idx.extend([0] * (width - ln))
+                kw["decode_gather"] = torch.tensor(idx, device=dev)
+                if any(ln != width for ln in lens):
+                    lt = torch.tensor(lens, device=dev)
+                    kw["decode_mask"] = (torch.arange(width, device=dev)[None, :] < lt[:, None])[:, None, None, :]
+            if self.use_flex:
+                kw["flex"] = _flex_decode_plan(self, [seqs[i] for i in decode], lens)
 
         return StepLayout(
             order=order,
+            first_token_index=first,
             last_token_index=last,
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            write_slots=torch.tensor(write_slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode=len(decode),
             prefills=prefills,
-            **layout_kw,
+            **kw,
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout) -> torch.Tensor:
@@ -193,22 +162,26 @@ class SlotKVCache:
         Returns ``[N, heads * D]`` in the step's token order.
         """
         ck, cv = self.k[layer], self.v[layer]
-        ck[layout.write_slots, :, layout.positions] = k
-        cv[layout.write_slots, :, layout.positions] = v
+        ck.index_copy_(1, layout.slot_mapping, k.transpose(0, 1))
+        cv.index_copy_(1, layout.slot_mapping, v.transpose(0, 1))
 
         n_tokens, n_heads, head_dim = q.shape
-        n_kv = ck.shape[1]
+        n_kv = ck.shape[0]
         outs: list[torch.Tensor] = []
         if layout.num_decode:
-            outs.append(self._attend_decode(ck, cv, q[: layout.num_decode], layout, n_kv))
+            if layout.flex is not None:
+                outs.append(_flex_decode(ck, cv, q[: layout.num_decode], layout.flex))
+            else:
+                outs.append(self._attend_decode(ck, cv, q[: layout.num_decode], layout, n_kv))
         for p in layout.prefills:
             qp = q[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            end = p.start_pos + p.num_tokens
-            kp = ck[p.slot, :, :end].unsqueeze(0)  # a view: [1, KV, end, D]
-            vp = cv[p.slot, :, :end].unsqueeze(0)
-            if p.mask is None:
+            if p.gather is None:
+                kp = k[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, KV, n, D]
+                vp = v[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
+                kp = ck.index_select(1, p.gather).unsqueeze(0)
+                vp = cv.index_select(1, p.gather).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             outs.append(o[0].transpose(0, 1).reshape(p.num_tokens, n_heads * head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -220,18 +193,79 @@ class SlotKVCache:
         # axis, so grouped-query attention needs neither repeat_interleave nor enable_gqa.
         qg = q.view(b, n_kv, n_heads // n_kv, head_dim)
         width = layout.decode_len
-        if layout.span_start is not None:
-            lo = layout.span_start
-            kd = ck[lo : lo + layout.span_rows, :, :width]
-            vd = cv[lo : lo + layout.span_rows, :, :width]
-            if layout.decode_rows is not None:
-                padded = qg.new_zeros((layout.span_rows, *qg.shape[1:]))
-                padded[layout.decode_rows] = qg
-                qg = padded
+        if layout.decode_view is not None:
+            s0, ln = layout.decode_view
+            kd = ck[:, s0 : s0 + ln].unsqueeze(0)
+            vd = cv[:, s0 : s0 + ln].unsqueeze(0)
         else:
-            kd = ck[layout.decode_slots, :, :width]
-            vd = cv[layout.decode_slots, :, :width]
+            kd = ck.index_select(1, layout.decode_gather).view(n_kv, b, width, head_dim).transpose(0, 1)
+            vd = cv.index_select(1, layout.decode_gather).view(n_kv, b, width, head_dim).transpose(0, 1)
         o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=layout.decode_mask)
-        if layout.decode_rows is not None:
-            o = o[layout.decode_rows]
         return o.reshape(b, n_heads * head_dim)
+
+
+def _slots(table: list[int], bs: int, start: int, end: int) -> list[int]:
+    """Cache slots of positions ``start..end-1`` for a block table."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        b, off = divmod(pos, bs)
+        n = min(bs - off, end - pos)
+        base = table[b] * bs + off
+        out.extend(range(base, base + n))
+        pos += n
+    return out
+
+
+# -- CUDA: FlexAttention over the paged pool ---------------------------------------------------
+#
+# The decode query of each sequence attends to the pool directly: a block mask built from the
+# block tables tells the kernel which pool slots belong to which sequence, so no per-step copy
+# of the cache is made. Guarded: only built when the cache lives on a CUDA device and the
+# import works; every failure falls back to the gather path above.
+
+_FLEX = None
+
+
+def _flex_available() -> bool:
+    global _FLEX
+    if _FLEX is None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            _FLEX = (torch.compile(flex_attention, dynamic=True), create_block_mask)
+        except Exception:  # pragma: no cover - depends on the torch build
+            _FLEX = False
+    return bool(_FLEX)
+
+
+def _flex_decode_plan(cache: PagedKVCache, seqs: list[SeqLayout], lens: list[int]):  # pragma: no cover - CUDA
+    _, create_block_mask = _FLEX  # type: ignore[misc]
+    dev = cache.device
+    total = cache.num_blocks * cache.block_size
+    bs = cache.block_size
+    owner = torch.full((total,), -1, dtype=torch.int32, device=dev)  # pool slot -> decode row
+    pos = torch.zeros((total,), dtype=torch.int32, device=dev)  # pool slot -> position in its sequence
+    for row, (s, ln) in enumerate(zip(seqs, lens)):
+        idx = torch.tensor(_slots(s.block_table, bs, 0, ln), device=dev)
+        owner[idx] = row
+        pos[idx] = torch.arange(ln, dtype=torch.int32, device=dev)
+    # A slot may be shared by several sequences (prefix cache): fall back when that happens.
+    shared = sum(lens) != int((owner >= 0).sum())
+    if shared:
+        return None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return owner[kv_idx] == b
+
+    block_mask = create_block_mask(mask_mod, B=len(seqs), H=None, Q_LEN=1, KV_LEN=total, device=dev,
+                                   BLOCK_SIZE=(1, bs) if bs >= 16 else 128)
+    return block_mask
+
+
+def _flex_decode(ck: torch.Tensor, cv: torch.Tensor, q: torch.Tensor, block_mask) -> torch.Tensor:  # pragma: no cover
+    flex_attention, _ = _FLEX  # type: ignore[misc]
+    b, n_heads, head_dim = q.shape
+    o = flex_attention(q[:, :, None, :], ck.unsqueeze(0).expand(b, -1, -1, -1), cv.unsqueeze(0).expand(b, -1, -1, -1),
+                       block_mask=block_mask, enable_gqa=True)
+    return o.reshape(b, n_heads * head_dim)

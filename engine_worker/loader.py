@@ -1,4 +1,11 @@
-"""Build a ready-to-run model from a catalog ``ModelSource``: GGUF files and seeded random weights.
+"""Build a ready-to-run model from a catalog ``ModelSource``: GGUF files, Hugging Face directories
+and seeded random weights.
+
+Hugging Face (``weights == "hf"``): ``config.json`` picks the architecture from the registry
+(``models/__init__.py``); ``*.safetensors`` (one file or shards listed by
+``model.safetensors.index.json``) are read through a memory map by the small reader below, so a
+tensor is paged in only when it is copied into the model. EOS ids come from
+``generation_config.json`` / ``config.json``. The tokenizer files are the gateway's business.
 
 GGUF (``weights == "gguf"``): every tensor is dequantized to fp32 with ``gguf.quants.dequantize``
 and mapped to Hugging Face names; llama.cpp stores the Q and K projections in a per-head permuted
@@ -25,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine_worker.models import config_from_hf
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from zserve.catalog import ModelSource
 
@@ -49,10 +57,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, pr
     if source.weights == "random":
         return _load_random(source, dtype, device, progress)
     if source.weights == "hf":
-        raise NotImplementedError(
-            f"model {source.model_id!r}: loading Hugging Face directories ({source.path}) is not supported yet; "
-            "serve a .gguf file, the catalog's SmolLM2-135M-Instruct, or tiny-random"
-        )
+        return _load_hf(source, dtype, device, progress)
     raise ValueError(f"model {source.model_id!r}: unknown weights format {source.weights!r}")
 
 
@@ -113,8 +118,8 @@ def eos_ids_from_metadata(meta: dict) -> list[int]:
 
 def config_from_gguf_metadata(meta: dict, *, tied: bool, vocab_size: int) -> LlamaConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in _GGUF_ARCHS:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only {', '.join(_GGUF_ARCHS)})")
 
     def get(key: str, default=None):
         v = meta.get(f"{arch}.{key}", default)
@@ -140,10 +145,17 @@ def config_from_gguf_metadata(meta: dict, *, tied: bool, vocab_size: int) -> Lla
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings=tied,
+        architecture=_GGUF_ARCHS[arch],
+        attention_bias=arch == "qwen2",
+        num_experts=int(meta.get(f"{arch}.expert_count", 0)),
+        num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count", 0)),
     )
 
 
 # -- GGUF tensors -------------------------------------------------------------------------------
+
+# llama.cpp architecture -> the registry's; llama.cpp files Mistral and Mixtral as "llama".
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -160,16 +172,36 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "block_sparse_moe.gate",
 }
+# Stacked expert tensors [E, rows, cols] -> per-expert HF names (Mixtral's w1/w3/w2).
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 
 
 def hf_name_for_gguf(name: str) -> str:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    parts = name.split(".")  # blk.<i>.<kind>.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
-    raise NotImplementedError(f"GGUF tensor {name!r} is not supported by the Llama loader")
+    parts = name.split(".")  # blk.<i>.<kind>.weight|bias
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise NotImplementedError(f"GGUF tensor {name!r} is not supported by the Llama-family loader")
+
+
+def _gguf_tensors(name: str, w: torch.Tensor, cfg: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors for one GGUF tensor (expert stacks split into one tensor per expert)."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERT_NAMES:
+        for e in range(w.shape[0]):
+            yield f"model.layers.{parts[1]}.block_sparse_moe.experts.{e}.{_GGUF_EXPERT_NAMES[parts[2]]}.weight", w[e]
+        return
+    hf = hf_name_for_gguf(name)
+    # llama.cpp permutes Q/K rows only for its "llama" architecture (interleaved RoPE).
+    if cfg.architecture in ("LlamaForCausalLM",):
+        if parts[-2] == "attn_q":
+            w = unpermute_qk(w, cfg.num_heads)
+        elif parts[-2] == "attn_k":
+            w = unpermute_qk(w, cfg.num_kv_heads)
+    yield hf, w
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -203,18 +235,163 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, pr
             # F32 tensors come back as read-only views of the mmapped file: copy them.
             arr = np.asarray(arr, dtype=np.float32)
             w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-            hf = hf_name_for_gguf(name)
-            if name.endswith("attn_q.weight"):
-                w = unpermute_qk(w, cfg.num_heads)
-            elif name.endswith("attn_k.weight"):
-                w = unpermute_qk(w, cfg.num_kv_heads)
-            yield hf, w
+            yield from _gguf_tensors(name, w, cfg)
             if progress is not None:
                 progress("load", i + 1, total)
 
     model.load_weights(weights())
     model.eval()
     return LoadedModel(model, cfg, eos_ids_from_metadata(meta), cfg.vocab_size, source.model_id)
+
+
+# -- Hugging Face directories ------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsFile:
+    """Read-only, memory-mapped view of one ``.safetensors`` file (8-byte header size, a JSON
+    header of ``name -> dtype, shape, data_offsets``, then the raw little-endian data)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if len(self._mm) < 8:
+            raise ValueError(f"{self.path} is not a safetensors file (too short)")
+        (n,) = struct.unpack_from("<Q", self._mm, 0)
+        if n > len(self._mm) - 8 or n > 100 << 20:
+            raise ValueError(f"{self.path} is not a safetensors file (bad header size)")
+        import json
+
+        try:
+            header = json.loads(bytes(self._mm[8 : 8 + n]))
+        except ValueError as e:
+            raise ValueError(f"{self.path}: unreadable safetensors header: {e}") from None
+        header.pop("__metadata__", None)
+        self._base = 8 + n
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            dt = _SAFETENSORS_DTYPES.get(e.get("dtype"))
+            if dt is None:
+                raise NotImplementedError(f"{self.path}: tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
+            begin, end = e["data_offsets"]
+            shape = tuple(int(x) for x in e["shape"])
+            if self._base + end > len(self._mm) or end - begin != _numel(shape) * torch.empty((), dtype=dt).element_size():
+                raise ValueError(f"{self.path}: tensor {name!r} lies outside the file or has the wrong size")
+            self.entries[name] = (dt, shape, self._base + begin, end - begin)
+
+    def get(self, name: str) -> torch.Tensor:
+        dt, shape, offset, nbytes = self.entries[name]
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dt)
+        import warnings
+
+        with warnings.catch_warnings():  # the map is read-only; the tensor is only ever copied from
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._mm, dtype=dt, count=nbytes // torch.empty((), dtype=dt).element_size(), offset=offset)
+        return flat.view(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _hf_weight_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{root}: shards listed in model.safetensors.index.json are missing: {missing[:3]}")
+        return [root / s for s in shards]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root} has no *.safetensors weights (only safetensors are supported, not .bin)")
+    return files
+
+
+def _hf_name(name: str) -> str | None:
+    """The registry's name for a checkpoint tensor; None for tensors that are not weights."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    # transformers >= 5 saves Mixtral's MoE under mlp.* with stacked experts; handled by the caller.
+    return name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+
+
+def _hf_tensors(name: str, t: torch.Tensor, cfg: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if name.endswith(".mlp.experts.gate_up_proj"):  # [E, 2I, H], stacked by transformers >= 5
+        prefix = name.removesuffix("mlp.experts.gate_up_proj") + "block_sparse_moe.experts."
+        inter = cfg.intermediate_size
+        for e in range(t.shape[0]):
+            yield f"{prefix}{e}.w1.weight", t[e, :inter]
+            yield f"{prefix}{e}.w3.weight", t[e, inter:]
+        return
+    if name.endswith(".mlp.experts.down_proj"):  # [E, H, I]
+        prefix = name.removesuffix("mlp.experts.down_proj") + "block_sparse_moe.experts."
+        for e in range(t.shape[0]):
+            yield f"{prefix}{e}.w2.weight", t[e]
+        return
+    hf = _hf_name(name)
+    if hf is not None:
+        yield hf, t
+
+
+def _hf_eos_ids(root: Path, config: dict) -> list[int]:
+    import json
+
+    for f in (root / "generation_config.json", None):
+        d = json.loads(f.read_text()) if f is not None and f.is_file() else config if f is None else None
+        if d is None:
+            continue
+        eos = d.get("eos_token_id")
+        if isinstance(eos, int):
+            return [eos]
+        if isinstance(eos, list) and eos and all(isinstance(x, int) for x in eos):
+            return list(dict.fromkeys(eos))
+    return [DEFAULT_EOS_TOKEN_ID]
+
+
+def _load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None) -> LoadedModel:
+    import json
+
+    root = Path(source.path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"model {source.model_id!r}: {root} has no config.json")
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"model {source.model_id!r}: {root}/config.json is not JSON: {e}") from None
+    cfg = config_from_hf(config)
+    files = [SafetensorsFile(f) for f in _hf_weight_files(root)]
+    names = {n for f in files for n in f.entries}
+    if cfg.tie_word_embeddings and "lm_head.weight" in names:
+        names.discard("lm_head.weight")  # some tied checkpoints store the copy too
+    model = LlamaForCausalLM(cfg, dtype, device)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        total = sum(len(f.entries) for f in files)
+        done = 0
+        for f in files:
+            for name in f.entries:
+                done += 1
+                if name in names:
+                    yield from _hf_tensors(name, f.get(name), cfg)
+                if progress is not None:
+                    progress("load", done, total)
+
+    model.load_weights(weights())
+    model.eval()
+    return LoadedModel(model, cfg, _hf_eos_ids(root, config), cfg.vocab_size, source.model_id)
 
 
 # -- random weights -----------------------------------------------------------------------------

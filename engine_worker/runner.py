@@ -1,9 +1,14 @@
 """The model runner: one forward pass over every scheduled sequence, then sampling.
 
-This is the boundary between the scheduler (which decides *which* sequences run and owns their
-token lists) and the tensors. Each ``execute`` call flattens all sequences of the step (prefill
-chunks and decodes mixed) into one token batch, runs the model once, computes logits only for
-the rows that sample, and samples them all together.
+This is the boundary between the scheduler (which decides *which* sequences run, owns their
+token lists and their KV blocks) and the tensors. Each ``execute`` call flattens all sequences
+of the step (prefill chunks and decodes mixed) into one token batch, runs the model once,
+computes logits only for the rows that are sampled (or asked for prompt logprobs), and samples
+them all together.
+
+The runner owns the paged KV cache and sizes it (``kv_cache_bytes`` or enough for
+``max_num_seqs`` full-length requests); the ``BlockManager`` that hands out its blocks lives here
+too so that every user (scheduler, stats) sees one pool.
 """
 
 from __future__ import annotations
@@ -13,42 +18,50 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_worker.kv_cache import SlotKVCache
+from engine_worker.block_manager import BlockManager
+from engine_worker.kv_cache import PagedKVCache, SeqLayout
 from engine_worker.loader import LoadedModel
-from engine_worker.sampler import SampleOut, Sampler
+from engine_worker.sampler import PromptLogprobs, SampleOut, Sampler
 from protocol.messages import SamplingParams
 
-__all__ = ["ModelRunner", "SampleOut", "SeqInput"]
+__all__ = ["ModelRunner", "PromptLogprobs", "SampleOut", "SeqInput"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16
+# Without --kv-cache-memory the pool holds max_num_seqs full-length requests, but never more
+# than this share of the free memory (several engines may share a host).
+DEFAULT_MAX_MEMORY_FRACTION = 0.25
 
 
 @dataclass
 class SeqInput:
-    slot: int  # KV slot the sequence owns
-    new_token_ids: list[int]  # whole prompt / a chunk of it on prefill, [last] on decode
+    block_table: list[int]  # KV blocks of the sequence, covering start_pos + len(new_token_ids)
+    new_token_ids: list[int]  # a prompt chunk on prefill (or recompute), [last] on decode
     start_pos: int  # tokens of this sequence already in the KV cache
     sampling: SamplingParams
     past_output_ids: list[int] = field(default_factory=list)  # generated so far (penalties, min_tokens)
-    prompt_ids: list[int] = field(default_factory=list)  # full prompt (repetition penalty)
+    prompt_ids: list[int] = field(default_factory=list)  # full prompt (repetition penalty, prompt logprobs)
     sample: bool = True  # False for a non-final prefill chunk: fill the cache, sample nothing
-    generator: torch.Generator | None = None  # seeded requests; filled in by the runner if None
+    generator: torch.Generator | None = None  # seeded requests: the request's own generator
+    # Prompt logprobs of the tokens following the first ``prompt_logprobs_rows`` new tokens.
+    prompt_logprobs_rows: int = 0
 
 
 class ModelRunner:
-    """Owns the model, its KV cache and the sampler for one engine; the scheduler drives it.
+    """Owns the model, its paged KV cache, the block manager and the sampler for one engine."""
 
-    Slots come from ``allocate_slot`` (None when full) and go back with ``free_slot``. Every
-    ``execute`` is one forward pass over all given sequences; it returns, per sequence, the token
-    sampled after its last new token (or None when ``sample`` is False).
-    """
-
-    def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int, max_model_len: int):
+    def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
+                 max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_bytes: int | None = None,
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True):
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {cfg.max_position_embeddings}")
-        if max_num_seqs < 1 or max_model_len < 1:
-            raise ValueError("max_num_seqs and max_model_len must be positive")
+        if cfg.sliding_window is not None and max_model_len > cfg.sliding_window:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding window of {cfg.sliding_window}; "
+                             "sliding-window attention is not implemented, so serve at most that context")
+        if max_num_seqs < 1 or max_model_len < 1 or block_size < 1:
+            raise ValueError("max_num_seqs, max_model_len and block_size must be positive")
         model = loaded.model
         if not model.packed:
             model.to(device=device, dtype=dtype)  # a no-op when the loader already used these
@@ -68,24 +81,35 @@ class ModelRunner:
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.model_id = loaded.model_id
-        self.kv = SlotKVCache(cfg.num_layers, max_num_seqs, cfg.num_kv_heads, max_model_len, cfg.head_dim, dtype, device)
+        self.block_size = block_size
+
+        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if num_blocks is None:
+            if kv_cache_bytes is None:
+                from engine_worker.device import free_memory_bytes
+
+                want = max_num_seqs * -(-max_model_len // block_size)
+                cap = int(DEFAULT_MAX_MEMORY_FRACTION * free_memory_bytes(device)) // per_block
+                num_blocks = max(1, min(want, cap))
+            else:
+                num_blocks = kv_cache_bytes // per_block
+        if num_blocks * block_size < max_model_len:
+            need = -(-max_model_len // block_size) * per_block
+            raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
+                             f"max_model_len={max_model_len} request; give --kv-cache-memory at least {need} bytes")
+        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv_cache_bytes = num_blocks * per_block
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, device)
-        # Generators of seeded requests whose SeqInput came without one, kept per slot.
-        self._slot_generators: dict[int, torch.Generator] = {}
 
-    # -- slots ---------------------------------------------------------------------------------
-
-    def allocate_slot(self) -> int | None:
-        return self.kv.allocate()
-
-    def free_slot(self, slot: int) -> None:
-        self.kv.free(slot)
-        self._slot_generators.pop(slot, None)
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
 
     @property
     def kv_used(self) -> float:
-        """Fraction of KV capacity in use (for EngineStats)."""
-        return self.kv.num_used / self.max_num_seqs
+        """Fraction of KV blocks held by requests (for EngineStats)."""
+        return self.block_manager.num_used / self.block_manager.num_blocks
 
     def make_generator(self, seed: int) -> torch.Generator:
         return self.sampler.make_generator(seed)
@@ -94,39 +118,53 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> list[SampleOut | None]:
-        """Run every sequence through the model in one forward pass; None where ``sample`` is False."""
+        """Run every sequence through the model in one forward pass.
+
+        Per sequence: its sampled token (``sample``) and/or its prompt logprobs
+        (``prompt_logprobs_rows``), or None when neither was asked for.
+        """
         if not seqs:
             return []
         for s in seqs:
             if not s.new_token_ids:
-                raise ValueError(f"slot {s.slot}: no new tokens to run")
-        layout = self.kv.plan([(s.slot, s.start_pos, len(s.new_token_ids)) for s in seqs])
+                raise ValueError("a scheduled sequence has no new tokens to run")
+            if s.start_pos + len(s.new_token_ids) > self.max_model_len:
+                raise ValueError(f"{s.start_pos} cached + {len(s.new_token_ids)} new tokens exceed "
+                                 f"max_model_len={self.max_model_len}")
+        layout = self.kv.plan([SeqLayout(s.block_table, s.start_pos, len(s.new_token_ids)) for s in seqs])
         flat: list[int] = []
         for i in layout.order:
             flat.extend(seqs[i].new_token_ids)
-        ids = torch.tensor(flat, dtype=torch.long)
         if min(flat) < 0 or max(flat) >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        ids = torch.tensor(flat, dtype=torch.long)
         hidden = self.model(ids.to(self.device), layout, self.kv)
 
         sampled = [i for i, s in enumerate(seqs) if s.sample]
+        with_prompt = [i for i, s in enumerate(seqs) if s.prompt_logprobs_rows > 0]
         results: list[SampleOut | None] = [None] * len(seqs)
-        if not sampled:
+        if not sampled and not with_prompt:
             return results
-        rows = torch.tensor([layout.last_token_index[i] for i in sampled], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        for i in sampled:
-            self._ensure_generator(seqs[i])
-        for i, out in zip(sampled, self.sampler.sample(logits, [seqs[i] for i in sampled])):
-            results[i] = out
-        return results
+        rows = [layout.last_token_index[i] for i in sampled]
+        for i in with_prompt:
+            first = layout.first_token_index[i]
+            rows.extend(range(first, first + seqs[i].prompt_logprobs_rows))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
-    def _ensure_generator(self, seq: SeqInput) -> None:
-        """Give a seeded sequence its generator, created from the seed on its first sampled token."""
-        if seq.generator is not None or seq.sampling.seed is None:
-            return
-        gen = self._slot_generators.get(seq.slot)
-        if gen is None or not seq.past_output_ids:  # a new request in this slot starts afresh
-            gen = self.make_generator(seq.sampling.seed)
-            self._slot_generators[seq.slot] = gen
-        seq.generator = gen
+        if sampled:
+            outs = self.sampler.sample(logits[: len(sampled)], [seqs[i] for i in sampled])
+            for i, out in zip(sampled, outs):
+                results[i] = out
+        at = len(sampled)
+        for i in with_prompt:
+            s = seqs[i]
+            n = s.prompt_logprobs_rows
+            # Row j predicts the prompt token after new token j.
+            pos = s.start_pos
+            targets = s.prompt_ids[pos + 1 : pos + 1 + n]
+            plp = self.sampler.prompt_logprobs(logits[at : at + n], targets, s.sampling.prompt_logprobs or 0)
+            at += n
+            if results[i] is None:
+                results[i] = SampleOut(None, None, None, None)
+            results[i].prompt = plp  # type: ignore[union-attr]
+        return results

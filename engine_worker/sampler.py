@@ -12,6 +12,10 @@ Order of operations (as vLLM's V1 sampler does):
    which picks token i with probability probs[i]. A seeded request draws ``q`` from its own
    ``torch.Generator``, so its tokens do not depend on its batch mates; unseeded rows share one.
 
+Prompt logprobs (``prompt_logprobs=k``) are ``log_softmax`` of the raw logits at each prompt
+position, for the prompt token that follows it, plus the top k: the model's own distribution,
+untouched by the request's sampling settings (as vLLM reports them).
+
 Logprobs (our choice, documented for the API layer): ``log_softmax`` of the logits after steps
 1, 2 and temperature, *before* top-k/top-p/min-p truncation. That is the model's distribution as
 shaped by the request's penalties and temperature: the sampled token's logprob is finite even
@@ -42,11 +46,21 @@ class SamplingRow(Protocol):
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens (each given the tokens before it)."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]  # per token, the k most likely ids, best first
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class SampleOut:
-    token_id: int
+    token_id: int | None  # None when only prompt logprobs were computed (a non-final chunk)
     logprob: float | None  # None unless the request asked for logprobs
     top_ids: list[int] | None  # the ``logprobs`` most likely ids, best first
     top_logprobs: list[float] | None
+    prompt: PromptLogprobs | None = None
 
 
 def _pad(rows: list[Sequence[int]], fill: int, device: torch.device) -> torch.Tensor:
@@ -126,6 +140,15 @@ class Sampler:
                 outs[i].top_ids = top_i[j, :k].tolist() if k else []
                 outs[i].top_logprobs = top_v[j, :k].tolist() if k else []
         return outs
+
+    def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int], k: int) -> PromptLogprobs:
+        """Row j of ``logits`` ([n, V], raw) scored against prompt token ``targets[j]``."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(list(targets), device=lp.device)[:, None])[:, 0].tolist()
+        if k:
+            top_v, top_i = lp.topk(k, dim=-1)
+            return PromptLogprobs(chosen, top_i.tolist(), top_v.tolist())
+        return PromptLogprobs(chosen, [[] for _ in chosen], [[] for _ in chosen])
 
     # -- steps ---------------------------------------------------------------------------------
 

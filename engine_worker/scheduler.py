@@ -1,9 +1,24 @@
-"""Continuous batching: which sequences run in the next forward pass, and what their results mean.
+"""Continuous batching over the paged KV cache: which sequences run in the next forward pass.
 
-Every step the scheduler takes one decode token from each running sequence, then fills the rest
-of the per-step token budget with prompt chunks (chunked prefill), so a long prompt never stalls
-the streams that are already decoding. Requests join when a KV slot frees up and leave the moment
-they finish; the runner never sees a request twice in one step.
+Every step, within a token budget (``max_num_batched_tokens``):
+
+1. each running sequence that is decoding feeds its one new token (decodes go first, so a long
+   prompt never stalls the streams already flowing);
+2. running sequences still in prefill feed their next prompt chunk (chunked prefill);
+3. waiting requests are admitted first come, first served while there is budget, a free
+   sequence slot (``max_num_seqs``) and KV blocks. A request whose prompt starts with cached
+   blocks (automatic prefix caching) takes them and prefills only the rest.
+
+When a running sequence needs a KV block and none is free, the newest running sequence not yet
+scheduled this step is *preempted*: its blocks are freed and it goes back to the front of the
+queue with its generated tokens. When it is admitted again it recomputes prompt + output (its
+own blocks are often still in the prefix cache), then continues exactly where it stopped: the
+sample at the end of the recompute is the next token, drawn from the request's own generator,
+so preemption changes no output.
+
+Requests with the same prompt (``n > 1`` fanned out by the gateway) share the prompt's full
+blocks: a request whose next uncached block is being computed by a running request waits one
+step until that block is cached, instead of computing it twice.
 
 The scheduler is pure bookkeeping — no sockets, no tensors — so it can be tested in-process.
 """
@@ -11,25 +26,29 @@ The scheduler is pure bookkeeping — no sockets, no tensors — so it can be te
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from protocol import RequestOutput, SamplingParams, TopLogprobs
 
+from .block_manager import BlockManager, block_hashes
 from .runner import SampleOut, SeqInput
 
+STATS_WINDOW = 64  # steps averaged for tokens_per_step
 
-class SlotAllocator(Protocol):
+
+class Executor(Protocol):
+    """What the scheduler needs of the runner (``ModelRunner`` has these)."""
+
     max_model_len: int
     eos_token_ids: list[int]
+    block_manager: BlockManager
 
-    def allocate_slot(self) -> int | None: ...
-    def free_slot(self, slot: int) -> None: ...
     def make_generator(self, seed: int): ...
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One request inside the engine."""
 
@@ -40,9 +59,20 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already in the KV cache
-    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, cached blocks
     generator: object | None = None
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+    preempted: bool = False  # waiting to be recomputed
+    prompt_block_hashes: list[int] = field(default_factory=list)
+    # Prompt logprobs gathered chunk by chunk until they go out with the first token.
+    prompt_lps: list[float] | None = None
+    prompt_top_ids: list[int] | None = None
+    prompt_top_lps: list[float] | None = None
+    admitted_once: bool = False
+    inflight: set[int] = field(default_factory=set)  # its prompt-block hashes counted in Scheduler._inflight
 
     @property
     def total_len(self) -> int:
@@ -51,6 +81,20 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not yet sent (they go out with the first token)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start..end-1`` of prompt + output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
 
 @dataclass
@@ -64,15 +108,23 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, runner: SlotAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, runner: Executor, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
+        self.blocks: BlockManager = runner.block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
+        # Hashes of full prompt blocks that running sequences are computing right now.
+        self._inflight: Counter[int] = Counter()
         self.generated_tokens = 0
+        self.prompt_tokens = 0
         self.steps = 0
+        self.preemptions = 0
+        self._recent_tokens: deque[int] = deque(maxlen=STATS_WINDOW)
 
     # -- admission ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> str | None:
@@ -82,6 +134,10 @@ class Scheduler:
         max_len = self.runner.max_model_len
         if len(seq.prompt_ids) >= max_len:
             return f"prompt has {len(seq.prompt_ids)} tokens; this engine's context is {max_len}"
+        if self.blocks.enable_prefix_caching:
+            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.blocks.block_size)
+        if seq.sampling.seed is not None and seq.generator is None:
+            seq.generator = self.runner.make_generator(seq.sampling.seed)
         self.waiting.append(seq)
         self.by_id[seq.request_id] = seq
         return None
@@ -109,77 +165,195 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def num_preempted(self) -> int:
+        return sum(1 for s in self.waiting if s.preempted)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(self._recent_tokens) / len(self._recent_tokens) if self._recent_tokens else 0.0
+
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        inputs: list[SeqInput] = []
-        # Decodes first: one token each, so streams keep flowing whatever arrives.
-        for seq in self.running:
-            if not seq.in_prefill and budget > 0:
-                seqs.append(seq)
-                inputs.append(self._input(seq, [seq.output_ids[-1]], sample=True))
-                budget -= 1
-        # Admit waiting requests into free slots (FCFS).
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            slot = self.runner.allocate_slot()
-            if slot is None:
+        chosen: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, new tokens), in order
+        preempted_now = False
+
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if budget <= 0:
+                    break
+                if seq not in self.running or id(seq) in chosen:
+                    continue  # preempted in this loop, or already scheduled
+                left = seq.total_len - seq.num_computed
+                if (left == 1) != decoding:
+                    continue
+                n = min(left, budget)
+                if not self._reserve(seq, n, chosen):
+                    preempted_now = True
+                    continue
+                chosen[id(seq)] = (seq, n)
+                budget -= n
+
+        # Admit newcomers only when nothing had to be preempted: otherwise they would take the
+        # blocks the preempted sequence needs back.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n is None:
                 break
-            seq = self.waiting.popleft()
-            seq.slot = slot
-            if seq.sampling.seed is not None:
-                seq.generator = self.runner.make_generator(seq.sampling.seed)
+            self.waiting.popleft()
             self.running.append(seq)
-        # Then prompt chunks, oldest first, within what is left of the budget.
-        for seq in self.running:
-            if seq.in_prefill and budget > 0:
-                chunk = seq.prompt_ids[seq.num_computed : seq.num_computed + budget]
-                last = seq.num_computed + len(chunk) == len(seq.prompt_ids)
-                seqs.append(seq)
-                inputs.append(self._input(seq, chunk, sample=last))
-                budget -= len(chunk)
+            chosen[id(seq)] = (seq, n)
+            budget -= n
+
+        seqs = [s for s, _ in chosen.values()]
+        inputs = [self._input(s, n) for s, n in chosen.values()]
         return ScheduledStep(seqs, inputs)
 
-    def _input(self, seq: Sequence, tokens: list[int], sample: bool) -> SeqInput:
+    def _reserve(self, seq: Sequence, n: int, chosen: dict[int, tuple[Sequence, int]]) -> bool:
+        """Give ``seq`` the blocks for ``n`` more tokens, preempting the newest unscheduled
+        running sequences while none are free. False when ``seq`` itself was preempted."""
+        need = self.blocks.blocks_needed(seq.num_computed + n) - len(seq.block_table)
+        while need > 0 and not self.blocks.can_allocate(need):
+            victim = next((s for s in reversed(self.running) if id(s) not in chosen), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Take cached blocks and allocate the first chunk of a waiting sequence; return its
+        token count, or None when it must wait (no blocks, or its prefix is being computed)."""
+        bm = self.blocks
+        use_cache = bm.enable_prefix_caching and not seq.wants_prompt_logprobs
+        all_tokens = seq.tokens(0, seq.total_len)
+        hit = bm.lookup(all_tokens, seq.total_len - 1) if use_cache else []
+        hashes = seq.prompt_block_hashes
+        if use_cache and len(hit) < len(hashes) and self._inflight[hashes[len(hit)]] > 0:
+            return None  # a running request is computing this very block: share it next step
+        cached = len(hit) * bm.block_size
+        n = min(seq.total_len - cached, budget)
+        need = bm.blocks_needed(cached + n) - len(hit)
+        if not bm.can_allocate(need, hit):
+            return None
+        bm.take(hit)
+        seq.block_table = hit + bm.allocate(need)
+        seq.block_hashes = block_hashes(all_tokens[:cached], bm.block_size) if hit else []
+        seq.num_computed = cached
+        if not seq.admitted_once:
+            seq.admitted_once = True
+            seq.num_cached_tokens = cached
+            if use_cache:
+                bm.record_lookup(len(seq.prompt_ids), min(cached, len(seq.prompt_ids)))
+        if seq.wants_prompt_logprobs:
+            seq.prompt_lps, seq.prompt_top_ids, seq.prompt_top_lps = [], [], []
+        if use_cache:
+            for h in hashes[len(hit):]:
+                if h not in seq.inflight:
+                    seq.inflight.add(h)
+                    self._inflight[h] += 1
+        seq.preempted = False
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.preempted = True
+        seq.num_preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _input(self, seq: Sequence, n: int) -> SeqInput:
+        start = seq.num_computed
+        end = start + n
+        prompt_rows = 0
+        if seq.wants_prompt_logprobs:
+            prompt_rows = max(0, min(end, len(seq.prompt_ids) - 1) - start)
         return SeqInput(
-            slot=seq.slot,  # type: ignore[arg-type]
-            new_token_ids=tokens,
-            start_pos=seq.num_computed,
+            block_table=seq.block_table,
+            new_token_ids=seq.tokens(start, end),
+            start_pos=start,
             sampling=seq.sampling,
             past_output_ids=seq.output_ids,
             prompt_ids=seq.prompt_ids,
-            sample=sample,
+            sample=end == seq.total_len,
             generator=seq.generator,  # type: ignore[arg-type]
+            prompt_logprobs_rows=prompt_rows,
         )
 
     def update(self, step: ScheduledStep, results: list[SampleOut | None]) -> list[tuple[Sequence, RequestOutput]]:
         """Apply one step's samples; return the output of every sequence that produced one."""
         self.steps += 1
+        self._recent_tokens.append(step.num_tokens)
         outputs: list[tuple[Sequence, RequestOutput]] = []
         for seq, inp, res in zip(step.seqs, step.inputs, results):
-            seq.num_computed += len(inp.new_token_ids)
-            if res is None:
+            if seq.finish_reason is not None or seq.request_id not in self.by_id:
+                continue  # aborted between schedule and update
+            n = len(inp.new_token_ids)
+            if seq.num_computed < len(seq.prompt_ids):
+                self.prompt_tokens += min(n, len(seq.prompt_ids) - seq.num_computed)
+            seq.num_computed += n
+            self._cache_full_blocks(seq)
+            if res is not None and res.prompt is not None and seq.prompt_lps is not None:
+                seq.prompt_lps.extend(res.prompt.logprobs)
+                for ids, lps in zip(res.prompt.top_ids, res.prompt.top_logprobs):
+                    seq.prompt_top_ids.extend(ids)  # type: ignore[union-attr]
+                    seq.prompt_top_lps.extend(lps)  # type: ignore[union-attr]
+            if res is None or res.token_id is None:
                 continue
-            seq.output_ids.append(res.token_id)
-            self.generated_tokens += 1
-            seq.finish_reason = self._finish_reason(seq, res.token_id)
-            top = None
-            if res.top_ids is not None and seq.sampling.logprobs:
-                top = TopLogprobs(len(res.top_ids), tuple(res.top_ids), tuple(res.top_logprobs or ()))
-            out = RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=(res.token_id,),
-                finish_reason=seq.finish_reason,
-                logprobs=(res.logprob,) if seq.sampling.logprobs is not None and res.logprob is not None else None,
-                top_logprobs=top,
-                num_prompt_tokens=len(seq.prompt_ids) if len(seq.output_ids) == 1 else 0,
-            )
-            outputs.append((seq, out))
+            outputs.append((seq, self._emit(seq, res)))
             if seq.finish_reason is not None:
                 self.running.remove(seq)
                 self.by_id.pop(seq.request_id, None)
                 self._release(seq)
         return outputs
+
+    def _emit(self, seq: Sequence, res: SampleOut) -> RequestOutput:
+        first = not seq.output_ids
+        seq.output_ids.append(res.token_id)  # type: ignore[arg-type]
+        self.generated_tokens += 1
+        seq.finish_reason = self._finish_reason(seq, res.token_id)  # type: ignore[arg-type]
+        sp = seq.sampling
+        top = None
+        if res.top_ids is not None and sp.logprobs:
+            top = TopLogprobs(len(res.top_ids), tuple(res.top_ids), tuple(res.top_logprobs or ()))
+        prompt_lp = prompt_top = None
+        if first and sp.prompt_logprobs is not None and seq.prompt_lps is not None:
+            prompt_lp = tuple(seq.prompt_lps)
+            if sp.prompt_logprobs:
+                prompt_top = TopLogprobs(sp.prompt_logprobs, tuple(seq.prompt_top_ids or ()), tuple(seq.prompt_top_lps or ()))
+            seq.prompt_lps = seq.prompt_top_ids = seq.prompt_top_lps = None
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=(res.token_id,),  # type: ignore[arg-type]
+            finish_reason=seq.finish_reason,
+            logprobs=(res.logprob,) if sp.logprobs is not None and res.logprob is not None else None,
+            top_logprobs=top,
+            num_prompt_tokens=len(seq.prompt_ids) if first else 0,
+            prompt_logprobs=prompt_lp,
+            prompt_top_logprobs=prompt_top,
+            num_cached_tokens=seq.num_cached_tokens if first else 0,
+        )
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks this step filled, so later requests can reuse them."""
+        bm = self.blocks
+        if not bm.enable_prefix_caching:
+            return
+        bs = bm.block_size
+        while len(seq.block_hashes) < seq.num_computed // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = bm.register(seq.block_table[i], parent, tuple(seq.tokens(i * bs, (i + 1) * bs)))
+            seq.block_hashes.append(h)
+            if h in seq.inflight:
+                self._drop_inflight(seq, h)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling
@@ -194,6 +368,33 @@ class Scheduler:
         return None
 
     def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self.runner.free_slot(seq.slot)
-            seq.slot = None
+        """Free a sequence's blocks (cached ones stay findable) and forget its in-flight hashes."""
+        if seq.block_table:
+            self.blocks.free(seq.block_table)
+        for h in list(seq.inflight):
+            self._drop_inflight(seq, h)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def _drop_inflight(self, seq: Sequence, h: int) -> None:
+        seq.inflight.discard(h)
+        self._inflight[h] -= 1
+        if self._inflight[h] <= 0:
+            del self._inflight[h]
+
+
+def run_until_done(scheduler: Scheduler, runner, on_step=None) -> dict[str, list[RequestOutput]]:
+    """Step ``scheduler`` with ``runner`` until every request has finished; the outputs per
+    request id. For offline use (tests, benchmarks) — the server has its own loop.
+    ``on_step(scheduler)`` is called before each step (e.g. to add requests mid-flight)."""
+    outs: dict[str, list[RequestOutput]] = {}
+    while True:
+        if on_step is not None:
+            on_step(scheduler)
+        if not scheduler.has_work:
+            return outs
+        step = scheduler.schedule()
+        if not step.seqs:
+            raise RuntimeError("the scheduler has work but scheduled nothing (not enough KV blocks?)")
+        for seq, out in scheduler.update(step, runner.execute(step.inputs)):
+            outs.setdefault(seq.request_id, []).append(out)

@@ -142,6 +142,7 @@ class EngineServer:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        bm = self.runner.block_manager
         return EngineStats(
             rank=self.rank,
             running=len(s.running),
@@ -150,6 +151,14 @@ class EngineServer:
             generated_tokens=s.generated_tokens,
             steps=s.steps,
             timestamp=time.time(),
+            preempted=s.num_preempted,
+            preemptions=s.preemptions,
+            kv_blocks_used=bm.num_used,
+            kv_blocks_total=bm.num_blocks,
+            prefix_cache_hit_rate=min(1.0, max(0.0, bm.hit_rate)),
+            prefix_cache_hits=bm.hits,
+            prompt_tokens=s.prompt_tokens,
+            tokens_per_step=float(s.tokens_per_step),
         )
 
     def publish_stats(self) -> None:
@@ -212,7 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", type=int, default=None, help="CUDA device index (None: the default choice)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (decodes + prompt chunks)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size: bytes (2GiB, 512MB, 1073741824) or a fraction of free device memory "
+                        "(0.3); default: max-num-seqs full-length requests, at most 25%% of free memory")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of shared prompt prefixes across requests")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     set_title(f"zserve: engine {a.rank}")
     setup_logging(f"engine {a.rank}")
 
-    from .device import configure_cpu_threads, resolve_dtype, select_device
+    from .device import configure_cpu_threads, parse_memory, resolve_dtype, select_device
     from .loader import load_model
     from .runner import ModelRunner
 
@@ -236,8 +252,12 @@ def main(argv: list[str] | None = None) -> None:
         configure_cpu_threads(a.threads)
     t0 = time.monotonic()
     loaded = load_model(source, dtype, device, progress=_progress)
-    max_model_len = min(a.max_model_len, loaded.config.max_position_embeddings)
-    runner = ModelRunner(loaded, device, dtype, a.max_num_seqs, max_model_len)
+    max_model_len = min(a.max_model_len, loaded.config.max_position_embeddings, loaded.config.sliding_window or 1 << 30)
+    kv_bytes = parse_memory(a.kv_cache_memory, device) if a.kv_cache_memory is not None else None
+    runner = ModelRunner(loaded, device, dtype, a.max_num_seqs, max_model_len, block_size=a.block_size,
+                         kv_cache_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching)
+    log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s", a.rank, runner.num_blocks,
+             a.block_size, runner.kv_cache_bytes / (1 << 20), "on" if a.enable_prefix_caching else "off")
     scheduler = Scheduler(runner, a.max_num_seqs, max(a.max_num_batched_tokens, a.max_num_seqs))
     hello = EngineHello(
         rank=a.rank,

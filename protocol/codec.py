@@ -1,7 +1,8 @@
 """Encode messages to ZeroMQ multipart frames and decode them back, validating everything.
 
 Frame 0 is an orjson header ``{"v": PROTOCOL_VERSION, "t": <type>, ...fields}``. Token ids and
-logprobs follow as raw little-endian int32 / float32 frames, so a 4k-token prompt costs one
+logprobs follow as raw little-endian int32 / float32 frames (StepOutputs: tokens, logprobs, top
+ids, top logprobs, then the same three for prompt logprobs), so a 4k-token prompt costs one
 memcpy instead of a JSON array. Nothing here can execute code from a frame: no pickle, no eval.
 """
 
@@ -73,6 +74,7 @@ def _header(msg: Message, body: dict) -> bytes:
 
 def _encode_outputs(msg: StepOutputs) -> list[bytes]:
     items, toks, lps, top_ids, top_lps = [], [], [], [], []
+    plps, ptop_ids, ptop_lps = [], [], []
     for o in msg.outputs:
         item: dict = {"rid": o.request_id, "n": len(o.new_token_ids)}
         if o.finish_reason is not None:
@@ -88,10 +90,20 @@ def _encode_outputs(msg: StepOutputs) -> list[bytes]:
             item["k"] = o.top_logprobs.k
             top_ids.extend(o.top_logprobs.token_ids)
             top_lps.extend(o.top_logprobs.logprobs)
+        if o.num_cached_tokens:
+            item["nc"] = o.num_cached_tokens
+        if o.prompt_logprobs is not None:
+            item["plp"] = len(o.prompt_logprobs)
+            plps.extend(o.prompt_logprobs)
+        if o.prompt_top_logprobs is not None:
+            item["pk"] = o.prompt_top_logprobs.k
+            ptop_ids.extend(o.prompt_top_logprobs.token_ids)
+            ptop_lps.extend(o.prompt_top_logprobs.logprobs)
         toks.extend(o.new_token_ids)
         items.append(item)
     head = _header(msg, {"rank": msg.rank, "items": items})
-    return [head, _pack("i", toks), _pack("f", lps), _pack("i", top_ids), _pack("f", top_lps)]
+    return [head, _pack("i", toks), _pack("f", lps), _pack("i", top_ids), _pack("f", top_lps),
+            _pack("f", plps), _pack("i", ptop_ids), _pack("f", ptop_lps)]
 
 
 def decode(frames: Sequence[bytes | memoryview]) -> Message:
@@ -152,16 +164,21 @@ def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:
 def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOutputs:
     if set(head) != {"rank", "items"} or not isinstance(head["items"], list):
         raise ProtocolError("outputs needs exactly rank and a list of items")
-    if len(frames) != 5:
-        raise ProtocolError("outputs takes a header and four array frames")
+    if len(frames) != 8:
+        raise ProtocolError("outputs takes a header and seven array frames")
     toks = _unpack("i", frames[1], "tokens")
     lps = _unpack("f", frames[2], "logprobs")
     top_ids = _unpack("i", frames[3], "top ids")
     top_lps = _unpack("f", frames[4], "top logprobs")
-    t = lp = tp = 0
+    plps = _unpack("f", frames[5], "prompt logprobs")
+    ptop_ids = _unpack("i", frames[6], "prompt top ids")
+    ptop_lps = _unpack("f", frames[7], "prompt top logprobs")
+    if len(ptop_ids) != len(ptop_lps):
+        raise ProtocolError("prompt top logprobs frames do not match")
+    t = lp = tp = pl = ptp = 0
     outs = []
     for item in head["items"]:
-        if not isinstance(item, dict) or not set(item) <= {"rid", "n", "finish", "np", "err", "lp", "k"}:
+        if not isinstance(item, dict) or not set(item) <= {"rid", "n", "finish", "np", "err", "lp", "k", "nc", "plp", "pk"}:
             raise ProtocolError("malformed output item")
         n = item.get("n")
         if not isinstance(n, int) or n < 0 or t + n > len(toks):
@@ -181,6 +198,21 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
                 raise ProtocolError("top logprobs frames do not match")
             top = TopLogprobs(k, tuple(top_ids[tp : tp + k * n]), tuple(top_lps[tp : tp + k * n]))
             tp += k * n
+        prompt_lp = prompt_top = None
+        if "plp" in item:
+            m = item["plp"]
+            if not isinstance(m, int) or isinstance(m, bool) or m < 0 or pl + m > len(plps):
+                raise ProtocolError("prompt logprobs frame does not match")
+            prompt_lp = tuple(plps[pl : pl + m])
+            pl += m
+            if "pk" in item:
+                pk = item["pk"]
+                if not isinstance(pk, int) or isinstance(pk, bool) or pk < 0 or ptp + pk * m > len(ptop_ids):
+                    raise ProtocolError("prompt top logprobs frames do not match")
+                prompt_top = TopLogprobs(pk, tuple(ptop_ids[ptp : ptp + pk * m]), tuple(ptop_lps[ptp : ptp + pk * m]))
+                ptp += pk * m
+        elif "pk" in item:
+            raise ProtocolError("prompt top logprobs without prompt logprobs")
         outs.append(
             RequestOutput(
                 request_id=item.get("rid"),  # type: ignore[arg-type]
@@ -190,8 +222,11 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
                 top_logprobs=top,
                 num_prompt_tokens=item.get("np", 0),
                 error=item.get("err"),
+                prompt_logprobs=prompt_lp,
+                prompt_top_logprobs=prompt_top,
+                num_cached_tokens=item.get("nc", 0),
             )
         )
-    if t != len(toks) or lp != len(lps) or tp != len(top_ids):
+    if t != len(toks) or lp != len(lps) or tp != len(top_ids) or pl != len(plps) or ptp != len(ptop_ids):
         raise ProtocolError("array frames hold more values than the items claim")
     return StepOutputs(head["rank"], tuple(outs))

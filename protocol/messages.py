@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
@@ -73,6 +73,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None = none; k = the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob and the top k
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens out of range")
@@ -97,6 +98,9 @@ class SamplingParams:
                 "logit_bias entries must be (token id, bias in [-100, 100])",
             )
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS), "logprobs out of range")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               "prompt_logprobs out of range")
 
     @property
     def greedy(self) -> bool:
@@ -217,6 +221,11 @@ class RequestOutput:
     top_logprobs: TopLogprobs | None = None
     num_prompt_tokens: int = 0
     error: str | None = None
+    # With the first token of a request that asked for prompt_logprobs: the logprob of every
+    # prompt token after the first (given those before it), and optionally the top k per token.
+    prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: TopLogprobs | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (with the first token)
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
@@ -230,6 +239,16 @@ class RequestOutput:
             n = t.k * len(self.new_token_ids)
             _check(len(t.token_ids) == n and len(t.logprobs) == n, "top_logprobs size mismatch")
         _check(_is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
+        _check(_is_int(self.num_cached_tokens) and self.num_cached_tokens >= 0, "num_cached_tokens out of range")
+        if self.prompt_logprobs is not None:
+            _check(isinstance(self.prompt_logprobs, tuple) and all(_is_num(v) for v in self.prompt_logprobs),
+                   "prompt_logprobs must be a tuple of floats")
+        if self.prompt_top_logprobs is not None:
+            t = self.prompt_top_logprobs
+            _check(self.prompt_logprobs is not None, "prompt_top_logprobs needs prompt_logprobs")
+            _check(_is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "prompt_top_logprobs k out of range")
+            n = t.k * len(self.prompt_logprobs)  # type: ignore[arg-type]
+            _check(len(t.token_ids) == n and len(t.logprobs) == n, "prompt_top_logprobs size mismatch")
         _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= 4096), "error must be a short str")
 
 
@@ -258,13 +277,26 @@ class EngineStats(Message):
     generated_tokens: int  # total since start
     steps: int  # total since start
     timestamp: float
+    preempted: int = 0  # requests now waiting to be recomputed after a preemption (part of waiting)
+    preemptions: int = 0  # total since start
+    kv_blocks_used: int = 0  # blocks held by requests
+    kv_blocks_total: int = 0
+    prefix_cache_hit_rate: float = 0.0  # share of looked-up prompt tokens found in the cache, since start
+    prefix_cache_hits: int = 0  # prompt tokens served from the cache, since start
+    prompt_tokens: int = 0  # prompt tokens computed (prefill, including recompute), since start
+    tokens_per_step: float = 0.0  # mean tokens per forward pass over the recent steps
 
     def __post_init__(self) -> None:
         _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
-        for name in ("running", "waiting", "generated_tokens", "steps"):
+        for name in ("running", "waiting", "generated_tokens", "steps", "preempted", "preemptions",
+                     "kv_blocks_used", "kv_blocks_total", "prefix_cache_hits", "prompt_tokens"):
             v = getattr(self, name)
             _check(_is_int(v) and v >= 0, f"{name} out of range")
+        _check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0, "kv_blocks_used exceeds the total")
         _check(_is_num(self.kv_used) and 0.0 <= self.kv_used <= 1.0, "kv_used out of range")
+        _check(_is_num(self.prefix_cache_hit_rate) and 0.0 <= self.prefix_cache_hit_rate <= 1.0,
+               "prefix_cache_hit_rate out of range")
+        _check(_is_num(self.tokens_per_step) and 0.0 <= self.tokens_per_step < 1 << 31, "tokens_per_step out of range")
         _check(_is_num(self.timestamp) and self.timestamp >= 0, "timestamp out of range")
 
 

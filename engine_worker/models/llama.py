@@ -1,4 +1,9 @@
-"""The Llama architecture in plain torch (SmolLM2 is one): RMSNorm, RoPE, GQA attention, SwiGLU.
+"""The Llama family in plain torch: RMSNorm, RoPE, GQA attention, SwiGLU or routed SwiGLU experts.
+
+One implementation serves every architecture of the registry (``models/__init__.py``): Llama
+(SmolLM2, Llama 2/3), Mistral (the same graph), Qwen2 (biases on the Q/K/V projections) and
+Mixtral (each MLP replaced by a top-k routed mixture of experts, ``models/moe.py``); the
+differences are fields of ``LlamaConfig``.
 
 The model works on one *flattened* batch per step: all tokens of all sequences (prefill chunks
 and decodes mixed) go through each linear layer together as ``[num_tokens, hidden]``; only
@@ -19,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.kv_cache import SlotKVCache, StepLayout
+from engine_worker.kv_cache import PagedKVCache, StepLayout
+from engine_worker.models.layers import Linear, RMSNorm, RotaryEmbedding, new_weight, apply_rope, onednn_packing_available
+from engine_worker.models.moe import SparseMoE
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,13 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
+    architecture: str = "LlamaForCausalLM"
+    attention_bias: bool = False  # Qwen2: biases on q/k/v (not o)
+    num_experts: int = 0  # Mixtral: experts per MoE layer (0 = dense MLP)
+    num_experts_per_tok: int = 0
+    # Llama 3.1 "llama3" RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_positions)
+    rope_llama3: tuple[float, float, float, int] | None = None
+    sliding_window: int | None = None  # attention window; the engine caps max_model_len to it
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -47,95 +61,8 @@ class LlamaConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
-        self.eps = eps
-        self.shape = (size,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
-        # Low precision: normalise in fp32 as the reference implementation does, scale after.
-        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotate-half RoPE, computed once for every position.
-
-    The angles are computed in fp32 exactly as transformers does (inv_freq from an int64 arange,
-    then position * inv_freq). The sin table is stored with its first half negated, so that
-    ``rotate_half(x) * sin`` becomes ``roll(x, D/2) * signed_sin``: one kernel instead of
-    slice/neg/cat, with bit-identical products.
-    """
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos().to(device), persistent=False)
-        self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # [N, 1, D]: broadcasts over the heads of q and k.
-        return self.cos[positions].to(dtype)[:, None, :], self.signed_sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``[N, heads, D]`` (the layout after undoing llama.cpp's permutation):
-    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``."""
-    return x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin).addcmul_(x, cos)
-
-
-def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Uninitialised on purpose: every weight is overwritten by load_weights.
-    return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
-
-
-def onednn_packing_available(dtype: torch.dtype) -> bool:
-    """Whether this torch can run linears on oneDNN-prepacked CPU weights in ``dtype``.
-
-    The ops are the ones torch's own CPU inference compiler uses for frozen weights; they are not
-    a documented API, so this checks them once on a small case and reports False on any error.
-    """
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
-        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
-        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-        return bool(torch.allclose(y.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
-    except Exception:  # missing op, unsupported CPU: fall back to F.linear
-        return False
-
-
-class Linear(nn.Module):
-    """``y = x @ W.T`` without bias.
-
-    On a CPU the weight can be pre-packed once into oneDNN's blocked layout (``pack``): measured
-    2x faster than ``F.linear`` (MKL) at batch 1 and 3-4x at batch 8 on SmolLM2's shapes, because
-    it streams the weights at close to memory bandwidth. Packing drops the plain copy unless
-    asked to keep it (the tied LM head shares its weight with the embedding lookup).
-    """
-
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.weight: nn.Parameter | None = _weight(out_features, in_features, dtype, device)
-        self.packed_weight: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-    def pack(self, keep_plain: bool = False) -> None:
-        if self.packed_weight is None:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            if not keep_plain:
-                self.weight = None
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
 
 
 class LlamaAttention(nn.Module):
@@ -144,11 +71,11 @@ class LlamaAttention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(q_size + 2 * kv_size, cfg.hidden_size, dtype, device)  # rows: q | k | v
+        self.qkv_proj = Linear(q_size + 2 * kv_size, cfg.hidden_size, dtype, device, bias=cfg.attention_bias)  # q | k | v
         self.o_proj = Linear(cfg.hidden_size, q_size, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: SlotKVCache, layout: StepLayout
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: PagedKVCache, layout: StepLayout
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -173,16 +100,20 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.gate_up_proj, self.down_proj)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(cfg, layer, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.mlp = SparseMoE(cfg, dtype, device) if cfg.num_experts else LlamaMLP(cfg, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: SlotKVCache, layout: StepLayout
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: PagedKVCache, layout: StepLayout
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, kv, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -195,16 +126,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.embed_weight = _weight(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_weight = new_weight(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_llama3)
         self.packed = False
 
-    def forward(self, input_ids: torch.Tensor, layout: StepLayout, kv: SlotKVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, layout: StepLayout, kv: PagedKVCache) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` (before the final norm) for the step's flat token batch."""
         x = F.embedding(input_ids, self.embed_weight)
         cos, signed_sin = self.rope(layout.positions, self.dtype)
@@ -227,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_weight.device.type != "cpu" or not onednn_packing_available(self.dtype):
             return False
         for layer in self.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *layer.mlp.linears()):
                 lin.pack()
         self.lm_head.pack(keep_plain=self.config.tie_word_embeddings)
         self.packed = True
@@ -254,9 +185,16 @@ class LlamaForCausalLM(nn.Module):
             t[p + "self_attn.k_proj.weight"] = (a.qkv_proj.weight, q)
             t[p + "self_attn.v_proj.weight"] = (a.qkv_proj.weight, q + kv)
             t[p + "self_attn.o_proj.weight"] = (a.o_proj.weight, 0)
-            t[p + "mlp.gate_proj.weight"] = (m.gate_up_proj.weight, 0)
-            t[p + "mlp.up_proj.weight"] = (m.gate_up_proj.weight, cfg.intermediate_size)
-            t[p + "mlp.down_proj.weight"] = (m.down_proj.weight, 0)
+            if cfg.attention_bias:
+                t[p + "self_attn.q_proj.bias"] = (a.qkv_proj.bias, 0)
+                t[p + "self_attn.k_proj.bias"] = (a.qkv_proj.bias, q)
+                t[p + "self_attn.v_proj.bias"] = (a.qkv_proj.bias, q + kv)
+            if isinstance(m, SparseMoE):
+                t.update(m.targets(p + "block_sparse_moe."))
+            else:
+                t[p + "mlp.gate_proj.weight"] = (m.gate_up_proj.weight, 0)
+                t[p + "mlp.up_proj.weight"] = (m.gate_up_proj.weight, cfg.intermediate_size)
+                t[p + "mlp.down_proj.weight"] = (m.down_proj.weight, 0)
         return t
 
     def weight_names(self) -> list[str]:
@@ -269,13 +207,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _shape(self, name: str, dest: torch.Tensor) -> tuple[int, ...]:
         cfg = self.config
-        if dest.dim() == 1:
-            return tuple(dest.shape)
         rows = {
             "q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
             "v_proj": cfg.num_kv_heads * cfg.head_dim, "gate_proj": cfg.intermediate_size,
-            "up_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size, "w1": cfg.intermediate_size, "w3": cfg.intermediate_size,
         }.get(name.split(".")[-2], dest.shape[0])
+        if dest.dim() == 1:
+            return (rows,)
         return (rows, dest.shape[1])
 
     @torch.no_grad()
@@ -287,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
         missing = set(targets)
         for name, tensor in weights:
             if name not in targets:
-                raise ValueError(f"unexpected weight {name!r} for a {self.config.num_layers}-layer Llama")
+                raise ValueError(f"unexpected weight {name!r} for a {self.config.num_layers}-layer "
+                                 f"{self.config.architecture} (config and weights do not match)")
             if name not in missing:
                 raise ValueError(f"weight {name!r} given twice")
             dest, row = targets[name]
@@ -297,4 +236,4 @@ class LlamaForCausalLM(nn.Module):
             dest[row : row + expected[0]].copy_(tensor)
             missing.remove(name)
         if missing:
-            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
+            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]} (config and weights do not match)")

@@ -1,4 +1,6 @@
-"""fp32 SmolLM2 through ModelRunner gives transformers' greedy tokens, alone and batched.
+"""fp32 SmolLM2 through the engine (scheduler + paged runner) gives transformers' greedy tokens:
+alone and batched, with chunked prefill on and off, prefix caching on and off, and under a KV
+budget so small that requests are preempted and recomputed.
 
 transformers loads the same GGUF (its own dequantization and Q/K un-permutation) and is the
 oracle: a wrong RoPE layout, norm, GQA grouping or KV-cache bookkeeping changes the tokens.
@@ -10,7 +12,8 @@ import pytest
 import torch
 
 from engine_worker.loader import load_model
-from engine_worker.runner import ModelRunner, SeqInput
+from engine_worker.runner import ModelRunner
+from engine_worker.scheduler import Scheduler, Sequence, run_until_done
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve, smollm2_gguf_path
 
@@ -30,6 +33,8 @@ PROMPTS = [
     # "Once upon a time, in a small village by the sea,"
     [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28],
 ]
+# The same system prompt as FRANCE (24 tokens), another question: shares FRANCE's first blocks.
+SAME_SYSTEM = FRANCE[:24] + [6403, 1980, 253, 655, 28, 281, 253, 1165, 2, 198, 1, 520, 9531, 198]
 EOS = 2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
 
@@ -43,82 +48,85 @@ def reference():
     hf.eval()
     tokens, first_logprobs = [], []
     with torch.inference_mode():
-        for p in PROMPTS:
+        for p in PROMPTS + [SAME_SYSTEM]:
             ids = torch.tensor([p])
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
                               pad_token_id=EOS)
-            tokens.append(out[0, len(p):].tolist())
+            tokens.append(_until_eos(out[0, len(p):].tolist()))
             first_logprobs.append(torch.log_softmax(hf(ids).logits[0, -1].float(), -1))
     return tokens, first_logprobs
 
 
 @pytest.fixture(scope="module")
-def runner():
-    loaded = load_model(resolve("SmolLM2-135M-Instruct"), torch.float32, CPU)
-    return ModelRunner(loaded, CPU, torch.float32, max_num_seqs=8, max_model_len=256)
+def loaded():
+    return load_model(resolve("SmolLM2-135M-Instruct"), torch.float32, CPU)
 
 
-def _until_eos(tokens: list[int], n: int) -> list[int]:
-    out = tokens[:n]
-    return out[: out.index(EOS) + 1] if EOS in out else out
+def make_runner(loaded, **kw) -> ModelRunner:
+    return ModelRunner(loaded, CPU, torch.float32, max_num_seqs=8, max_model_len=kw.pop("max_model_len", 256), **kw)
+
+
+def _until_eos(tokens: list[int]) -> list[int]:
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+def run(runner: ModelRunner, prompts: list[list[int]], budget: int = 512, params: SamplingParams = GREEDY):
+    sched = Scheduler(runner, 8, budget)
+    for i, p in enumerate(prompts):
+        assert sched.add(Sequence(f"r{i}", b"t", list(p), params)) is None
+    outs = run_until_done(sched, runner)
+    return [outs[f"r{i}"] for i in range(len(prompts))], sched
+
+
+def toks(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
 
 
 def test_reference_answers_the_france_question(reference):
     assert reference[0][0] == FRANCE_ANSWER
 
 
-def test_each_prompt_alone_matches_transformers(runner, reference):
+def test_each_prompt_alone_matches_transformers(loaded, reference):
     ref_tokens, ref_lp = reference
-    for prompt, want, lp in zip(PROMPTS, ref_tokens, ref_lp):
-        slot = runner.allocate_slot()
-        got, new, pos = [], list(prompt), 0
-        try:
-            for step in range(len(want)):
-                o = runner.execute([SeqInput(slot, new, pos, GREEDY, list(got), prompt)])[0]
-                if step == 0:
-                    # The fp32 forward matches the oracle's to rounding, not only in its argmax.
-                    assert o.top_ids == lp.topk(5).indices.tolist()
-                    assert o.top_logprobs == pytest.approx(lp.topk(5).values.tolist(), abs=2e-3)
-                got.append(o.token_id)
-                pos += len(new)
-                new = [o.token_id]
-        finally:
-            runner.free_slot(slot)
-        assert got == want, f"prompt starting {prompt[:5]}"
+    runner = make_runner(loaded)
+    for i, prompt in enumerate(PROMPTS):
+        (outs,), _ = run(runner, [prompt])
+        assert toks(outs) == ref_tokens[i], f"prompt {i}"
+        # The fp32 forward matches the oracle's to rounding, not only in its argmax.
+        first = outs[0]
+        assert list(first.top_logprobs.token_ids) == ref_lp[i].topk(5).indices.tolist()
+        assert first.top_logprobs.logprobs == pytest.approx(ref_lp[i].topk(5).values.tolist(), abs=2e-3)
 
 
-def test_all_prompts_together_match_transformers(runner, reference):
-    """One newcomer joins per step (its prefill shares the pass with the others' decodes); the
-    last prompt is prefilled in two chunks, the first of which samples nothing."""
+@pytest.mark.parametrize("budget", [512, 8], ids=["whole-prefill", "chunked-prefill"])
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_all_prompts_together_match_transformers(loaded, reference, budget, prefix_caching):
     ref_tokens, _ = reference
-    seqs: list[dict] = []
-    pending = list(range(len(PROMPTS)))
-    mixed_steps = 0
-    while pending or any(not s["done"] for s in seqs):
-        if pending:
-            i = pending.pop(0)
-            p = PROMPTS[i]
-            chunks = [p[:6], p[6:]] if i == len(PROMPTS) - 1 else [p]
-            seqs.append({"i": i, "slot": runner.allocate_slot(), "chunks": chunks, "pos": 0, "out": [], "done": False})
-        batch, live = [], []
-        for s in seqs:
-            if s["done"]:
-                continue
-            new = s["chunks"].pop(0) if s["chunks"] else [s["out"][-1]]
-            batch.append(SeqInput(s["slot"], new, s["pos"], GREEDY, list(s["out"]), PROMPTS[s["i"]],
-                                  sample=not s["chunks"]))
-            live.append(s)
-        mixed_steps += {len(b.new_token_ids) > 1 for b in batch} == {True, False}
-        for s, b, o in zip(live, batch, runner.execute(batch)):
-            s["pos"] += len(b.new_token_ids)
-            if o is None:
-                continue
-            s["out"].append(o.token_id)
-            want = ref_tokens[s["i"]]
-            if len(s["out"]) == len(want):
-                s["done"] = True
-                runner.free_slot(s["slot"])
-    assert mixed_steps >= 3
-    for s in seqs:
-        assert s["out"] == ref_tokens[s["i"]], f"prompt {s['i']}"
-    assert _until_eos(seqs[0]["out"], NEW_TOKENS) == FRANCE_ANSWER
+    runner = make_runner(loaded, enable_prefix_caching=prefix_caching)
+    outs, sched = run(runner, PROMPTS + PROMPTS[:1], budget)  # FRANCE twice: the copy shares its blocks
+    for i, o in enumerate(outs):
+        assert toks(o) == ref_tokens[i % len(PROMPTS)], f"prompt {i}"
+    assert (outs[-1][0].num_cached_tokens > 0) == prefix_caching
+
+
+def test_preemption_under_a_small_kv_budget_changes_no_output(loaded, reference):
+    ref_tokens, _ = reference
+    # 20 blocks of 4 tokens = 80 token positions for 4 requests that need ~130 together.
+    runner = make_runner(loaded, block_size=4, num_blocks=20, max_model_len=64)
+    outs, sched = run(runner, PROMPTS)
+    assert sched.preemptions > 0
+    for i, o in enumerate(outs):
+        assert toks(o) == ref_tokens[i], f"prompt {i}"
+    assert runner.block_manager.num_used == 0
+
+
+def test_a_shared_prefix_is_a_cache_hit_with_the_same_output(loaded, reference):
+    ref_tokens, _ = reference
+    runner = make_runner(loaded, block_size=8)
+    run(runner, [FRANCE])
+    (outs,), _ = run(runner, [SAME_SYSTEM])
+    assert outs[0].num_cached_tokens == 24  # three blocks of the shared system prompt
+    assert runner.block_manager.hit_rate > 0
+    assert toks(outs) == ref_tokens[len(PROMPTS)]
+    (cold,), _ = run(make_runner(loaded, block_size=8, enable_prefix_caching=False), [SAME_SYSTEM])
+    assert cold[0].num_cached_tokens == 0 and toks(cold) == toks(outs)

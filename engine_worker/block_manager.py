@@ -1,0 +1,155 @@
+"""Paged KV bookkeeping: fixed-size blocks, a free list, and automatic prefix caching.
+
+The KV cache is a pool of ``num_blocks`` blocks of ``block_size`` token positions each; a request
+holds an ordered *block table* (block ids) that covers its tokens. This module only counts and
+hashes; the tensors live in ``kv_cache.PagedKVCache``.
+
+Prefix caching: once a block is full, its content is identified by a hash chained with the
+hash of the block before it, ``h_i = hash((h_{i-1}, tokens_i))``, so one hash names a whole
+prefix. Full blocks stay registered under their hash after their request ends; a later request
+whose prompt starts with the same tokens takes those blocks (reference-counted, shared, never
+written again) and skips their prefill. Free blocks wait in one LRU queue; a cached block is
+evicted (its hash forgotten) only when the queue reaches it and a block is needed. Hash keys
+hold the full ``(parent, tokens)`` tuple, so two different prefixes never share a block even if
+their 64-bit hashes collide.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None,
+                 start_block: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` from block ``start_block`` on."""
+    out: list[int] = []
+    for i in range(start_block, len(token_ids) // block_size):
+        key = (parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        parent = hash(key)
+        out.append(parent)
+    return out
+
+
+class BlockManager:
+    """Allocates blocks to requests and keeps full blocks findable by content."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        # Unreferenced blocks, least recently used first; cached ones among them keep their hash.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._key_of: dict[int, tuple] = {}  # block -> (parent hash, tokens) it is registered under
+        self._block_of: dict[tuple, int] = {}  # (parent hash, tokens) -> block
+        # Stats: prompt tokens looked up / found in the cache since start.
+        self.queries = 0
+        self.hits = 0
+
+    # -- capacity ----------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids`` (at most ``max_tokens``
+        tokens, whole blocks only). Does not take references; ``allocate`` does."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        parent: int | None = None
+        bs = self.block_size
+        for i in range(max_tokens // bs):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            found.append(block)
+            parent = hash(key)
+        return found
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit
+
+    def is_cached(self, parent: int | None, tokens: tuple[int, ...]) -> bool:
+        return (parent, tokens) in self._block_of
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def can_allocate(self, num_new_blocks: int, shared: Sequence[int] = ()) -> bool:
+        # Shared blocks that sit in the free queue stop being free once referenced.
+        reclaimed = sum(1 for b in shared if self.ref_count[b] == 0)
+        return num_new_blocks + reclaimed <= len(self._free)
+
+    def take(self, shared: Sequence[int]) -> None:
+        """Reference cached blocks found by ``lookup``."""
+        for b in shared:
+            if self.ref_count[b] == 0:
+                del self._free[b]
+            self.ref_count[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks (evicting least recently used cached blocks); caller checks room."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            key = self._key_of.pop(b, None)
+            if key is not None:
+                del self._block_of[key]
+            self.ref_count[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block. The table's tail goes first into the queue, so a
+        request's last blocks are evicted before its first ones (prefixes are the useful part)."""
+        for b in reversed(blocks):
+            if self.ref_count[b] <= 0:
+                raise ValueError(f"KV block {b} is not allocated")
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                if b in self._key_of:
+                    self._free[b] = None  # cached: keep for reuse, evict in LRU order
+                else:
+                    # Holds nothing reusable: put it first in line, before cached blocks.
+                    self._free[b] = None
+                    self._free.move_to_end(b, last=False)
+
+    def register(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> int:
+        """Make a just-filled block findable; return its chained hash. When another block
+        already holds this content the first one stays registered (no duplicates)."""
+        key = (parent, tokens)
+        if self.enable_prefix_caching and key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+        return hash(key)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds (for tests and benchmarks)."""
+        for b in list(self._key_of):
+            if self.ref_count[b] == 0:
+                del self._block_of[self._key_of.pop(b)]

@@ -1,0 +1,214 @@
+"""Engine throughput and latency: zserve's scheduler + runner beside transformers ``generate``.
+
+Usage:
+    .venv/bin/python tests/bench/bench_engine.py [--model SmolLM2-135M-Instruct] [--dtype auto]
+        [--concurrency 1 8 32 64] [--min-new 128] [--max-new 256] [--threads N] [--no-hf] [--profile]
+
+For each concurrency C, C requests arrive together (a shared 20-token system prefix, then 20-60
+random tokens, as chat traffic looks) and each asks for a number of tokens drawn uniformly from
+[--min-new, --max-new] (greedy, EOS ignored, so the work is fixed). zserve runs them through the
+engine's own step loop in-process (no sockets: this measures the engine, not the wire);
+transformers runs the same prompts as one left-padded batch of ``generate`` with
+``max_new_tokens`` = the longest request, in the same dtype, with dense (dequantized) weights.
+
+Reported per run: output tokens/s, TTFT and inter-token latency percentiles. transformers'
+tokens/s counts *every* token it generated (including those past a request's own length, which
+static batching cannot avoid), which favours it; the ratio column is zserve / transformers.
+
+``--profile`` adds, at the largest concurrency, where one step's time goes: scheduler, model
+forward, LM head + sampling, and the top torch ops of one decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from engine_worker.device import configure_cpu_threads, dtype_name, resolve_dtype, select_device
+from engine_worker.loader import load_model
+from engine_worker.runner import ModelRunner
+from engine_worker.scheduler import Scheduler, Sequence
+from protocol.messages import SamplingParams
+from zserve.catalog import resolve, smollm2_gguf_path
+
+SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
+
+
+def make_workload(c: int, min_new: int, max_new: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed * 1000 + c)
+    out = []
+    for _ in range(c):
+        user = [rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))]
+        out.append((SYSTEM + [198, 1, 4093, 198] + user + [2, 198, 1, 520, 9531, 198], rng.randint(min_new, max_new)))
+    return out
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timings: dict | None = None) -> dict:
+    runner.block_manager.reset_prefix_cache()
+    sched = Scheduler(runner, max_num_seqs, budget)
+    t0 = time.perf_counter()
+    for i, (prompt, n) in enumerate(work):
+        sched.add(Sequence(f"r{i}", b"bench", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                           arrival=t0))
+    stamps: dict[str, list[float]] = {}
+    while sched.has_work:
+        a = time.perf_counter()
+        step = sched.schedule()
+        b = time.perf_counter()
+        results = runner.execute(step.inputs)
+        c = time.perf_counter()
+        outs = sched.update(step, results)
+        now = time.perf_counter()
+        for seq, _ in outs:
+            stamps.setdefault(seq.request_id, []).append(now)
+        if timings is not None:
+            timings["schedule"] += b - a
+            timings["execute"] += c - b
+            timings["update"] += now - c
+            timings["steps"] += 1
+    wall = time.perf_counter() - t0
+    total = sum(len(v) for v in stamps.values())
+    assert total == sum(n for _, n in work), "every request must produce its tokens"
+    return summarise(total, wall, [v[0] - t0 for v in stamps.values()],
+                     [b - a for v in stamps.values() for a, b in zip(v, v[1:])], sched.preemptions)
+
+
+def run_hf(model, work, dtype) -> dict:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Stamp(StoppingCriteria):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kw):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    width = max(len(p) for p, _ in work)
+    ids = torch.full((len(work), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(work):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    new = max(n for _, n in work)
+    stamp = Stamp()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=2, stopping_criteria=StoppingCriteriaList([stamp]))
+    wall = time.perf_counter() - t0
+    generated = (out.shape[1] - width) * len(work)
+    itl = [b - a for a, b in zip(stamp.times, stamp.times[1:])]
+    return summarise(generated, wall, [stamp.times[0] - t0] * len(work), itl * len(work), 0)
+
+
+def summarise(tokens: int, wall: float, ttft: list[float], itl: list[float], preemptions: int) -> dict:
+    return {
+        "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
+        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+        "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "preemptions": preemptions,
+    }
+
+
+def load_hf(dtype: torch.dtype):
+    import transformers
+
+    path = smollm2_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype,
+        quantization_config=transformers.GgufConfig(dequantize=True))  # dense weights, like zserve's
+    return model.eval()
+
+
+def profile_step(runner: ModelRunner, work, max_num_seqs: int, budget: int) -> None:
+    """Bring C requests to steady decoding, then profile one decode step."""
+    sched = Scheduler(runner, max_num_seqs, budget)
+    for i, (prompt, n) in enumerate(work):
+        sched.add(Sequence(f"p{i}", b"bench", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    while any(s.in_prefill for s in sched.running) or sched.waiting:
+        step = sched.schedule()
+        sched.update(step, runner.execute(step.inputs))
+    for _ in range(20):  # some context, as mid-generation
+        step = sched.schedule()
+        sched.update(step, runner.execute(step.inputs))
+    step = sched.schedule()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        results = runner.execute(step.inputs)
+    sched.update(step, results)
+    print(f"\nprofile of one decode step: {len(step.inputs)} sequences, {step.num_tokens} tokens")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+    sched.abort_all("abort")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--min-new", type=int, default=128)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+
+    threads = configure_cpu_threads(args.threads)
+    device = select_device(None)
+    dtype = resolve_dtype(args.dtype, device)
+    loaded = load_model(resolve(args.model), dtype, device)
+    max_c = max(args.concurrency)
+    runner = ModelRunner(loaded, device, dtype, max_num_seqs=max_c, max_model_len=512)
+    hf = None if args.no_hf else load_hf(dtype)
+    print(f"{loaded.model_id} on {device}, {dtype_name(dtype)}, {threads} threads; KV {runner.num_blocks} blocks "
+          f"of {runner.block_size}; outputs {args.min_new}-{args.max_new} tokens; budget {args.max_num_batched_tokens}")
+
+    warm = make_workload(4, 8, 8, seed=99)  # warm-up: first calls allocate and pick kernels
+    run_zserve(runner, warm, max_c, args.max_num_batched_tokens)
+    if hf is not None:
+        run_hf(hf, warm, dtype)
+
+    rows = []
+    for c in args.concurrency:
+        work = make_workload(c, args.min_new, args.max_new, args.seed)
+        timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
+        z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings)
+        h = run_hf(hf, work, dtype) if hf is not None else None
+        rows.append((c, z, h, timings))
+        print(f"  c={c}: zserve {z['tok_s']:.1f} tok/s" + (f", transformers {h['tok_s']:.1f} tok/s" if h else ""),
+              flush=True)
+
+    print("\n| concurrency | zserve tok/s | transformers tok/s | ratio | zserve TTFT p50/p99 (s) | transformers TTFT (s) "
+          "| zserve ITL p50/p99 (ms) | transformers ITL p50/p99 (ms) | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c, z, h, _ in rows:
+        hf_tok = f"{h['tok_s']:.1f}" if h else "-"
+        ratio = f"{z['tok_s'] / h['tok_s']:.2f}x" if h else "-"
+        hf_ttft = f"{h['ttft_p50']:.2f}" if h else "-"
+        hf_itl = f"{h['itl_p50'] * 1e3:.1f} / {h['itl_p99'] * 1e3:.1f}" if h else "-"
+        print(f"| {c} | {z['tok_s']:.1f} | {hf_tok} | {ratio} | {z['ttft_p50']:.2f} / {z['ttft_p99']:.2f} | {hf_ttft} "
+              f"| {z['itl_p50'] * 1e3:.1f} / {z['itl_p99'] * 1e3:.1f} | {hf_itl} | {z['preemptions']} |")
+    print("\nzserve step time split (s): " + "; ".join(
+        f"c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} over {t['steps']} steps"
+        for c, _, _, t in rows))
+    if args.profile:
+        profile_step(runner, make_workload(max_c, args.min_new, args.max_new, args.seed + 1), max_c,
+                     args.max_num_batched_tokens)
+
+
+if __name__ == "__main__":
+    main()
