@@ -37,7 +37,17 @@ SAMPLES = [
         RequestOutput("c", (), "error", error="boom"),
     )),
     StepOutputs(3, ()),
+    StepOutputs(1, (
+        RequestOutput("p", (4,), None, (-0.125,), None, 5, prompt_logprobs=(-1.5, -0.25, -3.0, -0.5),
+                      prompt_top_logprobs=TopLogprobs(2, (1, 2, 3, 4, 5, 6, 7, 8), (-1.0, -2.0) * 4), num_cached_tokens=16),
+        RequestOutput("q", (5,), "length", prompt_logprobs=(-0.5,)),
+        RequestOutput("r", (6,), prompt_logprobs=()),
+    )),
+    AddRequest("req-3", (7, 8), SamplingParams(prompt_logprobs=3, logprobs=0)),
     EngineStats(rank=0, running=3, waiting=1, kv_used=0.25, generated_tokens=100, steps=40, timestamp=1.5),
+    EngineStats(rank=2, running=3, waiting=4, kv_used=0.5, generated_tokens=100, steps=40, timestamp=1.5, preempted=1,
+                preemptions=7, kv_blocks_used=512, kv_blocks_total=1024, prefix_cache_hit_rate=0.375,
+                prefix_cache_hits=300, prompt_tokens=800, tokens_per_step=17.5),
     ErrorMessage("bad_frame", "nope"),
     ErrorMessage("bad_frame", "nope", request_id="r"),
 ]
@@ -73,6 +83,14 @@ def _header(**kw) -> bytes:
     ([_header(t="stats", rank=0, running=-1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0)], "running"),
     ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=2.0, generated_tokens=0, steps=0, timestamp=0)], "kv_used"),
     ([_header(t="stats", rank=True, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0)], "rank"),
+    ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0,
+              preempted=-1)], "preempted"),
+    ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0,
+              kv_blocks_used=5, kv_blocks_total=4)], "kv_blocks_used"),
+    ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0,
+              prefix_cache_hit_rate=1.5)], "prefix_cache_hit_rate"),
+    ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0,
+              tokens_per_step="many")], "tokens_per_step"),
 ])
 def test_malformed_frames_are_rejected(frames, words):
     with pytest.raises(ProtocolError, match=words):
@@ -98,7 +116,7 @@ def test_wrong_typed_sampling_fields_are_rejected():
     head, toks = _add_frames()
     h = orjson.loads(head)
     for field, bad in [("temperature", "hot"), ("max_tokens", 0), ("max_tokens", 1.5), ("top_p", 0), ("seed", "x"),
-                       ("logprobs", 21), ("stop_token_ids", [-1]), ("logit_bias", [[1, 500]]), ("ignore_eos", 1)]:
+                       ("logprobs", 21), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True), ("stop_token_ids", [-1]), ("logit_bias", [[1, 500]]), ("ignore_eos", 1)]:
         h2 = {**h, "sampling": {**h["sampling"], field: bad}}
         with pytest.raises(ProtocolError) as ei:
             decode([orjson.dumps(h2), toks])
@@ -130,3 +148,33 @@ def test_building_an_invalid_message_fails_too():
         AddRequest("r", ())
     with pytest.raises(ProtocolError):
         RequestOutput("r", (1,), "exploded")
+
+
+def test_prompt_logprobs_frames_that_disagree_with_items_are_rejected():
+    msg = StepOutputs(0, (RequestOutput("a", (1,), prompt_logprobs=(-1.0, -2.0),
+                                        prompt_top_logprobs=TopLogprobs(1, (3, 4), (-0.5, -0.25))),))
+    frames = encode(msg)
+    assert len(frames) == 8 and len(frames[5]) == 8  # two float32 prompt logprobs
+    with pytest.raises(ProtocolError):
+        decode([*frames[:5], frames[5][:4], *frames[6:]])  # one prompt logprob short
+    with pytest.raises(ProtocolError, match="more values"):
+        decode([*frames[:5], frames[5] + frames[5], *frames[6:]])
+    with pytest.raises(ProtocolError):
+        decode([*frames[:6], frames[6][:4], frames[7][:4]])  # top-k arrays too short for k * n
+    head = orjson.loads(frames[0])
+    head["items"][0]["pk"] = "two"
+    with pytest.raises(ProtocolError):
+        decode([orjson.dumps(head), *frames[1:]])
+    del head["items"][0]["plp"]
+    head["items"][0]["pk"] = 1
+    with pytest.raises(ProtocolError, match="without prompt logprobs"):
+        decode([orjson.dumps(head), *frames[1:]])
+
+
+def test_prompt_top_logprobs_need_matching_sizes():
+    with pytest.raises(ProtocolError):
+        RequestOutput("r", (1,), prompt_logprobs=(-1.0,), prompt_top_logprobs=TopLogprobs(2, (1,), (-1.0,)))
+    with pytest.raises(ProtocolError):
+        RequestOutput("r", (1,), prompt_top_logprobs=TopLogprobs(1, (1,), (-1.0,)))
+    with pytest.raises(ProtocolError):
+        RequestOutput("r", (1,), num_cached_tokens=-1)

@@ -190,3 +190,33 @@ def test_logprobs_are_log_probabilities_of_the_processed_distribution():
     # logprobs=0: the sampled token's logprob only.
     out = s.sample(logits[:1].clone(), [Row(SamplingParams(temperature=0.0, logprobs=0))])[0]
     assert out.logprob is not None and out.top_ids == [] and out.top_logprobs == []
+
+
+def test_each_row_of_a_mixed_batch_gets_only_its_own_processing():
+    """Penalties, bias and temperature are applied per row in one vectorised pass: a row's
+    distribution is the same alone and beside rows with other settings."""
+    logits = random_logits(4, V, seed=8)
+    s = make_sampler()
+    rows = [
+        Row(SamplingParams(temperature=0.0, logprobs=V, repetition_penalty=1.5), prompt_ids=[1, 2], past_output_ids=[3]),
+        Row(SamplingParams(temperature=0.7, logprobs=V, frequency_penalty=1.0), past_output_ids=[4, 4]),
+        Row(SamplingParams(temperature=0.0, logprobs=V, logit_bias=((6, -3.0),))),
+        Row(SamplingParams(temperature=1.0, logprobs=V, presence_penalty=-1.0), past_output_ids=[9]),  # negative: favour
+    ]
+    batched = s.sample(logits.clone(), rows)
+    for i, row in enumerate(rows):
+        alone = s.sample(logits[i : i + 1].clone(), [row])[0]
+        assert alone.top_ids == batched[i].top_ids
+        assert alone.top_logprobs == pytest.approx(batched[i].top_logprobs, abs=1e-5)
+    lp = {t: v for t, v in zip(batched[3].top_ids, batched[3].top_logprobs)}
+    ref = torch.log_softmax(logits[3], -1)
+    assert lp[9] - float(ref[9]) > 0.5  # a negative presence penalty raises the seen token
+
+
+def test_prompt_logprobs_score_each_prompt_token_under_the_raw_distribution():
+    logits = random_logits(3, V, seed=6)
+    out = make_sampler().prompt_logprobs(logits.clone(), [4, 0, 11], k=3)
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs == pytest.approx([float(ref[0, 4]), float(ref[1, 0]), float(ref[2, 11])], abs=1e-6)
+    assert out.top_ids == ref.topk(3).indices.tolist()
+    assert make_sampler().prompt_logprobs(logits, [1, 2, 3], k=0).top_ids == [[], [], []]

@@ -1,0 +1,207 @@
+"""The paged engine's moving parts: block manager accounting and prefix hashing, and — on the
+tiny random model — n > 1 prefix sharing, seeded sampling inside busy batches, preemption
+with sampling, prompt logprobs across chunks, and the engine's stats counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker.block_manager import BlockManager, block_hashes
+from engine_worker.loader import load_model
+from engine_worker.runner import ModelRunner
+from engine_worker.scheduler import Scheduler, Sequence, run_until_done
+from protocol.messages import SamplingParams
+from zserve.catalog import resolve
+
+CPU = torch.device("cpu")
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182]
+
+
+# -- block manager --------------------------------------------------------------------------
+
+def test_blocks_are_counted_and_shared_blocks_freed_once_unreferenced():
+    bm = BlockManager(4, 2)
+    a = bm.allocate(2)
+    assert a == [0, 1] and bm.num_free == 2 and bm.num_used == 2
+    bm.take([a[0]])  # a second request shares block 0
+    bm.free(a)
+    assert bm.num_used == 1 and bm.ref_count[0] == 1
+    bm.free([a[0]])
+    assert bm.num_used == 0
+    with pytest.raises(ValueError):
+        bm.free([a[0]])
+    with pytest.raises(RuntimeError):
+        bm.allocate(5)
+
+
+def test_full_blocks_are_found_by_chained_content_hash():
+    bm = BlockManager(8, 2)
+    toks = [5, 6, 7, 8, 9]
+    table = bm.allocate(3)
+    parent = None
+    for i in range(2):  # two full blocks
+        parent = bm.register(table[i], parent, tuple(toks[2 * i : 2 * i + 2]))
+    assert block_hashes(toks, 2) == [hash((None, (5, 6))), parent]
+    assert bm.lookup(toks, 4) == table[:2]
+    assert bm.lookup(toks, 3) == table[:1]  # at most 3 tokens: whole blocks only
+    assert bm.lookup([5, 6, 0, 8, 9], 4) == table[:1]  # the chain breaks at the first difference
+    assert bm.lookup([7, 8], 2) == []  # same block content, different prefix: no hit
+    assert BlockManager(8, 2, enable_prefix_caching=False).lookup(toks, 4) == []
+
+
+def test_unreferenced_cached_blocks_are_evicted_least_recently_used_and_last():
+    bm = BlockManager(4, 1)
+    first, second = bm.allocate(1), bm.allocate(1)
+    h1 = bm.register(first[0], None, (1,))
+    bm.register(second[0], None, (2,))
+    bm.free(first)
+    bm.free(second)
+    assert bm.num_cached == 2 and bm.num_free == 4
+    # Blocks holding nothing are handed out before any cached block...
+    fresh = bm.allocate(2)
+    assert set(fresh).isdisjoint(first + second) and bm.num_cached == 2
+    # ...then the least recently freed cached block goes first.
+    assert bm.allocate(1) == first and bm.num_cached == 1
+    assert bm.lookup([1], 1) == [] and bm.lookup([2], 1) == second
+    assert h1 == hash((None, (1,)))
+
+
+def test_a_cache_hit_takes_the_block_out_of_the_free_queue():
+    bm = BlockManager(2, 1)
+    b = bm.allocate(1)
+    bm.register(b[0], None, (3,))
+    bm.free(b)
+    hit = bm.lookup([3, 4], 1)
+    assert hit == b and bm.can_allocate(1, hit) and not bm.can_allocate(2, hit)
+    bm.take(hit)
+    assert bm.num_free == 1 and bm.allocate(1) != b
+
+
+# -- the engine on the tiny random model ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(resolve("tiny-random"), torch.float32, CPU)
+
+
+def make_runner(loaded, num_blocks: int = 64, block_size: int = 4, **kw) -> ModelRunner:
+    return ModelRunner(loaded, CPU, torch.float32, max_num_seqs=8, max_model_len=64, num_blocks=num_blocks,
+                       block_size=block_size, **kw)
+
+
+def run(runner, requests: list[tuple[list[int], SamplingParams]], budget: int = 256, stagger: bool = False):
+    sched = Scheduler(runner, 8, budget)
+    pending = list(enumerate(requests))
+
+    def feed(s):
+        while pending:
+            i, (p, sp) = pending.pop(0)
+            assert s.add(Sequence(f"r{i}", b"t", list(p), sp)) is None
+            if stagger:
+                return
+
+    outs = run_until_done(sched, runner, feed)
+    return [outs[f"r{i}"] for i in range(len(requests))], sched
+
+
+def toks(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def hot(seed: int | None, n: int = 10) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=n, ignore_eos=True)
+
+
+def test_n_copies_of_a_prompt_share_its_blocks_and_give_n_completions(loaded):
+    runner = make_runner(loaded)
+    outs, sched = run(runner, [(PROMPT, hot(s)) for s in (1, 2, 3)])
+    completions = [toks(o) for o in outs]
+    assert all(len(c) == 10 for c in completions) and len({tuple(c) for c in completions}) == 3
+    # The 19-token prompt has 4 full blocks of 4: computed once, then shared by the copies.
+    assert sched.prompt_tokens == 19 + 2 * 3
+    assert [o[0].num_cached_tokens for o in outs] == [0, 16, 16]
+    # Each copy alone (fresh engine) samples the very same tokens: sharing changes nothing.
+    for s, c in zip((1, 2, 3), completions):
+        alone, _ = run(make_runner(loaded), [(PROMPT, hot(s))])
+        assert toks(alone[0]) == c
+
+
+def test_seeded_request_gives_the_same_tokens_alone_and_in_a_busy_batch(loaded):
+    alone, _ = run(make_runner(loaded), [(PROMPT, hot(42, 12))])
+    busy = [
+        (PROMPT[:7], hot(None, 12)),
+        (PROMPT[3:], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+        (PROMPT, hot(42, 12)),  # the request under test, same prompt as another seeded one below
+        (PROMPT, hot(7, 12)),
+        (PROMPT[::-1], SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=12, ignore_eos=True)),
+    ]
+    # Staggered arrivals, chunked prefill and a pool small enough to preempt.
+    outs, sched = run(make_runner(loaded, num_blocks=20), busy, budget=6, stagger=True)
+    assert sched.preemptions > 0
+    assert toks(outs[2]) == toks(alone[0])
+
+
+def test_preemption_with_sampling_changes_no_output(loaded):
+    reqs = [(PROMPT[i:] + PROMPT[:i], hot(100 + i, 16)) for i in range(5)]
+    roomy, s1 = run(make_runner(loaded, num_blocks=128), reqs)
+    tight, s2 = run(make_runner(loaded, num_blocks=17), reqs)
+    assert s1.preemptions == 0 and s2.preemptions >= 2
+    assert [toks(o) for o in tight] == [toks(o) for o in roomy]
+    penalised = [(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                                    frequency_penalty=0.5, presence_penalty=0.2)) for p, _ in reqs]
+    assert [toks(o) for o in run(make_runner(loaded, num_blocks=17), penalised)[0]] == \
+        [toks(o) for o in run(make_runner(loaded, num_blocks=128), penalised)[0]]
+
+
+def test_prompt_logprobs_arrive_once_with_the_first_token_whatever_the_chunking(loaded):
+    sp = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=4, ignore_eos=True)
+    whole, _ = run(make_runner(loaded), [(PROMPT, sp)])
+    chunked, _ = run(make_runner(loaded), [(PROMPT, sp)], budget=5)
+    first = whole[0][0]
+    assert len(first.prompt_logprobs) == len(PROMPT) - 1
+    assert first.prompt_top_logprobs.k == 4 and len(first.prompt_top_logprobs.token_ids) == 4 * (len(PROMPT) - 1)
+    assert all(o.prompt_logprobs is None for o in whole[0][1:])
+    assert chunked[0][0].prompt_logprobs == pytest.approx(first.prompt_logprobs, abs=1e-5)
+    assert chunked[0][0].prompt_top_logprobs.token_ids == first.prompt_top_logprobs.token_ids
+    # The same numbers as one plain forward pass over the prompt.
+    ref = _full_logprobs(loaded, PROMPT)
+    want = [float(ref[i, PROMPT[i + 1]]) for i in range(len(PROMPT) - 1)]
+    assert first.prompt_logprobs == pytest.approx(want, abs=1e-5)
+    # A cached prefix is not used for a request that wants prompt logprobs: they need the logits.
+    runner = make_runner(loaded)
+    run(runner, [(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))])
+    again, _ = run(runner, [(PROMPT, sp)])
+    assert again[0][0].num_cached_tokens == 0 and again[0][0].prompt_logprobs == pytest.approx(want, abs=1e-5)
+
+
+def _full_logprobs(loaded, prompt):
+    runner = make_runner(loaded)
+    bm = runner.block_manager
+    from engine_worker.runner import SeqInput
+
+    table = bm.allocate(bm.blocks_needed(len(prompt)))
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = runner.execute([SeqInput(table, list(prompt), 0, sp, [], list(prompt), sample=False,
+                                   prompt_logprobs_rows=len(prompt) - 1)])[0]
+    bm.free(table)
+    lp = torch.full((len(prompt) - 1, loaded.vocab_size), float("nan"))
+    for i, v in enumerate(out.prompt.logprobs):
+        lp[i, prompt[i + 1]] = v
+    return lp
+
+
+def test_engine_counters_for_stats(loaded):
+    runner = make_runner(loaded, num_blocks=17)
+    reqs = [(PROMPT[i:] + PROMPT[:i], hot(i, 16)) for i in range(5)]
+    _, sched = run(runner, reqs)
+    assert sched.preemptions > 0 and sched.num_preempted == 0  # all recomputed by the end
+    assert sched.generated_tokens == 5 * 16 and sched.steps > 16
+    assert sched.prompt_tokens >= 5 * len(PROMPT)  # recomputes count too
+    assert sched.tokens_per_step > 1 and runner.block_manager.num_used == 0 and runner.kv_used == 0.0
+
+    runner = make_runner(loaded)
+    _, sched = run(runner, [(PROMPT, hot(1, 2)), (PROMPT[:-1] + [5], hot(2, 2))])
+    bm = runner.block_manager
+    assert bm.hits == 16 and bm.queries == 2 * len(PROMPT) and bm.hit_rate == pytest.approx(16 / 38)
+    assert sched.prompt_tokens == 2 * len(PROMPT) - 16
