@@ -205,3 +205,30 @@ def test_engine_counters_for_stats(loaded):
     bm = runner.block_manager
     assert bm.hits == 16 and bm.queries == 2 * len(PROMPT) and bm.hit_rate == pytest.approx(16 / 38)
     assert sched.prompt_tokens == 2 * len(PROMPT) - 16
+
+
+def test_the_cuda_flex_attention_mask_reads_what_the_gather_path_reads():
+    """The CUDA decode path (FlexAttention over the whole pool, no gather) run eagerly on the
+    CPU with the same mask: it must equal the CPU gather path, shared and partial blocks included."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from engine_worker.kv_cache import PagedKVCache, SeqLayout, flex_decode, flex_decode_mask
+
+    g = torch.Generator().manual_seed(0)
+    kv, heads, d, bs, nb = 2, 4, 16, 4, 12
+    cache = PagedKVCache(1, nb, bs, kv, d, torch.float32, CPU)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    # Row 0 and 1 share block 5 (a cached prefix); rows end mid-block at different fills.
+    seqs = [SeqLayout([5, 2, 9], 9, 1), SeqLayout([5, 7], 5, 1), SeqLayout([0, 1, 3, 4], 13, 1)]
+    layout = cache.plan(seqs)
+    assert layout.decode_gather is not None and layout.flex is None  # the CPU never plans flex
+    q = torch.randn(3, heads, d, generator=g)
+    k_new, v_new = torch.randn(3, kv, d, generator=g), torch.randn(3, kv, d, generator=g)
+    want = cache.attend(0, q, k_new, v_new, layout)  # writes the new keys, then attends (gather)
+    mask = flex_decode_mask(nb, bs, seqs, [s.start_pos + 1 for s in seqs], CPU)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = flex_decode(cache.k[0], cache.v[0], q, mask, attention=flex.flex_attention)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
