@@ -8,7 +8,8 @@ replacement, on the same endpoint) says hello again.
 
 ``generate`` sends a request to the least-loaded routable engine (outstanding work, not
 round-robin) and yields its outputs; leaving the iterator early aborts the request in the
-engine. An engine that is draining hands new requests back, and they go to another engine.
+engine. A request that an engine refuses (draining) or loses (dies) before producing any output
+goes to another engine; one that was already streaming ends with an error.
 """
 
 from __future__ import annotations
@@ -56,8 +57,13 @@ class EngineRequestError(RuntimeError):
     """The engine ended a request with an error (or died with it)."""
 
 
+@dataclass(frozen=True)
 class _HandBack:
-    """Queued for a request that a draining engine refused before starting it."""
+    """Queued for a request that ``engine`` refused (draining) or lost (died) before producing
+    anything; the request goes to another engine. Stale ones (from an engine already left) are
+    ignored: an engine's death is noticed by both the socket monitor and the supervisor."""
+
+    engine: "EngineConnection"
 
 
 @dataclass
@@ -70,6 +76,7 @@ class EngineConnection:
     stats: EngineStats | None = None
     outstanding: int = 0  # this gateway's requests in flight on the engine
     last_seen: float = 0.0
+    known_rank: int | None = None  # kept after the engine is gone, for messages
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -84,7 +91,7 @@ class EngineConnection:
 
     @property
     def rank(self) -> int | None:
-        return self.hello.rank if self.hello else None
+        return self.known_rank
 
 
 @dataclass
@@ -92,6 +99,7 @@ class _Stream:
     queue: asyncio.Queue
     engine: EngineConnection | None = None
     failed_here: bool = False  # ended by this gateway (shutdown, engine lost), not by the engine
+    started: bool = False  # the engine has sent output for it
 
 
 class EngineClient:
@@ -146,7 +154,7 @@ class EngineClient:
             eng.cluster_state = info.state
         for ep, eng in list(self.engines.items()):
             if ep not in wanted:
-                await self._drop(eng, f"engine {eng.rank} left the cluster")
+                await self._drop(eng, f"lost engine {eng.rank} while serving the request")
         self._update_ready()
 
     def _update_ready(self) -> None:
@@ -187,7 +195,7 @@ class EngineClient:
                 # The monitor and the data socket are not ordered: give the reader a moment to
                 # deliver what the engine sent before it went (a drained engine's last tokens).
                 await asyncio.sleep(DISCONNECT_GRACE)
-                n = self._fail_streams(eng, f"engine {was} died while serving the request")
+                n = self._fail_streams(eng, f"lost engine {was} while serving the request")
                 log.warning("lost the connection to engine %s at %s; failed its %d in-flight request(s)", was,
                             eng.endpoint, n)
 
@@ -195,8 +203,11 @@ class EngineClient:
         n = 0
         for rid, st in list(self._streams.items()):
             if st.engine is eng:
-                st.failed_here = True
-                st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
+                if st.started:
+                    st.failed_here = True
+                    st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
+                else:  # nothing was produced yet: safe to send it to another engine
+                    st.queue.put_nowait(_HandBack(eng))
                 n += 1
         return n
 
@@ -213,17 +224,19 @@ class EngineClient:
                 for out in msg.outputs:
                     st = self._streams.get(out.request_id)
                     if st is not None and st.engine is eng:
+                        st.started = True
                         st.queue.put_nowait(out)
             elif isinstance(msg, EngineStats):
                 eng.stats = msg
             elif isinstance(msg, EngineHello):
                 eng.hello = msg
+                eng.known_rank = msg.rank
                 self._update_ready()
                 log.info("engine %d at %s: %s, %s/%s", msg.rank, eng.endpoint, msg.model_id, msg.device, msg.dtype)
             elif isinstance(msg, ErrorMessage):
                 st = self._streams.get(msg.request_id) if msg.request_id else None
                 if st is not None and st.engine is eng:
-                    st.queue.put_nowait(_HandBack() if msg.code == DRAINING else
+                    st.queue.put_nowait(_HandBack(eng) if msg.code == DRAINING else
                                         RequestOutput(msg.request_id, (), "error", error=msg.message))
                 else:
                     log.warning("engine %s reports %s: %s", eng.endpoint, msg.code, msg.message)
@@ -236,6 +249,27 @@ class EngineClient:
             st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
         return len(self._streams)
 
+    async def _send(self, st: _Stream, frames: list[bytes], refused: set[str]) -> None:
+        """Send the request to the least-loaded engine that has not refused it."""
+        while True:
+            if len(refused) > MAX_HANDBACKS:
+                raise NoEngineAvailable("no engine would take the request")
+            eng = self.pick_engine(refused)
+            try:
+                await eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # the connection dropped between the pick and the send
+                refused.add(eng.endpoint)
+                continue
+            st.engine = eng
+            eng.outstanding += 1
+            return
+
+    @staticmethod
+    def _detach(st: _Stream) -> None:
+        if st.engine is not None:
+            st.engine.outstanding -= 1
+            st.engine = None
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until one carries a finish reason."""
@@ -245,41 +279,29 @@ class EngineClient:
         refused: set[str] = set()
         finished = False
         try:
+            await self._send(st, frames, refused)
             while True:
-                eng = self.pick_engine(refused)
-                st.engine = eng
-                eng.outstanding += 1
-                try:
-                    await eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    refused.add(eng.endpoint)  # the connection dropped between the pick and the send
-                    eng.outstanding -= 1
-                    st.engine = None
-                    continue
                 out = await st.queue.get()
-                if not isinstance(out, _HandBack):
-                    break
-                eng.outstanding -= 1
-                st.engine = None
-                refused.add(eng.endpoint)
-                if len(refused) > MAX_HANDBACKS:
-                    raise NoEngineAvailable("every engine is draining")
-            while True:
+                if isinstance(out, _HandBack):
+                    if out.engine is st.engine:
+                        refused.add(out.engine.endpoint)
+                        self._detach(st)
+                        await self._send(st, frames, refused)
+                    continue
                 if out.finish_reason == "error":
                     finished = True
                     raise EngineRequestError(out.error or "the engine failed the request")
-                if out.finish_reason is not None:
-                    finished = True
+                finished = out.finish_reason is not None
                 yield out
                 if finished:
                     return
-                out = await st.queue.get()
         finally:
             self._streams.pop(request_id, None)
             if st.engine is not None:
-                st.engine.outstanding -= 1
-                if (not finished or st.failed_here) and st.engine.hello is not None:
+                eng = st.engine
+                self._detach(st)
+                if (not finished or st.failed_here) and eng.hello is not None:
                     try:
-                        await st.engine.sock.send_multipart(encode(AbortRequest((request_id,))), flags=zmq.NOBLOCK)
+                        await eng.sock.send_multipart(encode(AbortRequest((request_id,))), flags=zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass

@@ -101,7 +101,7 @@ def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins
         assert failed, "no stream was on the killed engine"
         for r in failed:
             assert r.ended_at - killed_at < 1.0, f"stream ended {r.ended_at - killed_at:.2f}s after the kill"
-            assert "died" in r.error["message"] and r.done
+            assert "lost engine" in r.error["message"] and r.done
         for r in results:
             assert r.error or r.finish == "length"
         # the replacement joins and takes traffic
