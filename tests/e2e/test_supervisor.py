@@ -225,7 +225,7 @@ def test_scaling_both_tiers_while_serving_fails_no_request():
 def test_sigterm_drains_in_flight_requests(timeout, code):
     s = Server("--count", "2", "--shutdown-timeout", timeout, *TINY, log_name=f"sigterm-{timeout}")
     results = [StreamResult() for _ in range(3)]
-    threads = [threading.Thread(target=run_stream, args=(s.url, stream_body(1500), r)) for r in results]
+    threads = [threading.Thread(target=run_stream, args=(s.url, stream_body(400), r)) for r in results]
     for t in threads:
         t.start()
     wait_until(lambda: all(r.chunks > 2 for r in results), 30, what="streams to flow")

@@ -1,0 +1,95 @@
+"""systemd integration: sd_notify messages, socket activation, and SIGTTIN/SIGTTOU scaling."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+
+from .conftest import LAUNCH, ROOT, wait_until
+from .test_supervisor import TINY, complete
+
+
+def _launch(args: list[str], env: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen([*LAUNCH, "api-server", *args, *TINY], cwd=ROOT, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, **kw)
+
+
+def _ready_url(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline().decode()
+    m = re.search(r"at (http://\S+) ", line)
+    assert m, line
+    return m.group(1)
+
+
+def test_notify_ready_watchdog_and_stopping(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sd.bind(path)
+    sd.settimeout(30)
+    proc = _launch(["--port", "0"], {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    try:
+        _ready_url(proc)
+        got: list[str] = []
+
+        def saw(prefix: str) -> bool:
+            while not any(m.startswith(prefix) for m in got):
+                got.append(sd.recv(4096).decode())
+            return True
+
+        assert saw("READY=1") and saw("WATCHDOG=1")
+        proc.send_signal(signal.SIGTERM)
+        assert saw("STOPPING=1")
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        sd.close()
+
+
+def test_socket_activation_uses_the_inherited_socket():
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    fd = listener.fileno()
+
+    def as_fd_3():
+        os.dup2(fd, 3)
+        os.set_inheritable(3, True)
+
+    # LISTEN_PID must be the pid of the process that reads it: `exec` keeps the shell's pid.
+    cmd = ["sh", "-c", f'export LISTEN_PID=$$ LISTEN_FDS=1; exec {sys.executable} -m launch api-server '
+                       f'--port 1 --model tiny-random --dtype float32']
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=as_fd_3,
+                            pass_fds=(3,))  # fds are closed after preexec_fn, except these
+    try:
+        url = _ready_url(proc)
+        assert url.endswith(f":{port}")  # not port 1: systemd's socket was used
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        assert complete(f"http://127.0.0.1:{port}").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        listener.close()
+
+
+def test_sigttin_and_sigttou_scale_the_gateway_tier():
+    from .test_supervisor import ready_pids
+
+    from .conftest import Server
+
+    s = Server("--count", "1", *TINY, log_name="ttin")
+    try:
+        s.proc.send_signal(signal.SIGTTIN)
+        wait_until(lambda: len(ready_pids(s, "gateway")) == 2, 60, what="a second gateway")
+        s.proc.send_signal(signal.SIGTTOU)
+        wait_until(lambda: len(ready_pids(s, "gateway")) == 1, 60, what="back to one gateway")
+        assert complete(s.url).status_code == 200
+    finally:
+        s.stop()
