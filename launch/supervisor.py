@@ -32,6 +32,7 @@ import orjson
 from zserve import control
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterStore, EngineInfo
+from zserve.devices import cuda_device_count, engine_device
 
 from . import systemd
 from .children import Child, Slot, spawn
@@ -104,6 +105,7 @@ class Supervisor:
         self.exit_code = 0
         self.started_at = time.time()
         self._last_watchdog = 0.0
+        self.num_gpus = 0
 
     # -- set-up ------------------------------------------------------------------------------
     def _make_run_dir(self) -> None:
@@ -140,6 +142,9 @@ class Supervisor:
             args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index), "--dtype", c.dtype,
                     "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(c.max_model_len),
                     "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--threads", str(threads), *common]
+            device = engine_device(index, self.num_gpus)
+            if device is not None:
+                args += ["--device", str(device)]
             child = spawn(slot, "engine_worker", args)
         else:
             assert self.listener is not None
@@ -457,6 +462,8 @@ class Supervisor:
         with open(self.pointer, "w") as f:
             f.write(self.control_path)
         deadline = time.monotonic() + self.cfg.ready_timeout
+        self.num_gpus = cuda_device_count()
+        log.info("%s", f"{self.num_gpus} GPU(s) visible" if self.num_gpus else "no GPU visible: engines run on the CPU")
         log.info("starting %d engine(s) for %s and %d gateway(s)", self.desired["engine"], self.cfg.source.model_id,
                  self.desired["gateway"])
         # Both tiers start at once: gateways build their tokenizer while engines load weights.
