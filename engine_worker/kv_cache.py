@@ -9,8 +9,9 @@ for values: a token at position ``p`` of a request lives in slot ``table[p // bs
 - ``attend(layer, q, k, v, layout)`` stores the step's new keys/values and returns the attention
   output for every token of the step.
 
-Decode tokens (one new token per sequence) are attended together, in one batched matmul over
-keys gathered through the block tables; a lone decoder whose blocks are consecutive (the common
+Decode tokens (one new token per sequence) are attended together, over keys gathered through
+the block tables (SDPA for small batches, two batched matmuls with an fp32 softmax for larger
+ones); a lone decoder whose blocks are consecutive (the common
 batch-1 case: the free list hands out ascending blocks) reads a view instead of a copy. A
 prefill that starts at position 0 attends to its own new keys directly, causally; one that
 continues a cached prefix (a chunk, or a prefix-cache hit) gathers that prefix.
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# Decode batches up to this size use SDPA; larger ones two batched matmuls (faster on CPUs).
+SDPA_MAX_DECODE_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class StepLayout:
     decode_len: int  # keys read per decode row (the longest decode context)
     decode_view: tuple[int, int] | None  # (first slot, length): a lone decoder reads a view
     decode_gather: torch.Tensor | None  # [B * decode_len] slots, padded rows point at slot 0
-    decode_mask: torch.Tensor | None  # [1, B, 1, decode_len] bool, True = padding (masked out)
+    decode_mask: torch.Tensor | None  # [1, B, 1, decode_len] bool, True = attend (False: padding)
     prefills: list[PrefillSpan]
     # CUDA FlexAttention decode (None elsewhere)
     flex: object | None = None
@@ -75,14 +79,15 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight inside
-        # SDPA, and a NaN bit pattern left in uninitialised memory would poison the row.
+        # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight in
+        # attention, and a NaN bit pattern left in uninitialised memory would poison the row.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.use_flex = device.type == "cuda" and _flex_available()
+        self.sdpa_max_decode_batch = SDPA_MAX_DECODE_BATCH
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -142,7 +147,7 @@ class PagedKVCache:
                 kw["decode_gather"] = idx.reshape(-1).to(dev)
                 if any(ln != width for ln in lens):
                     lt = torch.tensor(lens, device=dev)
-                    kw["decode_mask"] = (torch.arange(width, device=dev)[None, :] >= lt[:, None])[None, :, None, :]
+                    kw["decode_mask"] = (torch.arange(width, device=dev)[None, :] < lt[:, None])[None, :, None, :]
             if self.use_flex:
                 kw["flex"] = _flex_decode_plan(self, [seqs[i] for i in decode], lens)
 
@@ -173,7 +178,8 @@ class PagedKVCache:
             if layout.flex is not None:
                 outs.append(flex_decode(ck, cv, q[: layout.num_decode], layout.flex))
             else:
-                outs.append(self._attend_decode(ck, cv, q[: layout.num_decode], layout, n_kv))
+                outs.append(self._attend_decode(ck, cv, q[: layout.num_decode], layout, n_kv,
+                                                self.sdpa_max_decode_batch))
         for p in layout.prefills:
             qp = q[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.gather is None:
@@ -188,7 +194,8 @@ class PagedKVCache:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
-    def _attend_decode(ck: torch.Tensor, cv: torch.Tensor, q: torch.Tensor, layout: StepLayout, n_kv: int) -> torch.Tensor:
+    def _attend_decode(ck: torch.Tensor, cv: torch.Tensor, q: torch.Tensor, layout: StepLayout, n_kv: int,
+                       sdpa_max_batch: int) -> torch.Tensor:
         b, n_heads, head_dim = q.shape
         # One query per sequence: fold the query heads of each KV group into the "query length"
         # axis, so grouped-query attention needs no repeat_interleave. The batch axes are
@@ -203,13 +210,16 @@ class PagedKVCache:
         else:
             kd = ck.index_select(1, layout.decode_gather).view(n_kv, b, width, head_dim)
             vd = cv.index_select(1, layout.decode_gather).view(n_kv, b, width, head_dim)
-        # Plain matmuls rather than SDPA: with one query row per head group, CPU SDPA kernels
-        # spend more on setup than on math (measured 2-3x slower in bf16 at 32 x 300 keys).
-        # Scores and softmax in fp32 whatever the cache dtype, as attention kernels do.
-        scores = torch.matmul(qg, kd.transpose(-1, -2)).float().mul_(head_dim ** -0.5)  # [KV, B, G, L]
-        if layout.decode_mask is not None:
-            scores.masked_fill_(layout.decode_mask, float("-inf"))
-        o = torch.matmul(scores.softmax(dim=-1).to(vd.dtype), vd)  # [KV, B, G, D]
+        if b <= sdpa_max_batch:
+            o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=layout.decode_mask)
+        else:
+            # Plain matmuls for larger batches: with one query row per head group, CPU SDPA
+            # spends more on setup than on math (measured 2x slower in bf16 at 32 x 200 keys).
+            # Scores and softmax in fp32 whatever the cache dtype, as attention kernels do.
+            scores = torch.matmul(qg, kd.transpose(-1, -2)).float().mul_(head_dim ** -0.5)  # [KV, B, G, L]
+            if layout.decode_mask is not None:
+                scores.masked_fill_(~layout.decode_mask, float("-inf"))
+            o = torch.matmul(scores.softmax(dim=-1).to(vd.dtype), vd)  # [KV, B, G, D]
         return o.transpose(0, 1).reshape(b, n_heads * head_dim)
 
 

@@ -109,6 +109,19 @@ def test_mixed_batch_matches_each_sequence_alone(loaded):
         assert_same_steps(got, want, f"prompt {i}")
 
 
+def test_large_decode_batches_attend_like_small_ones(loaded):
+    """Beyond SDPA_MAX_DECODE_BATCH decoders, attention takes the batched-matmul path."""
+    prompts = [PROMPTS[i % len(PROMPTS)][: 1 + i] + [7 + i] for i in range(12)]
+    small = generate(make_runner(loaded, max_num_seqs=12, num_blocks=96), prompts[:4] + prompts[4:8], budget=512)
+    runner = make_runner(loaded, max_num_seqs=12, num_blocks=96)
+    assert runner.kv.sdpa_max_decode_batch < 12
+    large = generate(runner, prompts)
+    for i in range(8):
+        assert_same_steps(large[i], small[i], f"prompt {i}")
+    alone = generate(make_runner(loaded), prompts[11:])[0]
+    assert_same_steps(large[11], alone)
+
+
 def test_chunked_prefill_equals_whole_prefill(loaded):
     prompt = PROMPTS[1] + PROMPTS[4]
     whole = generate(make_runner(loaded), [prompt])[0]
