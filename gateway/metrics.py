@@ -50,10 +50,32 @@ class EngineCollector:
             "kv_used": GaugeMetricFamily("zserve_engine_kv_cache_usage_ratio", "Fraction of KV cache in use.",
                                          labels=["engine"]),
         }
-        tokens = CounterMetricFamily("zserve_engine_generated_tokens", "Tokens the engine generated since it started.",
-                                     labels=["engine"])
-        steps = CounterMetricFamily("zserve_engine_steps", "Forward passes the engine ran since it started.",
-                                    labels=["engine"])
+        gauges.update({
+            "kv_blocks_used": GaugeMetricFamily("zserve_engine_kv_cache_blocks_used", "KV blocks held by requests.",
+                                                labels=["engine"]),
+            "kv_blocks_total": GaugeMetricFamily("zserve_engine_kv_cache_blocks", "KV blocks in the cache.",
+                                                 labels=["engine"]),
+            "prefix_cache_hit_rate": GaugeMetricFamily("zserve_engine_prefix_cache_hit_ratio",
+                                                       "Share of prompt tokens found in the prefix cache.",
+                                                       labels=["engine"]),
+            "preempted": GaugeMetricFamily("zserve_engine_requests_preempted",
+                                           "Requests waiting to be recomputed after a preemption.", labels=["engine"]),
+            "tokens_per_step": GaugeMetricFamily("zserve_engine_tokens_per_step",
+                                                 "Mean tokens per forward pass over recent steps.", labels=["engine"]),
+        })
+        counters = {
+            "generated_tokens": CounterMetricFamily("zserve_engine_generated_tokens",
+                                                    "Tokens the engine generated since it started.", labels=["engine"]),
+            "steps": CounterMetricFamily("zserve_engine_steps", "Forward passes the engine ran since it started.",
+                                         labels=["engine"]),
+            "preemptions": CounterMetricFamily("zserve_engine_preemptions",
+                                               "Requests preempted for lack of KV blocks since start.", labels=["engine"]),
+            "prefix_cache_hits": CounterMetricFamily("zserve_engine_prefix_cache_hit_tokens",
+                                                     "Prompt tokens served from the prefix cache since start.",
+                                                     labels=["engine"]),
+            "prompt_tokens": CounterMetricFamily("zserve_engine_prompt_tokens",
+                                                 "Prompt tokens computed (prefill) since start.", labels=["engine"]),
+        }
         up = GaugeMetricFamily("zserve_engine_up", "1 when the engine is connected and routable.", labels=["engine"])
         for e in state.engines.engines.values():
             if e.hello is None:
@@ -62,12 +84,11 @@ class EngineCollector:
             up.add_metric([rank], 1.0 if e.routable else 0.0)
             if e.stats is None:
                 continue
-            for key, fam in gauges.items():
+            for key, fam in (*gauges.items(), *counters.items()):
                 fam.add_metric([rank], float(getattr(e.stats, key)))
-            tokens.add_metric([rank], float(e.stats.generated_tokens))
-            steps.add_metric([rank], float(e.stats.steps))
         yield from gauges.values()
-        yield from (tokens, steps, up)
+        yield from counters.values()
+        yield up
 
 
 def render(app: web.Application) -> bytes:

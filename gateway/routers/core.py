@@ -21,11 +21,20 @@ def _ready(request: web.Request) -> None:
         raise APIError(503, "no engine is ready", headers={"Retry-After": "1"})
 
 
+def _health(state) -> dict:
+    ready = len(state.engines.ready_engines)
+    desired = state.cluster.engines_desired if state.cluster else len(state.engines.engines)
+    status = "ok" if ready and ready >= desired else ("degraded" if ready else "unavailable")
+    return {"status": status, "engines_ready": ready, "engines_desired": desired, "paused": state.paused}
+
+
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    """200 once at least one engine is connected and ready, else 503 (for load balancers)."""
-    _ready(request)
-    return web.Response(status=200)
+    """200 while at least one engine is ready (``status`` says ``degraded`` when some are missing),
+    503 when none is — what a load balancer's health check needs."""
+    body = _health(request.app[STATE])
+    headers = {"Retry-After": "1"} if body["status"] == "unavailable" else None
+    return web.json_response(body, status=200 if body["engines_ready"] else 503, headers=headers)
 
 
 @routes.get("/ping")

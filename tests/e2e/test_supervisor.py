@@ -93,8 +93,9 @@ def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins
         victim = max(engines, key=lambda p: p.get("running", 0))
         killed_at = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
-        # a new request succeeds at once, on the surviving engine
+        # a new request succeeds at once, on the surviving engine, and /health says the tier is degraded
         assert complete(s.url).status_code == 200
+        wait_until(lambda: httpx.get(s.url + "/health").json()["status"] == "degraded", 2, what="/health: degraded")
         for t in threads:
             t.join(timeout=60)
         failed = [r for r in results if r.error]
@@ -118,6 +119,8 @@ def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins
             return line and float(line.split()[-1]) > 0
 
         wait_until(replacement_served, 60, interval=0.2, what="the replacement engine to serve requests")
+        assert httpx.get(s.url + "/health").json() == {"status": "ok", "engines_ready": 2, "engines_desired": 2,
+                                                      "paused": False}
     finally:
         s.stop()
 
