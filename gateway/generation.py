@@ -21,8 +21,8 @@ from .text.stop import StopChecker
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None  # None for a prompt's first token, which has no context to be scored in
+    top: list[tuple[int, float]] | None
 
 
 @dataclass
@@ -32,6 +32,8 @@ class Delta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     num_output_tokens: int  # so far, for usage
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (first delta, when asked)
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (first delta)
 
 
 @dataclass
@@ -42,11 +44,18 @@ class TextOptions:
 
 
 def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
-    if out.logprobs is None:
+    return _pair_logprobs(out.new_token_ids, out.logprobs, out.top_logprobs)
+
+
+def _prompt_logprobs(out: RequestOutput, prompt_ids: list[int]) -> list[TokenLogprob] | None:
+    return _pair_logprobs(prompt_ids[1:], out.prompt_logprobs, out.prompt_top_logprobs)
+
+
+def _pair_logprobs(ids, lps, top) -> list[TokenLogprob] | None:
+    if lps is None:
         return None
-    top = out.top_logprobs
     res = []
-    for i, (tid, lp) in enumerate(zip(out.new_token_ids, out.logprobs)):
+    for i, (tid, lp) in enumerate(zip(ids, lps)):
         pairs: list[tuple[int, float]] = []
         if top is not None and top.k:
             pairs = list(zip(top.token_ids[i * top.k : (i + 1) * top.k], top.logprobs[i * top.k : (i + 1) * top.k]))
@@ -78,10 +87,10 @@ async def generate_text(state: GatewayState, request_id: str, prompt_ids: list[i
                 if stopper is not None:
                     text, stopped = stopper.push(text)
                     if stopped:
-                        yield Delta(text, ids, _logprobs(out), "stop", n_out)
-                        return  # leaving the engine stream aborts the request there
-                    if finish is not None:
+                        finish = "stop"  # returning below aborts the request in the engine
+                    elif finish is not None:
                         text += stopper.flush()
-                yield Delta(text, ids, _logprobs(out), finish, n_out)
+                yield Delta(text, ids, _logprobs(out), finish, n_out, _prompt_logprobs(out, prompt_ids),
+                            out.num_cached_tokens)
                 if finish is not None:
                     return

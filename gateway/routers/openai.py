@@ -64,7 +64,7 @@ def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None
 
 
 def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, logprobs: int | None,
-                   choice: int) -> SamplingParams:
+                   choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
     vocab = state.tokenizer.vocab_size
     bias = []
     for k, v in (req.logit_bias or {}).items():
@@ -91,6 +91,7 @@ def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, lo
         repetition_penalty=req.repetition_penalty,
         logit_bias=tuple(bias),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -106,6 +107,15 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
+
+    def take(self, d: Delta) -> None:
+        """Fold one delta's bookkeeping into the choice (text is handled by the shape)."""
+        self.completion_tokens = d.num_output_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
 
 
 async def run_choices(state: GatewayState, request_id: str, choices: list[Choice], opts: TextOptions
@@ -149,9 +159,14 @@ def engine_error(e: Exception) -> APIError:
     return APIError(500, f"generation failed: {e}")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    completion_tokens = sum(c.completion_tokens for c in choices)
+    per_prompt: dict[int, int] = {}  # choices of one prompt share its id list
+    for c in choices:
+        per_prompt[id(c.prompt_ids)] = max(per_prompt.get(id(c.prompt_ids), 0), c.cached_tokens)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
 
 
 class TokenText:
@@ -180,9 +195,14 @@ def chat_logprobs(tt: TokenText, lps: list[TokenLogprob]) -> dict:
         text, raw = tt(lp.token_id)
         content.append({
             "token": text, "logprob": lp.logprob, "bytes": raw,
-            "top_logprobs": [{"token": tt(t)[0], "logprob": v, "bytes": tt(t)[1]} for t, v in lp.top],
+            "top_logprobs": [{"token": tt(t)[0], "logprob": v, "bytes": tt(t)[1]} for t, v in lp.top or ()],
         })
     return {"content": content, "refusal": None}
+
+
+def echo_entries(c: Choice) -> list[TokenLogprob]:
+    """The prompt's tokens as logprob entries (the first one unscored), for echo + logprobs."""
+    return [TokenLogprob(c.prompt_ids[0], None, None), *(c.prompt_logprobs or [])]
 
 
 def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> dict:
@@ -191,7 +211,7 @@ def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> 
         text = tt(lp.token_id)[0]
         tokens.append(text)
         token_lps.append(lp.logprob)
-        tops.append({tt(t)[0]: v for t, v in lp.top} if lp.top else None)
+        tops.append({tt(t)[0]: v for t, v in lp.top} if lp.top else None)  # None for an unscored token
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -211,15 +231,14 @@ async def respond(request: web.Request, *, request_id: str, model: str, choices:
     if not stream:
         try:
             async for c, d in run_choices(state, request_id, choices, opts):
+                c.take(d)
                 c.text.append(d.text)
                 if d.logprobs:
                     c.logprobs.extend(d.logprobs)
-                c.completion_tokens = d.num_output_tokens
                 c.finish_reason = d.finish_reason or c.finish_reason
         except (EngineRequestError, NoEngineAvailable) as e:
             raise engine_error(e) from None
-        completion_tokens = sum(c.completion_tokens for c in choices)
-        body = shape.full(request_id, created, model, choices, usage(prompt_tokens, completion_tokens))
+        body = shape.full(request_id, created, model, choices, usage(prompt_tokens, choices))
         return web.json_response(body, dumps=_dumps)
 
     resp = await open_stream(request)
@@ -229,13 +248,12 @@ async def respond(request: web.Request, *, request_id: str, model: str, choices:
             if first is not None:
                 await send_event(resp, shape.chunk(request_id, created, model, [first], include_usage))
         async for c, d in run_choices(state, request_id, choices, opts):
-            c.completion_tokens = d.num_output_tokens
+            c.take(d)
             if d.text or d.finish_reason or d.logprobs:
                 await send_event(resp, shape.chunk(request_id, created, model, [shape.delta(c, d)], include_usage))
         if include_usage:
-            completion_tokens = sum(c.completion_tokens for c in choices)
             await send_event(resp, shape.chunk(request_id, created, model, [], include_usage,
-                                               usage(prompt_tokens, completion_tokens)))
+                                               usage(prompt_tokens, choices)))
     except (EngineRequestError, NoEngineAvailable) as e:
         await send_event(resp, engine_error(e).body())
     except (ConnectionResetError, asyncio.CancelledError):
@@ -286,19 +304,24 @@ class CompletionShape(Shape):
 
     def delta(self, c: Choice, d: Delta) -> dict:
         text = d.text
+        entries = list(d.logprobs or [])
         if c.prefix:
             text, c.prefix = c.prefix + text, ""
+            if self.want_logprobs:
+                entries = echo_entries(c) + entries
         lp = None
-        if self.want_logprobs and d.logprobs is not None:
-            off = self.offsets.get(c.index, 0)
-            lp = completion_logprobs(self.tt, d.logprobs, off)
+        if self.want_logprobs and entries:
+            lp = completion_logprobs(self.tt, entries, self.offsets.get(c.index, 0))
         self.offsets[c.index] = self.offsets.get(c.index, 0) + len(text)
         return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
 
     def full(self, rid, created, model, choices, usage_):
         out = []
         for c in choices:
-            lp = completion_logprobs(self.tt, c.logprobs, len(c.prefix)) if self.want_logprobs else None
+            lp = None
+            if self.want_logprobs:
+                entries = (echo_entries(c) if c.prefix else []) + c.logprobs
+                lp = completion_logprobs(self.tt, entries, 0)
             out.append({"index": c.index, "text": c.prefix + "".join(c.text), "logprobs": lp,
                         "finish_reason": c.finish_reason})
         return {"id": rid, "object": self.object_full, "created": created, "model": model, "choices": out,
@@ -371,8 +394,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported yet", param="echo")
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     p = req.prompt
     if isinstance(p, str):
         prompts = [p]
@@ -392,7 +414,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_tokens += len(ids)
         prefix = (pr if isinstance(pr, str) else state.tokenizer.decode(ids)) if req.echo else ""
         for j in range(req.n):
-            sp = build_sampling(state, req, max_tokens, req.logprobs, j)
+            sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs)
             choices.append(Choice(i * req.n + j, ids, sp, prefix))
     rid = f"cmpl-{uuid.uuid4().hex}"
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)

@@ -105,3 +105,26 @@ def test_prompt_beyond_context_is_400(client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=DEFAULT_CHAT_MODEL, prompt="hello " * 3000, max_tokens=4)
     assert "maximum context length" in ei.value.body["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=DEFAULT_CHAT_MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt)
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 2
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] < len(r.choices[0].text)
+    # " Paris" should be far likelier after this prompt than most tokens: its logprob is high
+    assert lp.tokens[n_prompt].strip() == "Paris" and lp.token_logprobs[n_prompt] > -2
+
+
+def test_repeated_long_prompt_reports_cached_tokens(client):
+    messages = [{"role": "system", "content": "You answer briefly. " * 40}, *QUESTION]
+    first = client.chat.completions.create(model=DEFAULT_CHAT_MODEL, messages=messages, temperature=0, max_tokens=8)
+    second = client.chat.completions.create(model=DEFAULT_CHAT_MODEL, messages=messages, temperature=0, max_tokens=8)
+    assert second.usage.prompt_tokens_details.cached_tokens > 100
+    assert second.choices[0].message.content == first.choices[0].message.content
