@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 
@@ -41,6 +42,11 @@ def main() -> None:
               help="Context length (prompt + output) per sequence.")
 @click.option("--max-num-batched-tokens", type=click.IntRange(1, 1 << 20), default=512, show_default=True,
               help="Token budget of one engine step (chunked prefill).")
+@click.option("--block-size", type=click.IntRange(1, 1024), default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--kv-cache-memory", default=None, callback=lambda ctx, p, v: _memory(v),
+              help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Reuse KV blocks of shared prompt prefixes across requests.")
 @click.option("--engine-threads", type=click.IntRange(1, 1024), default=None, help="CPU threads per engine.")
 @click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
               help="Seconds a process may take to become ready.")
@@ -50,8 +56,8 @@ def main() -> None:
               help="A process silent for this long is hung and gets replaced.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def api_server(count: int, engines: int, model: str, served_model_name: tuple[str, ...], host: str, port: int,
-               dtype: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-               engine_threads: int | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
+               dtype: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
+               kv_cache_memory: str | None, enable_prefix_caching: bool, engine_threads: int | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
                log_level: str) -> None:
     """Serve MODEL over HTTP with COUNT gateways in front of ENGINES engine workers."""
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
@@ -63,7 +69,9 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
         raise click.BadParameter(str(e), param_hint="--model") from None
     cfg = ServeConfig(source=source, host=host, port=port, gateways=count, engines=engines, dtype=dtype,
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      max_num_batched_tokens=max_num_batched_tokens, served_model_names=list(served_model_name),
+                      max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                      kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                      served_model_names=list(served_model_name),
                       engine_threads=engine_threads, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
     sup = Supervisor(cfg)
@@ -81,6 +89,20 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
         code = sup.stop() or code
         logging.getLogger("zserve.launch").info("stopped (exit code %d)", code)
     sys.exit(code)
+
+
+_MEMORY = re.compile(r"^(\d+(\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?$", re.I)
+
+
+def _memory(value: str | None) -> str | None:
+    """Check a --kv-cache-memory value here, so a typo fails at once instead of crash-looping engines."""
+    if value is None:
+        return None
+    m = _MEMORY.match(value.strip())
+    if not m or float(m.group(1)) <= 0 or (m.group(3) is None and "." in m.group(1) and float(m.group(1)) > 1):
+        raise click.BadParameter(f"{value!r}: expected bytes (2GiB, 512MB, 1073741824) or a fraction like 0.3",
+                                 param_hint="--kv-cache-memory")
+    return value.strip()
 
 
 def _ask(port: int, cmd: dict, timeout: float = 30.0) -> dict:

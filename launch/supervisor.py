@@ -63,6 +63,9 @@ class ServeConfig:
     max_num_seqs: int = 32
     max_model_len: int = 4096
     max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_memory: str | None = None
+    enable_prefix_caching: bool = True
     served_model_names: list[str] = field(default_factory=list)
     engine_threads: int | None = None
     ready_timeout: float = 600.0
@@ -141,7 +144,11 @@ class Supervisor:
             threads = c.engine_threads or max(1, (os.cpu_count() or 1) // max(1, self.desired["engine"]))
             args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index), "--dtype", c.dtype,
                     "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(c.max_model_len),
-                    "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--threads", str(threads), *common]
+                    "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--threads", str(threads),
+                    "--block-size", str(c.block_size),
+                    "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching", *common]
+            if c.kv_cache_memory is not None:
+                args += ["--kv-cache-memory", c.kv_cache_memory]
             device = engine_device(index, self.num_gpus)
             if device is not None:
                 args += ["--device", str(device)]
