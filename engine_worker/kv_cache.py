@@ -66,7 +66,7 @@ class StepLayout:
     num_decode: int
     decode_len: int  # keys read per decode row (the longest decode context)
     decode_view: tuple[int, int] | None  # (first slot, length): a lone decoder reads a view
-    decode_gather: torch.Tensor | None  # [B * decode_len] slots, padded rows point at slot 0
+    decode_gather: torch.Tensor | None  # [2 * KV * B * blocks] rows of the (k|v, head, block) view
     decode_mask: torch.Tensor | None  # [1, B, 1, decode_len] bool, True = attend (False: padding)
     prefills: list[PrefillSpan]
     # CUDA FlexAttention decode (None elsewhere)
@@ -78,11 +78,13 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        # Keys and values of a layer side by side, so one gather fetches both.
         # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight in
         # attention, and a NaN bit pattern left in uninitialised memory would poison the row.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype=dtype, device=device)
+        self.k = self.kv[:, 0]  # views: [num_layers, num_kv_heads, slots, head_dim]
+        self.v = self.kv[:, 1]
+        self.num_kv_heads = num_kv_heads
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
@@ -139,12 +141,14 @@ class PagedKVCache:
             if len(decode) == 1 and all(table0[j] == table0[0] + j for j in range(nb)):
                 kw["decode_view"] = (table0[0] * bs, width)
             else:
-                # Slots of every row's first ``width`` positions, from the padded block tables;
-                # positions past a row's length point anywhere and are masked out.
+                # Whole blocks of every row (tables padded with block 0), for keys and values
+                # of every KV head at once: one gather of block-sized rows per layer. Positions
+                # past a row's length are masked out.
                 tables = [seqs[i].block_table[:nb] for i in decode]
-                bt = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long)
-                idx = (bt[:, :, None] * bs + torch.arange(bs)).view(len(decode), nb * bs)[:, :width]
-                kw["decode_gather"] = idx.reshape(-1).to(dev)
+                bt = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long).view(-1)
+                planes = torch.arange(2 * self.num_kv_heads)[:, None] * self.num_blocks
+                kw["decode_gather"] = (planes + bt[None, :]).view(-1).to(dev)
+                kw["decode_len"] = width = nb * bs
                 if any(ln != width for ln in lens):
                     lt = torch.tensor(lens, device=dev)
                     kw["decode_mask"] = (torch.arange(width, device=dev)[None, :] < lt[:, None])[None, :, None, :]
@@ -168,6 +172,7 @@ class PagedKVCache:
         Returns ``[N, heads * D]`` in the step's token order.
         """
         ck, cv = self.k[layer], self.v[layer]
+        kv_blocks = self.kv[layer].view(-1, self.block_size * ck.shape[-1])  # [(2 * KV * blocks), bs * D]
         ck.index_copy_(1, layout.slot_mapping, k.transpose(0, 1))
         cv.index_copy_(1, layout.slot_mapping, v.transpose(0, 1))
 
@@ -178,7 +183,7 @@ class PagedKVCache:
             if layout.flex is not None:
                 outs.append(flex_decode(ck, cv, q[: layout.num_decode], layout.flex))
             else:
-                outs.append(self._attend_decode(ck, cv, q[: layout.num_decode], layout, n_kv,
+                outs.append(self._attend_decode(ck, cv, kv_blocks, q[: layout.num_decode], layout, n_kv,
                                                 self.sdpa_max_decode_batch))
         for p in layout.prefills:
             qp = q[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -194,8 +199,8 @@ class PagedKVCache:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
-    def _attend_decode(ck: torch.Tensor, cv: torch.Tensor, q: torch.Tensor, layout: StepLayout, n_kv: int,
-                       sdpa_max_batch: int) -> torch.Tensor:
+    def _attend_decode(ck: torch.Tensor, cv: torch.Tensor, kv_blocks: torch.Tensor, q: torch.Tensor,
+                       layout: StepLayout, n_kv: int, sdpa_max_batch: int) -> torch.Tensor:
         b, n_heads, head_dim = q.shape
         # One query per sequence: fold the query heads of each KV group into the "query length"
         # axis, so grouped-query attention needs no repeat_interleave. The batch axes are
@@ -208,8 +213,8 @@ class PagedKVCache:
             kd = ck[:, s0 : s0 + ln].unsqueeze(1)  # [KV, 1, L, D], a view
             vd = cv[:, s0 : s0 + ln].unsqueeze(1)
         else:
-            kd = ck.index_select(1, layout.decode_gather).view(n_kv, b, width, head_dim)
-            vd = cv.index_select(1, layout.decode_gather).view(n_kv, b, width, head_dim)
+            both = kv_blocks.index_select(0, layout.decode_gather).view(2, n_kv, b, width, head_dim)
+            kd, vd = both[0], both[1]
         if b <= sdpa_max_batch:
             o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=layout.decode_mask)
         else:
