@@ -232,3 +232,27 @@ def test_the_cuda_flex_attention_mask_reads_what_the_gather_path_reads():
         warnings.simplefilter("ignore")
         got = flex_decode(cache.k[0], cache.v[0], q, mask, attention=flex.flex_attention)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_engine_stats_report_blocks_preemptions_and_prefix_hits(loaded, tmp_path):
+    from engine_worker.server import EngineServer
+    from protocol import EngineHello, EngineStats, decode, encode
+
+    runner = make_runner(loaded, num_blocks=17)
+    sched = Scheduler(runner, 8, 256)
+    hello = EngineHello(rank=0, model_id="tiny-random", max_num_seqs=8, max_model_len=64, vocab_size=49152,
+                        eos_token_ids=(2,), pid=1, device="cpu", dtype="float32")
+    server = EngineServer(0, f"ipc://{tmp_path}/engine.sock", runner, sched, hello)
+    try:
+        for i in range(5):
+            sched.add(Sequence(f"r{i}", b"t", PROMPT[i:] + PROMPT[:i], hot(i, 16)))
+        for _ in range(8):
+            server.step()
+        st = server.stats()
+        assert st.running + st.waiting == 5 and st.kv_blocks_total == 17
+        assert st.kv_blocks_used == runner.block_manager.num_used > 0
+        assert st.preemptions == sched.preemptions and st.preempted == sched.num_preempted
+        assert st.tokens_per_step > 1 and st.prompt_tokens >= 19
+        assert decode(encode(st)) == st and isinstance(st, EngineStats)
+    finally:
+        server.sock.close()
