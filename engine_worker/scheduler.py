@@ -5,12 +5,13 @@ Every step, within a token budget (``max_num_batched_tokens``):
 1. each running sequence that is decoding feeds its one new token (decodes go first, so a long
    prompt never stalls the streams already flowing);
 2. running sequences still in prefill feed their next prompt chunk (chunked prefill);
-3. waiting requests are admitted first come, first served while there is budget, a free
-   sequence slot (``max_num_seqs``) and KV blocks. A request whose prompt starts with cached
+3. waiting requests are admitted in order of ``priority`` (lower first, default 0), then first
+   come, first served, while there is budget, a free sequence slot (``max_num_seqs``) and KV
+   blocks. A request whose prompt starts with cached
    blocks (automatic prefix caching) takes them and prefills only the rest.
 
 When a running sequence needs a KV block and none is free, the newest running sequence not yet
-scheduled this step is *preempted*: its blocks are freed and it goes back to the front of the
+scheduled this step (of the lowest priority present) is *preempted*: its blocks are freed and it goes back to the front of the
 queue with its generated tokens. When it is admitted again it recomputes prompt + output (its
 own blocks are often still in the prefix cache), then continues exactly where it stopped: the
 sample at the end of the recompute is the next token, drawn from the request's own generator,
@@ -138,9 +139,22 @@ class Scheduler:
             seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.blocks.block_size)
         if seq.sampling.seed is not None and seq.generator is None:
             seq.generator = self.runner.make_generator(seq.sampling.seed)
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
         self.by_id[seq.request_id] = seq
         return None
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue, ordered by priority: behind its equals (a new request) or
+        before them (a preempted one, which was admitted before them)."""
+        pr = seq.sampling.priority
+        if not self.waiting or (not front and self.waiting[-1].sampling.priority <= pr):
+            self.waiting.append(seq)  # the common case: every priority equal
+            return
+        for i, w in enumerate(self.waiting):
+            if w.sampling.priority > pr or (front and w.sampling.priority == pr):
+                self.waiting.insert(i, seq)
+                return
+        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         seq = self.by_id.pop(request_id, None)
@@ -216,9 +230,10 @@ class Scheduler:
         running sequences while none are free. False when ``seq`` itself was preempted."""
         need = self.blocks.blocks_needed(seq.num_computed + n) - len(seq.block_table)
         while need > 0 and not self.blocks.can_allocate(need):
-            victim = next((s for s in reversed(self.running) if id(s) not in chosen), None)
-            if victim is None:
+            candidates = [(s.sampling.priority, i, s) for i, s in enumerate(self.running) if id(s) not in chosen]
+            if not candidates:
                 return False
+            victim = max(candidates, key=lambda c: c[:2])[2]  # lowest priority, then newest
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -267,7 +282,7 @@ class Scheduler:
         seq.preempted = True
         seq.num_preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def _input(self, seq: Sequence, n: int) -> SeqInput:
         start = seq.num_computed

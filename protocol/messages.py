@@ -74,6 +74,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None = none; k = the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob and the top k
+    priority: int = 0  # lower runs sooner; ties are first come, first served (vLLM's convention)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens out of range")
@@ -101,6 +102,7 @@ class SamplingParams:
         _check(self.prompt_logprobs is None
                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
                "prompt_logprobs out of range")
+        _check(_is_int(self.priority) and -(1 << 31) <= self.priority < (1 << 31), "priority out of range")
 
     @property
     def greedy(self) -> bool:

@@ -43,7 +43,7 @@ SAMPLES = [
         RequestOutput("q", (5,), "length", prompt_logprobs=(-0.5,)),
         RequestOutput("r", (6,), prompt_logprobs=()),
     )),
-    AddRequest("req-3", (7, 8), SamplingParams(prompt_logprobs=3, logprobs=0)),
+    AddRequest("req-3", (7, 8), SamplingParams(prompt_logprobs=3, logprobs=0, priority=-2)),
     EngineStats(rank=0, running=3, waiting=1, kv_used=0.25, generated_tokens=100, steps=40, timestamp=1.5),
     EngineStats(rank=2, running=3, waiting=4, kv_used=0.5, generated_tokens=100, steps=40, timestamp=1.5, preempted=1,
                 preemptions=7, kv_blocks_used=512, kv_blocks_total=1024, prefix_cache_hit_rate=0.375,
@@ -116,7 +116,7 @@ def test_wrong_typed_sampling_fields_are_rejected():
     head, toks = _add_frames()
     h = orjson.loads(head)
     for field, bad in [("temperature", "hot"), ("max_tokens", 0), ("max_tokens", 1.5), ("top_p", 0), ("seed", "x"),
-                       ("logprobs", 21), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True), ("stop_token_ids", [-1]), ("logit_bias", [[1, 500]]), ("ignore_eos", 1)]:
+                       ("logprobs", 21), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True), ("priority", 1.5), ("priority", 1 << 40), ("stop_token_ids", [-1]), ("logit_bias", [[1, 500]]), ("ignore_eos", 1)]:
         h2 = {**h, "sampling": {**h["sampling"], field: bad}}
         with pytest.raises(ProtocolError) as ei:
             decode([orjson.dumps(h2), toks])

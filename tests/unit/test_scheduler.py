@@ -200,3 +200,25 @@ def test_prompt_logprobs_rows_cover_every_prompt_token_once_across_chunks():
         step, _ = _run_step(s)
         rows.append((step.inputs[0].start_pos, step.inputs[0].prompt_logprobs_rows))
     assert rows == [(0, 4), (4, 4), (8, 1)]  # 9 = every prompt token after the first
+
+
+def test_priority_orders_admission_and_preemption():
+    r = FakeRunner(num_blocks=4, block_size=4, prefix_caching=False)
+    s = Scheduler(r, max_num_seqs=1, max_num_batched_tokens=64)
+    for rid, pr in [("late-low", 5), ("urgent", -1), ("normal", 0), ("normal2", 0)]:
+        s.add(_seq(rid, n_prompt=3, max_tokens=1, priority=pr))
+    order = []
+    while s.has_work:
+        step, _ = _run_step(s)
+        order += [q.request_id for q in step.seqs]
+    assert order == ["urgent", "normal", "normal2", "late-low"]
+
+    # Out of blocks, the low-priority request is preempted even though it is older.
+    s = Scheduler(r, max_num_seqs=4, max_num_batched_tokens=64)
+    s.add(_seq("low", n_prompt=7, max_tokens=6, priority=1))
+    s.add(_seq("high", n_prompt=7, max_tokens=6))
+    _run_step(s)
+    _run_step(s)
+    step, _ = _run_step(s)
+    assert [q.request_id for q in step.seqs] == ["high"] and s.by_id["low"].preempted
+    assert s.waiting[0].request_id == "low"
