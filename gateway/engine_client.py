@@ -110,6 +110,7 @@ class EngineClient:
         self._streams: dict[str, _Stream] = {}
         self._static = list(endpoints or [])
         self.any_ready = asyncio.Event()
+        self._turn = 0
 
     # -- membership ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -179,7 +180,10 @@ class EngineClient:
         ready = [e for e in self.ready_engines if e.endpoint not in exclude]
         if not ready:
             raise NoEngineAvailable("no engine is ready")
-        return min(ready, key=lambda e: e.load)
+        least = min(e.load for e in ready)
+        tied = [e for e in ready if e.load == least]
+        self._turn += 1  # ties rotate, so light sequential traffic still reaches every engine
+        return tied[self._turn % len(tied)]
 
     # -- inbound ------------------------------------------------------------------------------
     async def _watch(self, eng: EngineConnection) -> None:

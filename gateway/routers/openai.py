@@ -223,10 +223,8 @@ async def respond(request: web.Request, *, request_id: str, model: str, choices:
     if state.paused:
         raise APIError(503, "the server is paused and admits no new requests; retry later",
                        code="server_paused", headers={"Retry-After": "1"})
-    try:
-        state.engines.pick_engine()  # fail fast with 503 before any byte is sent
-    except NoEngineAvailable as e:
-        raise engine_error(e) from None
+    if not state.engines.ready_engines:  # fail fast with 503 before any byte is sent
+        raise engine_error(NoEngineAvailable("no engine is ready"))
     created = int(time.time())
     if not stream:
         try:

@@ -48,9 +48,6 @@ def one_round(s: Server, model: str) -> tuple[list[float], float, float]:
     wait_until(lambda: any(p["index"] == victim["index"] and p["state"] == "ready" and p["pid"] != victim["pid"]
                            for p in procs(s, "engine")), 120, interval=0.02)
     ready = time.monotonic() - t0
-    for t in threads:
-        t.join(120)
-    fails = [r.ended_at - t0 for r in results if r.error]
     # the replacement takes traffic: send until its generated-token counter moves
     import httpx
 
@@ -61,7 +58,11 @@ def one_round(s: Server, model: str) -> tuple[list[float], float, float]:
         return any(line.startswith(key) and float(line.split()[-1]) > 0 for line in text.splitlines())
 
     wait_until(served, 120, interval=0.0)
-    return fails, ready, time.monotonic() - t0
+    serving = time.monotonic() - t0
+    for t in threads:
+        t.join(300)
+    fails = [r.ended_at - t0 for r in results if r.error]
+    return fails, ready, serving
 
 
 def scaling(s: Server, model: str) -> list[tuple[str, int, int]]:
