@@ -30,6 +30,9 @@ BASE = {
 CONFIGS = {
     "llama": {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama"},
     "mistral": {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+    "llama3": {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16}},
     "qwen2": {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
               "use_sliding_window": False, "sliding_window": 4096},
     "mixtral": {**BASE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": EXPERTS,
@@ -111,12 +114,13 @@ def our_greedy(root: Path, n: int) -> list[int]:
     lm = load_model(source(root), torch.float32, CPU)
     runner = ModelRunner(lm, CPU, torch.float32, max_num_seqs=2, max_model_len=64, num_blocks=16, block_size=4)
     sched = Scheduler(runner, 2, 5)  # chunked prefill over the paged cache
-    sched.add(Sequence("r", b"t", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    # min_tokens masks EOS as transformers' min_new_tokens does
+    sched.add(Sequence("r", b"t", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)))
     return [t for o in run_until_done(sched, runner)["r"] for t in o.new_token_ids]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "mixtral"])
 def test_tiny_checkpoint_matches_transformers(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
     root = write_checkpoint(tmp_path / kind, kind, shards=2 if kind == "qwen2" else 1)
