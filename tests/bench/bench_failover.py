@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.e2e.conftest import LAUNCH, Server, wait_until  # noqa: E402
-from tests.e2e.test_supervisor import StreamResult, complete, procs, run_stream, stream_body  # noqa: E402
+from tests.e2e.test_supervisor import StreamResult, procs, run_stream, stream_body  # noqa: E402
 
 
 def _loaded(s: Server) -> list[dict] | None:
@@ -52,7 +52,7 @@ def one_round(s: Server, model: str) -> tuple[list[float], float, float]:
     import httpx
 
     def served() -> bool:
-        complete(s.url)
+        httpx.post(s.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
         text = httpx.get(s.url + "/metrics").text
         key = f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}"}}'
         return any(line.startswith(key) and float(line.split()[-1]) > 0 for line in text.splitlines())
