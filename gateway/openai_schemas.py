@@ -50,6 +50,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)] = 0  # lower is scheduled sooner
 
     @field_validator("stop")
     @classmethod

@@ -92,6 +92,7 @@ def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, lo
         logit_bias=tuple(bias),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        priority=req.priority,
     )
 
 

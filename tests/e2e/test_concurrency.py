@@ -69,3 +69,10 @@ def test_aborted_stream_frees_its_slot(tiny_server):
     # and the engine still serves
     r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_priority_is_accepted_and_validated(tiny_server):
+    body = {"model": "tiny-random", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(tiny_server.url + "/v1/completions", json={**body, "priority": -5}, timeout=30).status_code == 200
+    bad = httpx.post(tiny_server.url + "/v1/completions", json={**body, "priority": 1 << 40}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
