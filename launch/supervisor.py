@@ -181,7 +181,7 @@ class Supervisor:
             pass
 
     def _handle_signal(self, signum: int) -> None:
-        if signum in (signal.SIGTERM, signal.SIGINT):
+        if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal went away
             if self.stopping and signum == signal.SIGINT:
                 log.warning("second SIGINT: stopping now without draining")
                 self.fast_stop = True
@@ -461,7 +461,7 @@ class Supervisor:
         self.control_sock = control.listen(self.control_path)
         self.sel.register(self._signal_r, selectors.EVENT_READ, None)
         self.sel.register(self.control_sock, selectors.EVENT_READ, "control")
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU):
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(s, self._on_signal)
         host, port = self.listener.getsockname()[:2]
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
