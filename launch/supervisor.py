@@ -538,8 +538,8 @@ class Supervisor:
                     log.warning("%s did not stop in time; killing it", c.name)
                     c.signal(signal.SIGKILL)
                 c.proc.wait()
-                if tier == "gateway" and c.proc.returncode == EXIT_CUT_OFF:
-                    drained = False
+                if tier == "gateway" and (c.proc.returncode == EXIT_CUT_OFF or c.proc.returncode < 0):
+                    drained = False  # requests were cut off, or the gateway had to be killed
             self._reap(time.monotonic())
         for conn in list(self._conns):
             self._close_conn(conn)

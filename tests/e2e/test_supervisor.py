@@ -52,6 +52,14 @@ class StreamResult:
 
 
 def run_stream(url: str, body: dict, res: StreamResult) -> None:
+    try:
+        _read_stream(url, body, res)
+    except httpx.HTTPError as e:  # the server went away mid-stream (a fast stop)
+        res.error = {"message": f"connection lost: {e}"}
+    res.ended_at = res.ended_at or time.monotonic()
+
+
+def _read_stream(url: str, body: dict, res: StreamResult) -> None:
     with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -67,7 +75,6 @@ def run_stream(url: str, body: dict, res: StreamResult) -> None:
             else:
                 res.chunks += 1
                 res.finish = msg["choices"][0]["finish_reason"] or res.finish
-    res.ended_at = res.ended_at or time.monotonic()
 
 
 def complete(url: str, max_tokens: int = 4) -> httpx.Response:
@@ -295,3 +302,23 @@ def test_launch_status_prints_every_process(tiny_server):
     lines = [l for l in out.splitlines() if l.startswith(("engine", "gateway"))]
     assert len(lines) == 3 and all(" ready " in l for l in lines)
     assert "running" in out and "in-flight" in out
+
+
+def test_second_sigint_stops_at_once_without_draining():
+    s = Server("--count", "2", "--shutdown-timeout", "60", *TINY, log_name="sigint-twice")
+    kids = s.descendants()
+    result = StreamResult()
+    t = threading.Thread(target=run_stream, args=(s.url, stream_body(4000), result))
+    t.start()
+    wait_until(lambda: result.chunks > 2, 30, what="a stream to flow")
+    s.proc.send_signal(signal.SIGINT)
+    wait_until(lambda: "draining" in s.tail(20000), 10, what="the first SIGINT to start a drain")
+    started = time.monotonic()
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(15) == 1  # the in-flight stream was cut off
+    assert time.monotonic() - started < 10  # far less than the 60 s drain it skipped
+    wait_until(lambda: not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE], 5,
+               what="children to exit")
+    t.join(30)
+    assert result.finish != "length" and result.error
+    s.stop()
