@@ -576,6 +576,6 @@ class Supervisor:
                               "restarts": max(0, slot.restarts - 1), "crash_looping": slot.crash_looping(now),
                               "last_exit": slot.last_exit, "next_start_in_s": round(max(0.0, slot.next_start - now), 1)})
         st = self.store.get()
-        return {"url": self.url, "model": self.cfg.source.model_id, "pid": os.getpid(),
+        return {"url": self.url, "model": self.cfg.source.model_id, "pid": os.getpid(), "run_dir": self.run_dir,
                 "uptime_s": round(time.time() - self.started_at, 1), "desired": dict(self.desired),
                 "paused": st.paused, "cluster_version": st.version, "processes": procs}

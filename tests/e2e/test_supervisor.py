@@ -115,6 +115,9 @@ def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins
         # the replacement joins and takes traffic
         wait_until(lambda: len(ready_pids(s, "engine")) == 2 and victim["pid"] not in ready_pids(s, "engine"), 60,
                    what="a replacement engine")
+        run_dir = status(s)["run_dir"]
+        assert sorted(f for f in os.listdir(run_dir) if f.endswith(".sock")) == ["control.sock", "engine-0.sock",
+                                                                                  "engine-1.sock"]
         replacement = next(p for p in procs(s, "engine") if p["index"] == victim["index"])
         assert replacement["restarts"] == 1
 
@@ -158,6 +161,10 @@ def test_gateway_killed_under_load_is_replaced_and_others_serve_every_new_reques
         t.join()
         after = [code for when, code in results if when > killed_at + 0.2]
         assert after and all(code == 200 for code in after), after
+        # the dead gateway's live-gauge files are gone, so /metrics no longer counts its in-flight work
+        metrics_dir = os.path.join(status(s)["run_dir"], "metrics")
+        assert not [f for f in os.listdir(metrics_dir) if f.startswith("gauge_live") and f.endswith(f"_{victim}.db")]
+        assert [f for f in os.listdir(metrics_dir) if f.startswith("gauge_live")]  # the live gateways' files remain
     finally:
         s.stop()
 
@@ -227,6 +234,8 @@ def test_scaling_both_tiers_while_serving_fails_no_request():
         st = status(s)
         assert st["desired"] == {"gateway": 2, "engine": 1}
         assert len(ready_pids(s, "gateway")) == 2 and len(ready_pids(s, "engine")) == 1
+        # the drained engine 1 left no socket file behind
+        assert sorted(f for f in os.listdir(st["run_dir"]) if f.endswith(".sock")) == ["control.sock", "engine-0.sock"]
     finally:
         s.stop()
 
