@@ -40,19 +40,19 @@ def check_model(state: GatewayState, model: str | None) -> str:
     raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None) -> int:
+def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
     """Validate prompt length against the context; return the max_tokens to use."""
     if not ids:
-        raise bad_request("the prompt is empty", param="prompt")
+        raise bad_request("the prompt is empty", param=param)
     vocab = state.tokenizer.vocab_size
     bad = next((t for t in ids if t < 0 or t >= vocab), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is out of range [0, {vocab})", param="prompt")
+        raise bad_request(f"token id {bad} is out of range [0, {vocab})", param=param)
     limit = state.max_model_len
     room = limit - len(ids)
     if room <= 0:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                          f"{len(ids)} tokens.", param="messages", code="context_length_exceeded")
+                          f"{len(ids)} tokens.", param=param, code="context_length_exceeded")
     if max_tokens is None:
         return room
     if max_tokens > room:
@@ -440,7 +440,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
     ids = state.tokenizer.encode(text)
-    max_tokens = check_prompt_ids(state, ids, req.max_completion_tokens or req.max_tokens)
+    max_tokens = check_prompt_ids(state, ids, req.max_completion_tokens or req.max_tokens, param="messages")
     top = req.top_logprobs if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

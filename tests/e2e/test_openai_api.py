@@ -105,6 +105,7 @@ def test_prompt_beyond_context_is_400(client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=DEFAULT_CHAT_MODEL, prompt="hello " * 3000, max_tokens=4)
     assert "maximum context length" in ei.value.body["message"]
+    assert ei.value.body["param"] == "prompt" and ei.value.body["code"] == "context_length_exceeded"
 
 
 def test_echo_with_logprobs_scores_the_prompt(client):
