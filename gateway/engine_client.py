@@ -93,6 +93,14 @@ class EngineConnection:
     def rank(self) -> int | None:
         return self.known_rank
 
+    def describe(self) -> dict:
+        """This gateway's view of the engine, as /load and /status report it."""
+        st = self.stats
+        return {"endpoint": self.endpoint, "rank": self.rank, "state": self.cluster_state,
+                "connected": self.hello is not None, "routable": self.routable,
+                "running": st.running if st else None, "waiting": st.waiting if st else None,
+                "kv_used": st.kv_used if st else None}
+
 
 @dataclass
 class _Stream:

@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+import orjson
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -66,8 +68,6 @@ class StatusPipe:
     def send(self, event: str, **fields) -> None:
         if self.fd is None:
             return
-        import orjson
-
         try:
             os.write(self.fd, orjson.dumps({"event": event, **fields}) + b"\n")
         except OSError:

@@ -54,12 +54,7 @@ async def status(request: web.Request) -> web.Response:
     """This gateway's view of the cluster (the same on every gateway once they acknowledged)."""
     state = request.app[STATE]
     cl = state.cluster
-    engines = []
-    for e in state.engines.engines.values():
-        engines.append({"endpoint": e.endpoint, "rank": e.rank, "state": e.cluster_state,
-                        "connected": e.hello is not None, "routable": e.routable,
-                        "running": e.stats.running if e.stats else None,
-                        "waiting": e.stats.waiting if e.stats else None})
+    engines = [e.describe() for e in state.engines.engines.values()]
     return web.json_response({
         "gateway": state.index, "pid": os.getpid(), "model": state.model_id, "paused": state.paused,
         "draining": state.draining, "cluster_version": cl.version if cl else None,

@@ -54,17 +54,7 @@ async def version(request: web.Request) -> web.Response:
 async def load(request: web.Request) -> web.Response:
     """This gateway's in-flight requests and each engine's last reported load."""
     state = request.app[STATE]
-    engines = []
-    for e in state.engines.engines.values():
-        st = e.stats
-        engines.append({
-            "endpoint": e.endpoint,
-            "rank": e.hello.rank if e.hello else None,
-            "ready": e.hello is not None,
-            "running": st.running if st else None,
-            "waiting": st.waiting if st else None,
-            "kv_used": st.kv_used if st else None,
-        })
+    engines = [e.describe() for e in state.engines.engines.values()]
     return web.json_response({"gateway": state.index, "pid": os.getpid(), "in_flight": state.engines.in_flight,
                               "engines": engines})
 

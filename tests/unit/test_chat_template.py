@@ -7,7 +7,6 @@ import pytest
 
 from gateway.text.chat_template import ChatTemplate, ChatTemplateError
 from gateway.text.tokenizer import Tokenizer
-from zserve.catalog import ModelNotFound, smollm2_gguf_path
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "What is the capital of France?"}
@@ -56,13 +55,8 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    try:
-        path = smollm2_gguf_path()
-    except ModelNotFound as e:
-        pytest.skip(str(e))
-    # Shares the session's tokenizer cache with the other text tests.
-    return Tokenizer.from_gguf(path, cache_dir=str(tmp_path_factory.getbasetemp() / "tokenizer-cache"))
+def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import pytest
 
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.tokenizer import Tokenizer
-from zserve.catalog import ModelNotFound, smollm2_gguf_path
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -21,13 +20,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    try:
-        path = smollm2_gguf_path()
-    except ModelNotFound as e:
-        pytest.skip(str(e))
-    # Shares the session's tokenizer cache with the other text tests.
-    return Tokenizer.from_gguf(path, cache_dir=str(tmp_path_factory.getbasetemp() / "tokenizer-cache"))
+def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 def stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip_special_tokens: bool = True) -> list[str]:
