@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine_worker import cpu_kernels
+
 # Decode batches up to this size use SDPA; larger ones two batched matmuls (faster on CPUs).
 SDPA_MAX_DECODE_BATCH = 8
 
@@ -69,6 +71,9 @@ class StepLayout:
     decode_gather: torch.Tensor | None  # [2 * KV * B * blocks] rows of the (k|v, head, block) view
     decode_mask: torch.Tensor | None  # [1, B, 1, decode_len] bool, True = attend (False: padding)
     prefills: list[PrefillSpan]
+    # Native CPU decode (cpu_kernels): block tables [B, blocks] and key counts [B], int32
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     # CUDA FlexAttention decode (None elsewhere)
     flex: object | None = None
 
@@ -77,7 +82,7 @@ class PagedKVCache:
     """K/V pools ``[num_layers, num_kv_heads, num_blocks * block_size, head_dim]``."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, num_heads: int | None = None):
         # Keys and values of a layer side by side, so one gather fetches both.
         # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight in
         # attention, and a NaN bit pattern left in uninitialised memory would poison the row.
@@ -89,6 +94,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = device
         self.use_flex = device.type == "cuda" and _flex_available()
+        self.use_native = cpu_kernels.supports(device, dtype, num_heads or num_kv_heads, num_kv_heads, head_dim)
         self.sdpa_max_decode_batch = SDPA_MAX_DECODE_BATCH
 
     @staticmethod
@@ -138,7 +144,11 @@ class PagedKVCache:
             kw["decode_len"] = width
             table0 = seqs[decode[0]].block_table
             nb = -(-width // bs)
-            if len(decode) == 1 and all(table0[j] == table0[0] + j for j in range(nb)):
+            if self.use_native:
+                kw["decode_tables"] = torch.tensor([seqs[i].block_table[:nb] + [0] * (nb - -(-ln // bs))
+                                                    for i, ln in zip(decode, lens)], dtype=torch.int32)
+                kw["decode_lens"] = torch.tensor(lens, dtype=torch.int32)
+            elif len(decode) == 1 and all(table0[j] == table0[0] + j for j in range(nb)):
                 kw["decode_view"] = (table0[0] * bs, width)
             else:
                 # Whole blocks of every row (tables padded with block 0), for keys and values
@@ -166,15 +176,18 @@ class PagedKVCache:
             **kw,
         )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout,
+               stored: bool = False) -> torch.Tensor:
         """Store this step's ``k``/``v`` ([N, kv_heads, D]) and attend ``q`` ([N, heads, D]).
 
+        ``stored``: the caller already wrote them (``cpu_kernels.rope_and_store``).
         Returns ``[N, heads * D]`` in the step's token order.
         """
         ck, cv = self.k[layer], self.v[layer]
         kv_blocks = self.kv[layer].view(-1, self.block_size * ck.shape[-1])  # [(2 * KV * blocks), bs * D]
-        ck.index_copy_(1, layout.slot_mapping, k.transpose(0, 1))
-        cv.index_copy_(1, layout.slot_mapping, v.transpose(0, 1))
+        if not stored:
+            ck.index_copy_(1, layout.slot_mapping, k.transpose(0, 1))
+            cv.index_copy_(1, layout.slot_mapping, v.transpose(0, 1))
 
         n_tokens, n_heads, head_dim = q.shape
         n_kv = ck.shape[0]
@@ -182,6 +195,9 @@ class PagedKVCache:
         if layout.num_decode:
             if layout.flex is not None:
                 outs.append(flex_decode(ck, cv, q[: layout.num_decode], layout.flex))
+            elif layout.decode_tables is not None:
+                outs.append(cpu_kernels.decode_attention(q[: layout.num_decode], self.kv[layer], layout.decode_tables,
+                                                         layout.decode_lens, self.block_size, head_dim ** -0.5))
             else:
                 outs.append(self._attend_decode(ck, cv, kv_blocks, q[: layout.num_decode], layout, n_kv,
                                                 self.sdpa_max_decode_batch))

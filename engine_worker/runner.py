@@ -97,7 +97,10 @@ class ModelRunner:
             need = -(-max_model_len // block_size) * per_block
             raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
                              f"max_model_len={max_model_len} request; give --kv-cache-memory at least {need} bytes")
-        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                               num_heads=cfg.num_heads)
+        # Native CPU kernels (decode attention, norms, RoPE, SwiGLU) whenever they built here.
+        model.use_native_kernels(self.kv.use_native)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache_bytes = num_blocks * per_block
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, device)

@@ -33,6 +33,7 @@ from zserve import control
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterStore, EngineInfo
 from zserve.devices import cuda_device_count, engine_device
+from zserve.paths import user_cache_dir
 
 from . import systemd
 from .children import Child, Slot, spawn
@@ -131,14 +132,9 @@ class Supervisor:
     def cache_dir(self) -> str:
         """Where gateways keep tokenizers built from GGUF metadata across restarts (2 s → 0.1 s a start);
         falls back to the run directory when the user's cache directory cannot be written."""
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "zserve")
-        try:
-            os.makedirs(path, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            pass
+        path = user_cache_dir()
+        if path is not None:
+            return path
         path = os.path.join(self.run_dir, "cache")
         os.makedirs(path, exist_ok=True)
         return path

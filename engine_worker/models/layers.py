@@ -10,15 +10,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_worker import cpu_kernels
+
 
 class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``; ``add_forward`` fuses the residual add before it.
+
+    With ``native`` set (CPU, ``cpu_kernels`` built) both run as one native pass each.
+    """
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
         self.shape = (size,)
+        self.native = False
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; the native path updates ``residual`` in place."""
+        if self.native:
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self.forward(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return cpu_kernels.add_rms_norm(x, None, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         # Low precision: normalise in fp32 as the reference implementation does, scale after.
@@ -43,6 +60,14 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos().to(device), persistent=False)
         self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device), persistent=False)
+        self._float: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def float_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)`` as float32 ``[positions, D]`` for the native kernel (which rounds
+        them to the model's dtype itself); made once, since ``model.to(dtype)`` converts buffers."""
+        if self._float is None or self._float[0].device != self.cos.device:
+            self._float = (self.cos.float().contiguous(), self.signed_sin.float().contiguous())
+        return self._float
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, 1, D]: broadcasts over the heads of q and k.

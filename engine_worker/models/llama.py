@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.kv_cache import PagedKVCache, StepLayout
+from engine_worker import cpu_kernels
 from engine_worker.models.layers import Linear, RMSNorm, RotaryEmbedding, new_weight, apply_rope, onednn_packing_available
 from engine_worker.models.moe import SparseMoE
 
@@ -73,13 +74,22 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(q_size + 2 * kv_size, cfg.hidden_size, dtype, device, bias=cfg.attention_bias)  # q | k | v
         self.o_proj = Linear(cfg.hidden_size, q_size, dtype, device)
+        self.native = False
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: PagedKVCache, layout: StepLayout
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: PagedKVCache, layout: StepLayout,
+        rope: RotaryEmbedding,
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         qk_heads = self.n_heads + self.n_kv
+        if self.native:
+            # One native pass: rotate q and k in place, store k and v in the paged cache.
+            cpu_kernels.rope_and_store(qkv, layout.positions, *rope.float_tables(), kv.kv[self.layer],
+                                       layout.slot_mapping, self.n_heads, self.n_kv, self.head_dim)
+            heads = qkv.view(n, qk_heads + self.n_kv, self.head_dim)
+            q, k, v = heads[:, : self.n_heads], heads[:, self.n_heads : qk_heads], heads[:, qk_heads:]
+            return self.o_proj(kv.attend(self.layer, q, k, v, layout, stored=True))
         # Rotate q and k together: one set of elementwise kernels instead of two.
         qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(n, qk_heads, self.head_dim), cos, signed_sin)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
@@ -93,9 +103,12 @@ class LlamaMLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(2 * cfg.intermediate_size, cfg.hidden_size, dtype, device)  # rows: gate | up
         self.down_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.native:
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
         return self.down_proj(F.silu(gate) * up)
 
@@ -113,10 +126,18 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg, dtype, device) if cfg.num_experts else LlamaMLP(cfg, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: PagedKVCache, layout: StepLayout
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, kv, layout)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor,
+        kv: PagedKVCache, layout: StepLayout, rope: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream)``: their sum is the layer's output. Keeping them
+        apart lets the next layer fuse the add into its first norm (``RMSNorm.add_forward``)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, signed_sin, kv, layout, rope)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,14 +155,26 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_llama3)
         self.packed = False
+        self.native = False
+
+    def use_native_kernels(self, on: bool) -> None:
+        """Run norms, RoPE + KV store and the SwiGLU activation as native CPU kernels
+        (``engine_worker.cpu_kernels``); the runner turns this on with the native decode attention."""
+        self.native = on
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP)):
+                m.native = on
 
     def forward(self, input_ids: torch.Tensor, layout: StepLayout, kv: PagedKVCache) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` (before the final norm) for the step's flat token batch."""
         x = F.embedding(input_ids, self.embed_weight)
-        cos, signed_sin = self.rope(layout.positions, self.dtype)
+        cos = signed_sin = None
+        if not self.native:
+            cos, signed_sin = self.rope(layout.positions, self.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, signed_sin, kv, layout)
-        return x
+            x, residual = layer(x, residual, cos, signed_sin, kv, layout, self.rope)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the rows that are sampled (only those pay for the large LM head)."""

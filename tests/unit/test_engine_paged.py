@@ -207,31 +207,71 @@ def test_engine_counters_for_stats(loaded):
     assert sched.prompt_tokens == 2 * len(PROMPT) - 16
 
 
-def test_the_cuda_flex_attention_mask_reads_what_the_gather_path_reads():
-    """The CUDA decode path (FlexAttention over the whole pool, no gather) run eagerly on the
-    CPU with the same mask: it must equal the CPU gather path, shared and partial blocks included."""
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+def _reference_decode(cache, layer, q, seqs):
+    """Decode attention written out per row and head in float64, from the block tables."""
+    bs, n_kv = cache.block_size, cache.num_kv_heads
+    out = []
+    for row, s in enumerate(seqs):
+        slots = [s.block_table[p // bs] * bs + p % bs for p in range(s.start_pos + 1)]
+        k = cache.k[layer][:, slots].double()  # [KV, L, D]
+        v = cache.v[layer][:, slots].double()
+        heads = q[row].double().view(n_kv, -1, q.shape[-1])  # [KV, G, D]
+        w = (heads @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1)
+        out.append((w @ v).reshape(-1))
+    return torch.stack(out)
+
+
+DECODE_PATHS = ["torch-gather", "native", "native-portable", "flex"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_dim, dtype):
+    """Each way the engine can run decode attention (torch gather + matmuls, the native CPU kernel
+    in its vectorised and portable versions, CUDA's FlexAttention mask run eagerly here) against
+    a float64 reference: shared prefix blocks, partial last blocks, rows of very different lengths,
+    grouped-query heads, and the step's own new key written first."""
+    from engine_worker import cpu_kernels
     from engine_worker.kv_cache import PagedKVCache, SeqLayout, flex_decode, flex_decode_mask
 
-    g = torch.Generator().manual_seed(0)
-    kv, heads, d, bs, nb = 2, 4, 16, 4, 12
-    cache = PagedKVCache(1, nb, bs, kv, d, torch.float32, CPU)
-    cache.k.normal_(generator=g)
-    cache.v.normal_(generator=g)
-    # Row 0 and 1 share block 5 (a cached prefix); rows end mid-block at different fills.
-    seqs = [SeqLayout([5, 2, 9], 9, 1), SeqLayout([5, 7], 5, 1), SeqLayout([0, 1, 3, 4], 13, 1)]
+    if path.startswith("native") and not cpu_kernels.available():
+        pytest.skip("native CPU kernels did not build here (no compiler)")
+    if path == "flex":
+        flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(head_dim)
+    kv, heads, bs, nb = 2, 6, 4, 40
+    cache = PagedKVCache(2, nb, bs, kv, head_dim, dtype, CPU, num_heads=heads)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
+    assert cache.use_native == cpu_kernels.available()
+    # Rows 0 and 1 share block 5 (a cached prefix); lengths 1 to 99 keys; the last rows long
+    # enough for several 16/32-key chunks of the online softmax.
+    seqs = [SeqLayout([5, 2, 9], 9, 1), SeqLayout([5, 7], 5, 1), SeqLayout([0, 1, 3, 4], 13, 1),
+            SeqLayout([30], 0, 1), SeqLayout(list(range(10, 35)), 98, 1), SeqLayout([39, 38, 37, 36, 6], 17, 1)]
+    cache.use_native = path.startswith("native")
     layout = cache.plan(seqs)
-    assert layout.decode_gather is not None and layout.flex is None  # the CPU never plans flex
-    q = torch.randn(3, heads, d, generator=g)
-    k_new, v_new = torch.randn(3, kv, d, generator=g), torch.randn(3, kv, d, generator=g)
-    want = cache.attend(0, q, k_new, v_new, layout)  # writes the new keys, then attends (gather)
-    mask = flex_decode_mask(nb, bs, seqs, [s.start_pos + 1 for s in seqs], CPU)
-    import warnings
+    assert layout.flex is None  # the CPU never plans flex
+    q = torch.randn(len(seqs), heads, head_dim, generator=g).to(dtype)
+    k_new = torch.randn(len(seqs), kv, head_dim, generator=g).to(dtype)
+    v_new = torch.randn(len(seqs), kv, head_dim, generator=g).to(dtype)
+    if path == "flex":
+        cache.attend(1, q, k_new, v_new, layout)  # stores the new keys
+        mask = flex_decode_mask(nb, bs, seqs, [s.start_pos + 1 for s in seqs], CPU)
+        import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = flex_decode(cache.k[0], cache.v[0], q, mask, attention=flex.flex_attention)
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = flex_decode(cache.k[1], cache.v[1], q, mask, attention=flex.flex_attention)
+    else:
+        cpu_kernels.set_portable_only(path == "native-portable")
+        try:
+            got = cache.attend(1, q, k_new, v_new, layout)
+        finally:
+            cpu_kernels.set_portable_only(False)
+    assert got.dtype == dtype and got.shape == (len(seqs), heads * head_dim)
+    want = _reference_decode(cache, 1, q, seqs)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: the output's own rounding, plus q/k/v's
+    assert torch.allclose(got.double(), want, atol=tol, rtol=0), (got.double() - want).abs().max()
 
 
 def test_engine_stats_report_blocks_preemptions_and_prefix_hits(loaded, tmp_path):

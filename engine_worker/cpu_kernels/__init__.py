@@ -1,0 +1,203 @@
+"""Native CPU kernels for the decode step, built on first use and called through ctypes.
+
+torch has no CPU kernel that reads a paged KV cache in place, so decode attention in plain torch
+gathers every row's keys and values into a contiguous copy each step and layer, then runs two
+batched matmuls and a softmax over it: three passes over the whole context. ``kernels.cpp`` does
+it in one pass, reading the blocks through the block table with an online softmax.
+
+Build: ``g++ -O3 -march=native -fopenmp -shared`` (about a second, no torch headers), cached under
+the user's cache directory keyed by the source, the compiler and the CPU's flags, and renamed
+into place atomically so engines starting together never see half a library. With no compiler,
+a failed build, or ``ZSERVE_CPU_KERNELS=0``, ``available()`` is False and the engine keeps its
+torch path (same results, slower); the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from zserve.paths import user_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+ABI_VERSION = 1
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+__all__ = ["add_rms_norm", "available", "decode_attention", "rope_and_store", "silu_and_mul", "supports"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX") or "g++"
+    return shutil.which(cxx)
+
+
+def _build(cxx: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
+    base = user_cache_dir()
+    out_dir = Path(base) / "kernels" if base else Path(tempfile.gettempdir()) / f"zserve-kernels-{os.getuid()}"
+    target = out_dir / f"zserve_cpu_{key.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=target.stem, suffix=".tmp.so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("ZSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("native CPU kernels disabled by ZSERVE_CPU_KERNELS")
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("no C++ compiler (g++ or $CXX) found: decode attention uses the slower torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+        if lib.zs_abi_version() != ABI_VERSION:
+            raise RuntimeError("stale kernel library")
+    except Exception as e:  # any build or load trouble: the torch path always works
+        log.warning("native CPU kernels unavailable (%s): decode attention uses the slower torch path", e)
+        return None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "decode_attention": ([p, i64, p, i64, p, i64, p, p, i32, i32, i32, i32, i32, f32], ctypes.c_int),
+        "add_rms_norm": ([p, i64, p, p, p, i64, i32, f32], None),
+        "silu_and_mul": ([p, p, i64, i32], None),
+        "rope_and_store": ([p, i64, i64, p, p, p, p, i64, p, i32, i32, i32], ctypes.c_int),
+    }
+    for name, (args, ret) in signatures.items():
+        for suffix in _DTYPES.values():
+            fn = getattr(lib, f"zs_{name}_{suffix}")
+            fn.argtypes, fn.restype = args, ret
+    lib.zs_set_portable_only.argtypes = [i32]
+    return lib
+
+
+def _fn(name: str, dtype: torch.dtype):
+    return getattr(_library(), f"zs_{name}_{_DTYPES[dtype]}")
+
+
+def set_portable_only(on: bool) -> None:
+    """Use the portable kernels even where a vectorised one exists (for tests)."""
+    lib = _library()
+    if lib is not None:
+        lib.zs_set_portable_only(int(on))
+
+
+def available() -> bool:
+    """Whether the native kernels built and loaded (builds them on the first call)."""
+    return _library() is not None
+
+
+def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether decode attention for this cache can use the native kernel."""
+    return (device.type == "cpu" and dtype in _DTYPES and head_dim <= 256 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= 64 and available())
+
+
+def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                     block_size: int, scale: float) -> torch.Tensor:
+    """Attention of one query per row over its cached keys, read in place from the paged pool.
+
+    ``q`` [B, H, D] (heads and dims contiguous in a row; rows may be strided), ``kv_layer``
+    [2, KV, slots, D] contiguous, ``tables`` [B, max_blocks] int32, ``lens`` [B] int32 (keys per
+    row, >= 1). Returns [B, H * D] in ``q``'s dtype.
+    """
+    b, h, d = q.shape
+    kv_heads, slots = kv_layer.shape[1], kv_layer.shape[2]
+    if (q.stride(2) != 1 or q.stride(1) != d or not kv_layer.is_contiguous() or kv_layer.dtype != q.dtype
+            or tables.dtype != torch.int32 or lens.dtype != torch.int32 or not tables.is_contiguous()
+            or not lens.is_contiguous() or tables.shape[0] != b or lens.shape[0] != b):
+        raise ValueError("decode_attention: unsupported layout")
+    out = torch.empty((b, h * d), dtype=q.dtype)
+    rc = _fn("decode_attention", q.dtype)(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), slots * d, tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, block_size, scale)
+    if rc != 0:
+        raise ValueError(f"decode_attention kernel rejected its arguments (code {rc})")
+    return out
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"{what}: unsupported tensor layout")
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rms_norm(x + residual)``, storing ``x + residual`` into ``residual`` (in place).
+
+    Without ``residual``, plain ``weight * rms_norm(x)``. ``x`` [rows, hidden] (rows may be
+    strided); ``residual`` contiguous like it; all one dtype.
+    """
+    rows, hidden = x.shape
+    _check(x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (hidden,) and weight.dtype == x.dtype
+           and (residual is None or (residual.is_contiguous() and residual.shape == x.shape
+                                     and residual.dtype == x.dtype)), "add_rms_norm")
+    out = torch.empty((rows, hidden), dtype=x.dtype)
+    _fn("add_rms_norm", x.dtype)(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                                 weight.data_ptr(), out.data_ptr(), rows, hidden, eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [rows, 2 * inter] laid out ``[gate | up]``."""
+    rows, width = gate_up.shape
+    _check(gate_up.is_contiguous() and width % 2 == 0, "silu_and_mul")
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    _fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   kv_layer: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> None:
+    """Rotate the q and k heads of ``qkv`` ([N, (H + 2 KV) * D], contiguous) in place and store the
+    step's keys and values in ``kv_layer`` ([2, KV, slots, D]) at ``slot_mapping``.
+
+    ``cos``/``signed_sin`` are the float32 ``[positions, D]`` tables of ``RotaryEmbedding``.
+    """
+    n = qkv.shape[0]
+    _check(qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+           and kv_layer.is_contiguous() and kv_layer.dtype == qkv.dtype and kv_layer.shape[1] == num_kv_heads
+           and cos.dtype == signed_sin.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
+           and cos.shape[1] == head_dim and positions.dtype == slot_mapping.dtype == torch.int64
+           and positions.shape == slot_mapping.shape == (n,), "rope_and_store")
+    rc = _fn("rope_and_store", qkv.dtype)(qkv.data_ptr(), n, qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
+                                          signed_sin.data_ptr(), kv_layer.data_ptr(), kv_layer.shape[2] * head_dim,
+                                          slot_mapping.data_ptr(), num_heads, num_kv_heads, head_dim)
+    if rc != 0:
+        raise ValueError(f"rope_and_store kernel rejected its arguments (code {rc})")
