@@ -50,7 +50,9 @@ class PrefillSpan:
     num_tokens: int
     offset: int  # index of its first token in the step's flattened token batch
     gather: torch.Tensor | None  # [start+n] slots of its keys when start_pos > 0
-    mask: torch.Tensor | None  # [n, start+n] bool when start_pos > 0; None means plain causal
+    # [n, keys] bool (True = attend) over the gathered keys, or over its own n keys when there
+    # is no gather (a sliding window shorter than the prompt); None means plain causal
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ class PagedKVCache:
     """K/V pools ``[num_layers, num_kv_heads, num_blocks * block_size, head_dim]``."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, num_heads: int | None = None):
+                 dtype: torch.dtype, device: torch.device, num_heads: int | None = None,
+                 sliding_window: int | None = None):
         # Keys and values of a layer side by side, so one gather fetches both.
         # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight in
         # attention, and a NaN bit pattern left in uninitialised memory would poison the row.
@@ -93,7 +96,13 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        self.use_flex = device.type == "cuda" and _flex_available()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, not {sliding_window}")
+        # Sliding-window attention (Mistral): a query at position p sees keys p-W+1 .. p.
+        self.window = sliding_window
+        # The FlexAttention mask reads the pool in physical order and knows no positions, so a
+        # windowed model keeps the gather path on CUDA.
+        self.use_flex = device.type == "cuda" and sliding_window is None and _flex_available()
         self.use_native = cpu_kernels.supports(device, dtype, num_heads or num_kv_heads, num_kv_heads, head_dim)
         self.sdpa_max_decode_batch = SDPA_MAX_DECODE_BATCH
 
@@ -133,8 +142,12 @@ class PagedKVCache:
                 gather = mask = None
                 if s.start_pos > 0:
                     gather = torch.tensor(_slots(s.block_table, bs, 0, end), device=dev)
+                if s.start_pos > 0 or (self.window is not None and s.num_tokens > self.window):
                     q_pos = torch.arange(s.start_pos, end, device=dev)[:, None]
-                    mask = torch.arange(end, device=dev)[None, :] <= q_pos
+                    k_pos = torch.arange(s.start_pos if gather is None else 0, end, device=dev)[None, :]
+                    mask = k_pos <= q_pos
+                    if self.window is not None:
+                        mask &= k_pos > q_pos - self.window
                 prefills.append(PrefillSpan(s.start_pos, s.num_tokens, offset, gather, mask))
 
         kw: dict = dict(decode_len=0, decode_view=None, decode_gather=None, decode_mask=None)
@@ -145,11 +158,12 @@ class PagedKVCache:
             table0 = seqs[decode[0]].block_table
             nb = -(-width // bs)
             if self.use_native:
-                kw["decode_tables"] = torch.tensor([seqs[i].block_table[:nb] + [0] * (nb - -(-ln // bs))
-                                                    for i, ln in zip(decode, lens)], dtype=torch.int32)
+                tables = [seqs[i].block_table[:nb] for i in decode]
+                kw["decode_tables"] = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32)
                 kw["decode_lens"] = torch.tensor(lens, dtype=torch.int32)
             elif len(decode) == 1 and all(table0[j] == table0[0] + j for j in range(nb)):
-                kw["decode_view"] = (table0[0] * bs, width)
+                skip = max(0, width - self.window) if self.window is not None else 0
+                kw["decode_view"] = (table0[0] * bs + skip, width - skip)
             else:
                 # Whole blocks of every row (tables padded with block 0), for keys and values
                 # of every KV head at once: one gather of block-sized rows per layer. Positions
@@ -159,9 +173,14 @@ class PagedKVCache:
                 planes = torch.arange(2 * self.num_kv_heads)[:, None] * self.num_blocks
                 kw["decode_gather"] = (planes + bt[None, :]).view(-1).to(dev)
                 kw["decode_len"] = width = nb * bs
-                if any(ln != width for ln in lens):
-                    lt = torch.tensor(lens, device=dev)
-                    kw["decode_mask"] = (torch.arange(width, device=dev)[None, :] < lt[:, None])[None, :, None, :]
+                windowed = self.window is not None and max(lens) > self.window
+                if windowed or any(ln != width for ln in lens):
+                    lt = torch.tensor(lens, device=dev)[:, None]
+                    k_pos = torch.arange(width, device=dev)[None, :]
+                    mask = k_pos < lt
+                    if windowed:
+                        mask &= k_pos >= lt - self.window
+                    kw["decode_mask"] = mask[None, :, None, :]
             if self.use_flex:
                 kw["flex"] = _flex_decode_plan(self, [seqs[i] for i in decode], lens)
 
@@ -197,7 +216,8 @@ class PagedKVCache:
                 outs.append(flex_decode(ck, cv, q[: layout.num_decode], layout.flex))
             elif layout.decode_tables is not None:
                 outs.append(cpu_kernels.decode_attention(q[: layout.num_decode], self.kv[layer], layout.decode_tables,
-                                                         layout.decode_lens, self.block_size, head_dim ** -0.5))
+                                                         layout.decode_lens, self.block_size, head_dim ** -0.5,
+                                                         self.window))
             else:
                 outs.append(self._attend_decode(ck, cv, kv_blocks, q[: layout.num_decode], layout, n_kv,
                                                 self.sdpa_max_decode_batch))
@@ -206,7 +226,8 @@ class PagedKVCache:
             if p.gather is None:
                 kp = k[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, KV, n, D]
                 vp = v[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=p.mask is None, attn_mask=p.mask,
+                                                   enable_gqa=True)
             else:
                 kp = ck.index_select(1, p.gather).unsqueeze(0)
                 vp = cv.index_select(1, p.gather).unsqueeze(0)

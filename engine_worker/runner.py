@@ -57,9 +57,6 @@ class ModelRunner:
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {cfg.max_position_embeddings}")
-        if cfg.sliding_window is not None and max_model_len > cfg.sliding_window:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding window of {cfg.sliding_window}; "
-                             "sliding-window attention is not implemented, so serve at most that context")
         if max_num_seqs < 1 or max_model_len < 1 or block_size < 1:
             raise ValueError("max_num_seqs, max_model_len and block_size must be positive")
         model = loaded.model
@@ -98,7 +95,7 @@ class ModelRunner:
             raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
                              f"max_model_len={max_model_len} request; give --kv-cache-memory at least {need} bytes")
         self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
-                               num_heads=cfg.num_heads)
+                               num_heads=cfg.num_heads, sliding_window=cfg.sliding_window)
         # Native CPU kernels (decode attention, norms, RoPE, SwiGLU) whenever they built here.
         model.use_native_kernels(self.kv.use_native)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)

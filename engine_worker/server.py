@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         configure_cpu_threads(a.threads)
     t0 = time.monotonic()
     loaded = load_model(source, dtype, device, progress=_progress)
-    max_model_len = min(a.max_model_len, loaded.config.max_position_embeddings, loaded.config.sliding_window or 1 << 30)
+    max_model_len = min(a.max_model_len, loaded.config.max_position_embeddings)
     kv_bytes = parse_memory(a.kv_cache_memory, device) if a.kv_cache_memory is not None else None
     runner = ModelRunner(loaded, device, dtype, a.max_num_seqs, max_model_len, block_size=a.block_size,
                          kv_cache_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching)

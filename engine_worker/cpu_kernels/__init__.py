@@ -31,7 +31,7 @@ from zserve.paths import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -95,7 +95,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
-        "decode_attention": ([p, i64, p, i64, p, i64, p, p, i32, i32, i32, i32, i32, f32], ctypes.c_int),
+        "decode_attention": ([p, i64, p, i64, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32], ctypes.c_int),
         "add_rms_norm": ([p, i64, p, p, p, i64, i32, f32], None),
         "silu_and_mul": ([p, p, i64, i32], None),
         "rope_and_store": ([p, i64, i64, p, p, p, p, i64, p, i32, i32, i32], ctypes.c_int),
@@ -131,9 +131,10 @@ def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_he
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                     block_size: int, scale: float) -> torch.Tensor:
+                     block_size: int, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of one query per row over its cached keys, read in place from the paged pool.
 
+    With ``window``, each row attends to its last ``window`` keys only (sliding-window attention).
     ``q`` [B, H, D] (heads and dims contiguous in a row; rows may be strided), ``kv_layer``
     [2, KV, slots, D] contiguous, ``tables`` [B, max_blocks] int32, ``lens`` [B] int32 (keys per
     row, >= 1). Returns [B, H * D] in ``q``'s dtype.
@@ -146,7 +147,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tens
         raise ValueError("decode_attention: unsupported layout")
     out = torch.empty((b, h * d), dtype=q.dtype)
     rc = _fn("decode_attention", q.dtype)(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), slots * d, tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, block_size, scale)
+            lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, block_size, scale, window or 0)
     if rc != 0:
         raise ValueError(f"decode_attention kernel rejected its arguments (code {rc})")
     return out

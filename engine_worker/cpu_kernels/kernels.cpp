@@ -75,6 +75,7 @@ inline float exp_nonpositive(float x) {
 //   kv     one layer of the pool: [2, KV, slots, D]; plane p (k: 0..KV-1, v: KV..2KV-1) starts
 //          at kv + p * plane
 //   tables [B, table_stride] int32 block ids; lens [B] int32 keys per row (>= 1)
+//   window > 0: only the last `window` keys of each row (sliding-window attention)
 //   out    [B, H, D] contiguous
 //
 // One work item is (row, KV head): its G query heads share every key and value row read.
@@ -83,6 +84,9 @@ struct DecodeArgs {
     const int32_t *tables, *lens;
     int H, KV, G, D, bs;
     float scale;
+    int window;  // > 0: attend to the last `window` keys only (sliding-window attention)
+
+    int first_key(int len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
 bool g_portable_only = false;  // tests set it to check the portable versions on AVX-512 machines
@@ -111,7 +115,7 @@ void decode_item_generic(const T *q, const T *kv, T *out, int b, int h, const De
     }
     const int32_t *table = a.tables + b * a.table_stride;
     const T *kplane = kv + h * a.plane, *vplane = kv + (a.KV + h) * a.plane;
-    for (int p0 = 0; p0 < len; p0 += kChunk) {
+    for (int p0 = a.first_key(len); p0 < len; p0 += kChunk) {
         const int n = len - p0 < kChunk ? len - p0 : kChunk;
         for (int t = 0; t < n; ++t) {
             slot[t] = slot_of(table, p0 + t, a.bs);
@@ -219,7 +223,7 @@ void decode_item_avx512(const T *q, const T *kv, T *out, int b, int h, const Dec
     const int32_t *table = a.tables + b * a.table_stride;
     const T *kplane = kv + h * a.plane, *vplane = kv + (a.KV + h) * a.plane;
     int64_t slot[16];
-    for (int p0 = 0; p0 < len; p0 += 16) {
+    for (int p0 = a.first_key(len); p0 < len; p0 += 16) {
         const int n = len - p0 < 16 ? len - p0 : 16;
         const __mmask16 live = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
         for (int t = 0; t < n; ++t) {
@@ -283,11 +287,11 @@ DecodeItem<T> pick_avx512(int NJ, int G, DecodeItem<T> fallback) {
 template <typename T>
 int decode_attention(const T *q, int64_t q_stride, const T *kv, int64_t plane, const int32_t *tables,
                      int64_t table_stride, const int32_t *lens, T *out, int B, int H, int KV, int D, int bs,
-                     float scale) {
+                     float scale, int window) {
     if (B < 0 || KV <= 0 || H % KV || H / KV > kMaxGroup || D <= 0 || D > kMaxHeadDim || bs <= 0) return -1;
     for (int b = 0; b < B; ++b)
         if (lens[b] <= 0) return -2;
-    const DecodeArgs a{q_stride, plane, table_stride, tables, lens, H, KV, H / KV, D, bs, scale};
+    const DecodeArgs a{q_stride, plane, table_stride, tables, lens, H, KV, H / KV, D, bs, scale, window};
     auto item = decode_item_generic<T>;
 #ifdef __AVX512F__
     if ((D == 64 || D == 128) && !g_portable_only) item = pick_avx512<T>(D / 16, H / KV, item);
@@ -452,18 +456,18 @@ ZS_ELEMENTWISE(bf16, uint16_t)
 
 int zs_decode_attention_f32(const float *q, int64_t q_stride, const float *kv, int64_t plane, const int32_t *tables,
                             int64_t table_stride, const int32_t *lens, float *out, int B, int H, int KV, int D,
-                            int bs, float scale) {
-    return decode_attention(q, q_stride, kv, plane, tables, table_stride, lens, out, B, H, KV, D, bs, scale);
+                            int bs, float scale, int window) {
+    return decode_attention(q, q_stride, kv, plane, tables, table_stride, lens, out, B, H, KV, D, bs, scale, window);
 }
 
 int zs_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t plane,
                              const int32_t *tables, int64_t table_stride, const int32_t *lens, uint16_t *out, int B,
-                             int H, int KV, int D, int bs, float scale) {
-    return decode_attention(q, q_stride, kv, plane, tables, table_stride, lens, out, B, H, KV, D, bs, scale);
+                             int H, int KV, int D, int bs, float scale, int window) {
+    return decode_attention(q, q_stride, kv, plane, tables, table_stride, lens, out, B, H, KV, D, bs, scale, window);
 }
 
 void zs_set_portable_only(int on) { g_portable_only = on != 0; }
 
-int zs_abi_version(void) { return 1; }
+int zs_abi_version(void) { return 2; }
 
 }  // extern "C"

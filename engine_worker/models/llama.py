@@ -51,7 +51,7 @@ class LlamaConfig:
     num_experts_per_tok: int = 0
     # Llama 3.1 "llama3" RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_positions)
     rope_llama3: tuple[float, float, float, int] | None = None
-    sliding_window: int | None = None  # attention window; the engine caps max_model_len to it
+    sliding_window: int | None = None  # Mistral: each query attends to the last this-many keys
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",

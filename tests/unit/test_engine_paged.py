@@ -207,12 +207,13 @@ def test_engine_counters_for_stats(loaded):
     assert sched.prompt_tokens == 2 * len(PROMPT) - 16
 
 
-def _reference_decode(cache, layer, q, seqs):
+def _reference_decode(cache, layer, q, seqs, window=None):
     """Decode attention written out per row and head in float64, from the block tables."""
     bs, n_kv = cache.block_size, cache.num_kv_heads
     out = []
     for row, s in enumerate(seqs):
-        slots = [s.block_table[p // bs] * bs + p % bs for p in range(s.start_pos + 1)]
+        first = max(0, s.start_pos + 1 - window) if window else 0
+        slots = [s.block_table[p // bs] * bs + p % bs for p in range(first, s.start_pos + 1)]
         k = cache.k[layer][:, slots].double()  # [KV, L, D]
         v = cache.v[layer][:, slots].double()
         heads = q[row].double().view(n_kv, -1, q.shape[-1])  # [KV, G, D]
@@ -224,24 +225,27 @@ def _reference_decode(cache, layer, q, seqs):
 DECODE_PATHS = ["torch-gather", "native", "native-portable", "flex"]
 
 
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("path", DECODE_PATHS)
-def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_dim, dtype):
+def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_dim, dtype, window):
     """Each way the engine can run decode attention (torch gather + matmuls, the native CPU kernel
     in its vectorised and portable versions, CUDA's FlexAttention mask run eagerly here) against
     a float64 reference: shared prefix blocks, partial last blocks, rows of very different lengths,
-    grouped-query heads, and the step's own new key written first."""
+    grouped-query heads, the step's own new key written first, and a sliding window (Mistral)."""
     from engine_worker import cpu_kernels
     from engine_worker.kv_cache import PagedKVCache, SeqLayout, flex_decode, flex_decode_mask
 
     if path.startswith("native") and not cpu_kernels.available():
         pytest.skip("native CPU kernels did not build here (no compiler)")
     if path == "flex":
+        if window:
+            pytest.skip("windowed models keep the gather path on CUDA")
         flex = pytest.importorskip("torch.nn.attention.flex_attention")
     g = torch.Generator().manual_seed(head_dim)
     kv, heads, bs, nb = 2, 6, 4, 40
-    cache = PagedKVCache(2, nb, bs, kv, head_dim, dtype, CPU, num_heads=heads)
+    cache = PagedKVCache(2, nb, bs, kv, head_dim, dtype, CPU, num_heads=heads, sliding_window=window)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
     assert cache.use_native == cpu_kernels.available()
     # Rows 0 and 1 share block 5 (a cached prefix); lengths 1 to 99 keys; the last rows long
@@ -269,7 +273,7 @@ def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_
         finally:
             cpu_kernels.set_portable_only(False)
     assert got.dtype == dtype and got.shape == (len(seqs), heads * head_dim)
-    want = _reference_decode(cache, 1, q, seqs)
+    want = _reference_decode(cache, 1, q, seqs, window)
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: the output's own rounding, plus q/k/v's
     assert torch.allclose(got.double(), want, atol=tol, rtol=0), (got.double() - want).abs().max()
 

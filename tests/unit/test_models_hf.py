@@ -30,6 +30,8 @@ BASE = {
 CONFIGS = {
     "llama": {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama"},
     "mistral": {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+    # A window shorter than the prompt: prefill, chunks and decode all attend to 5 keys at most.
+    "mistral-window": {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 5},
     "llama3": {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 16}},
@@ -104,15 +106,19 @@ def source(root: Path) -> ModelSource:
 def our_logits(root: Path) -> torch.Tensor:
     lm = load_model(source(root), torch.float32, CPU)
     cfg = lm.config
-    kv = PagedKVCache(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
+    kv = PagedKVCache(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
+                      sliding_window=cfg.sliding_window)
     layout = kv.plan([SeqLayout([0, 1], 0, len(PROMPT))])
     with torch.inference_mode():
         return lm.model.compute_logits(lm.model(torch.tensor(PROMPT), layout, kv))
 
 
-def our_greedy(root: Path, n: int) -> list[int]:
+def our_greedy(root: Path, n: int, native: bool = True) -> list[int]:
     lm = load_model(source(root), torch.float32, CPU)
     runner = ModelRunner(lm, CPU, torch.float32, max_num_seqs=2, max_model_len=64, num_blocks=16, block_size=4)
+    if not native:  # the torch path (no compiler here, or CUDA)
+        runner.kv.use_native = False
+        runner.model.use_native_kernels(False)
     sched = Scheduler(runner, 2, 5)  # chunked prefill over the paged cache
     # min_tokens masks EOS as transformers' min_new_tokens does
     sched.add(Sequence("r", b"t", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)))
@@ -120,7 +126,7 @@ def our_greedy(root: Path, n: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "mistral-window", "qwen2", "mixtral"])
 def test_tiny_checkpoint_matches_transformers(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
     root = write_checkpoint(tmp_path / kind, kind, shards=2 if kind == "qwen2" else 1)
@@ -134,6 +140,8 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, kind):
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
     assert our_greedy(root, 6) == want_tokens
+    if kind in ("llama", "mistral-window"):
+        assert our_greedy(root, 6, native=False) == want_tokens
 
 
 def test_mixtral_stacked_expert_tensors_load_like_per_expert_ones(tmp_path):
