@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: run test install install-test bench clean
+.PHONY: run test install install-test kernels bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,14 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-run: install
+# Native CPU kernels: built (or found in ~/.cache/zserve) before the engines start; never fatal.
+kernels: install
+	-$(BIN)/python -m engine_worker.cpu_kernels
+
+run: install kernels
 	$(BIN)/launch api-server --count $(COUNT) --host $(HOST) --port $(PORT)
 
-test: install-test
+test: install-test kernels
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install-test

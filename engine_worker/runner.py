@@ -103,6 +103,15 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, device)
 
     @property
+    def attention_backend(self) -> str:
+        """How decode attention runs here, for logs: native CPU kernels, FlexAttention, or torch."""
+        if self.kv.use_native:
+            return "native CPU kernels"
+        if self.kv.use_flex:
+            return "FlexAttention over the paged pool"
+        return "torch (gathered keys)"
+
+    @property
     def num_blocks(self) -> int:
         return self.block_manager.num_blocks
 

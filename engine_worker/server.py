@@ -256,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     kv_bytes = parse_memory(a.kv_cache_memory, device) if a.kv_cache_memory is not None else None
     runner = ModelRunner(loaded, device, dtype, a.max_num_seqs, max_model_len, block_size=a.block_size,
                          kv_cache_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching)
-    log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s", a.rank, runner.num_blocks,
-             a.block_size, runner.kv_cache_bytes / (1 << 20), "on" if a.enable_prefix_caching else "off")
+    log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s; attention: %s", a.rank,
+             runner.num_blocks, a.block_size, runner.kv_cache_bytes / (1 << 20),
+             "on" if a.enable_prefix_caching else "off", runner.attention_backend)
     scheduler = Scheduler(runner, a.max_num_seqs, max(a.max_num_batched_tokens, a.max_num_seqs))
     hello = EngineHello(
         rank=a.rank,

@@ -77,6 +77,12 @@ def _build(cxx: str) -> Path:
     return target
 
 
+def library_path() -> str | None:
+    """The loaded kernel library's file, or None."""
+    lib = _library()
+    return None if lib is None else lib._name
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("ZSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):

@@ -16,8 +16,9 @@ tokens/s is given twice: counting *every* token it generated (including those pa
 own length, which static batching cannot avoid — this favours it) and counting only the tokens
 the requests asked for (the same work zserve delivers). Two ratios follow, one per count.
 
-``--profile`` adds, at the largest concurrency, where one step's time goes: scheduler, model
-forward, LM head + sampling, and the top torch ops of one decode step.
+``--profile`` adds, at the largest concurrency (or ``--profile-concurrency``), where a decode
+step's wall time goes (linear layers, each native kernel, sampling, the rest) and the top torch
+ops of one step. ``ZSERVE_CPU_KERNELS=0`` in the environment measures the torch-only path.
 """
 
 from __future__ import annotations
@@ -133,8 +134,52 @@ def load_hf(dtype: torch.dtype):
     return model.eval()
 
 
+def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
+    """Wall-clock split of ``steps`` decode steps by component. torch's profiler does not see the
+    native kernels (ctypes calls), so each component is timed at its Python entry point."""
+    import collections
+    import contextlib
+
+    from engine_worker import cpu_kernels
+    from engine_worker.models import layers
+
+    spent: collections.Counter = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
+
+    patches = [(cpu_kernels, n, f"{n} (native)") for n in ("decode_attention", "add_rms_norm", "rope_and_store",
+                                                             "silu_and_mul")]
+    patches += [(layers.Linear, "forward", "linear layers (oneDNN)"), (runner.sampler, "sample", "sampling"),
+                (runner.kv, "plan", "step layout (plan)")]
+    with contextlib.ExitStack() as undo:
+        for owner, attr, label in patches:
+            orig = getattr(owner, attr)
+            setattr(owner, attr, timed(label, orig))
+            undo.callback(setattr, owner, attr, orig)
+        total = 0.0
+        for _ in range(steps):
+            step = sched.schedule()
+            t = time.perf_counter()
+            results = runner.execute(step.inputs)
+            total += time.perf_counter() - t
+            sched.update(step, results)
+    known = sum(spent.values())
+    print(f"\nwall-clock split of {steps} decode steps of {len(step.inputs)} sequences: {total / steps * 1e3:.1f} ms a step")
+    for name, sec in spent.most_common():
+        print(f"  {name:28s} {sec / steps * 1e3:6.2f} ms  {100 * sec / total:5.1f}%")
+    print(f"  {'other (torch glue, Python)':28s} {(total - known) / steps * 1e3:6.2f} ms  {100 * (total - known) / total:5.1f}%")
+
+
 def profile_step(runner: ModelRunner, work, max_num_seqs: int, budget: int) -> None:
-    """Bring C requests to steady decoding, then profile one decode step."""
+    """Bring C requests to steady decoding, then split ten decode steps' wall time by component
+    and list the top torch ops of one."""
     sched = Scheduler(runner, max_num_seqs, budget)
     for i, (prompt, n) in enumerate(work):
         sched.add(Sequence(f"p{i}", b"bench", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
@@ -144,14 +189,15 @@ def profile_step(runner: ModelRunner, work, max_num_seqs: int, budget: int) -> N
     for _ in range(20):  # some context, as mid-generation
         step = sched.schedule()
         sched.update(step, runner.execute(step.inputs))
+    _timed_split(runner, sched, 10)
     step = sched.schedule()
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         results = runner.execute(step.inputs)
     sched.update(step, results)
-    print(f"\nprofile of one decode step: {len(step.inputs)} sequences, {step.num_tokens} tokens")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+    print(f"\ntorch ops of one decode step ({len(step.inputs)} sequences; native kernels are not listed):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
     sched.abort_all("abort")
 
 
@@ -166,7 +212,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="where a decode step's time goes, at the largest concurrency")
+    ap.add_argument("--profile-concurrency", type=int, default=None, help="profile at this concurrency instead")
     args = ap.parse_args()
 
     threads = configure_cpu_threads(args.threads)
@@ -209,7 +256,8 @@ def main() -> None:
         f"c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} over {t['steps']} steps"
         for c, _, _, t in rows))
     if args.profile:
-        profile_step(runner, make_workload(max_c, args.min_new, args.max_new, args.seed + 1), max_c,
+        c = args.profile_concurrency or max_c
+        profile_step(runner, make_workload(c, args.min_new, args.max_new, args.seed + 1), max_c,
                      args.max_num_batched_tokens)
 
 

@@ -1,0 +1,149 @@
+"""The native CPU kernels against the torch code they replace, and the engine without them.
+
+Decode attention has its own test beside the other attention paths (test_engine_paged.py); here
+are the fused elementwise kernels (in their AVX-512 and portable versions) and the fallback when
+the kernels cannot be built or are switched off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_worker import cpu_kernels
+from engine_worker.models.layers import RotaryEmbedding, apply_rope
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+VERSIONS = pytest.mark.parametrize("portable", [False, True], ids=["vectorised", "portable"])
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def version(portable):
+    cpu_kernels.set_portable_only(portable)
+    yield
+    cpu_kernels.set_portable_only(False)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    # bf16: one unit in the last place (2^-8 relative) for a different summation order.
+    tol = 1e-5 if got.dtype == torch.float32 else 2 ** -7
+    return got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """What RMSNorm computes without the kernel (transformers' rounding)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+@needs_kernels
+@VERSIONS
+@DTYPES
+@pytest.mark.parametrize("hidden", [576, 40])  # a multiple of 16 (vector path) and not
+def test_add_rms_norm_matches_the_unfused_ops_and_updates_the_residual(dtype, hidden, portable, version):
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(7, hidden, generator=g) * 3).to(dtype)
+    residual = torch.randn(7, hidden, generator=g).to(dtype)
+    w = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
+    want_sum = x + residual
+    want = torch_rms_norm(want_sum, w, 1e-5)
+    got = cpu_kernels.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, want_sum)  # x + residual, rounded to the dtype, in place
+    assert close(got, want), (got.float() - want.float()).abs().max()
+    assert close(cpu_kernels.add_rms_norm(x, None, w, 1e-5), torch_rms_norm(x, w, 1e-5))
+    strided = torch.randn(7, 2 * hidden, generator=g).to(dtype)[:, :hidden]  # rows of a wider tensor
+    assert close(cpu_kernels.add_rms_norm(strided, None, w, 1e-5), torch_rms_norm(strided, w, 1e-5))
+
+
+@needs_kernels
+@VERSIONS
+@DTYPES
+@pytest.mark.parametrize("inter", [1536, 24])
+def test_silu_and_mul_matches_torch_over_the_whole_range(dtype, inter, portable, version):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter, generator=g) * 8).to(dtype)
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -200.0])  # saturation, no overflow
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    want = F.silu(gate) * up
+    got = cpu_kernels.silu_and_mul(gate_up)
+    assert close(got, want), (got.float() - want.float()).abs().max()
+    assert torch.isfinite(got).all()
+
+
+@needs_kernels
+@DTYPES
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_rope_and_store_rotates_in_place_and_fills_the_cache_slots(dtype, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, n, slots = 6, 2, 5, 40
+    rope = RotaryEmbedding(head_dim, 128, 10000.0, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 17, 90, 127])
+    slot_mapping = torch.tensor([3, 39, 0, 12, 13])
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    cache = torch.zeros(2, kv_heads, slots, head_dim, dtype=dtype)
+
+    heads_of = qkv.clone().view(n, heads + 2 * kv_heads, head_dim)
+    cos, sin = rope(positions, dtype)
+    want_qk = apply_rope(heads_of[:, : heads + kv_heads].clone(), cos, sin)
+    cpu_kernels.rope_and_store(qkv, positions, *rope.float_tables(), cache, slot_mapping, heads, kv_heads, head_dim)
+    got = qkv.view(n, heads + 2 * kv_heads, head_dim)
+    assert close(got[:, : heads + kv_heads], want_qk)
+    assert torch.equal(got[:, heads + kv_heads :], heads_of[:, heads + kv_heads :])  # v untouched
+    for i, s in enumerate(slot_mapping.tolist()):
+        assert torch.equal(cache[0, :, s], got[i, heads : heads + kv_heads])  # rotated keys
+        assert torch.equal(cache[1, :, s], got[i, heads + kv_heads :])  # values
+    untouched = [s for s in range(slots) if s not in slot_mapping.tolist()]
+    assert not cache[:, :, untouched].any()
+
+
+@needs_kernels
+def test_layouts_the_kernels_cannot_read_are_refused_not_read():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="layout"):
+        cpu_kernels.add_rms_norm(x.t(), None, torch.ones(4), 1e-5)  # columns strided
+    with pytest.raises(ValueError, match="layout"):
+        cpu_kernels.add_rms_norm(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-5)  # mixed dtypes
+    with pytest.raises(ValueError, match="layout"):
+        cpu_kernels.silu_and_mul(torch.randn(4, 31))
+
+
+def _engine_in_a_subprocess(env: dict) -> list[str]:
+    """Greedy tokens of the tiny model through the runner, and the attention backend it used."""
+    code = (
+        "import torch, logging\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from engine_worker.loader import load_model\n"
+        "from engine_worker.runner import ModelRunner\n"
+        "from engine_worker.scheduler import Scheduler, Sequence, run_until_done\n"
+        "from protocol.messages import SamplingParams\n"
+        "from zserve.catalog import resolve\n"
+        "cpu = torch.device('cpu')\n"
+        "r = ModelRunner(load_model(resolve('tiny-random'), torch.float32, cpu), cpu, torch.float32, 2, 64)\n"
+        "s = Scheduler(r, 2, 64)\n"
+        "s.add(Sequence('a', b'x', [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))\n"
+        "print(r.attention_backend)\n"
+        "print([t for o in run_until_done(s, r)['a'] for t in o.new_token_ids])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines() + [done.stderr]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="nothing to compare the fallback with")
+def test_without_a_compiler_or_when_switched_off_the_engine_runs_on_torch_with_the_same_tokens(tmp_path):
+    native_backend, native_tokens, _ = _engine_in_a_subprocess({})
+    assert native_backend == "native CPU kernels"
+    off_backend, off_tokens, _ = _engine_in_a_subprocess({"ZSERVE_CPU_KERNELS": "0"})
+    assert off_backend == "torch (gathered keys)" and off_tokens == native_tokens
+    # No compiler and no cached build (a fresh cache directory): a warning, then the torch path.
+    broken_backend, broken_tokens, stderr = _engine_in_a_subprocess(
+        {"CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert broken_backend == "torch (gathered keys)" and broken_tokens == native_tokens
+    assert "no C++ compiler" in stderr
