@@ -80,6 +80,13 @@ def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -
     return counts[:, :vocab]
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, with no bias, penalty, min_tokens mask or logprobs to apply first."""
+    p = row.sampling
+    return (p.greedy and not p.logit_bias and p.logprobs is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and len(row.past_output_ids) >= p.min_tokens)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device, seed: int | None = None):
         self.vocab_size = vocab_size
@@ -103,6 +110,10 @@ class Sampler:
         if b == 0:
             return []
         params = [r.sampling for r in rows]
+        if all(_plain_greedy(r) for r in rows):
+            # Nothing to add to the logits and nothing to report but the argmax: skip the float32
+            # copy of [B, vocab] (the conversion from bf16 is exact, so the argmax is the same).
+            return [SampleOut(t, None, None, None) for t in logits.argmax(dim=-1).tolist()]
         logits = logits.float()
         dev = logits.device
 

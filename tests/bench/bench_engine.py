@@ -2,14 +2,22 @@
 
 Usage:
     .venv/bin/python tests/bench/bench_engine.py [--model SmolLM2-135M-Instruct] [--dtype auto]
-        [--concurrency 1 8 32 64] [--min-new 128] [--max-new 256] [--threads N] [--no-hf] [--profile]
+        [--concurrency 1 8 32 64] [--mode burst sustained] [--waves 3] [--min-new 128] [--max-new 256]
+        [--threads N] [--no-hf] [--profile]
 
-For each concurrency C, C requests arrive together (a shared 20-token system prefix, then 20-60
-random tokens, as chat traffic looks) and each asks for a number of tokens drawn uniformly from
-[--min-new, --max-new] (greedy, EOS ignored, so the work is fixed). zserve runs them through the
-engine's own step loop in-process (no sockets: this measures the engine, not the wire);
-transformers runs the same prompts as one left-padded batch of ``generate`` with
-``max_new_tokens`` = the longest request, in the same dtype, with dense (dequantized) weights.
+Requests have a shared 20-token system prefix, then 20-60 random tokens (as chat traffic looks),
+and each asks for a number of tokens drawn uniformly from [--min-new, --max-new] (greedy, EOS
+ignored, so the work is fixed). zserve runs them through the engine's own step loop in-process
+(no sockets: this measures the engine, not the wire); transformers runs them as left-padded
+batches of ``generate`` with ``max_new_tokens`` = the batch's longest request, in the same
+dtype, with dense (dequantized) weights. Two traffic shapes per concurrency C:
+
+- ``burst``: C requests arrive together, and that is all. The batch drains as requests finish.
+- ``sustained``: C clients, each sending its next request the moment its previous one is
+  answered, C x ``--waves`` requests in all: what "C concurrent users" means for a server
+  (vLLM's ``--max-concurrency``). zserve admits each new request into the running batch at once;
+  transformers, batching statically, serves them as ``--waves`` batches of C, one after another
+  (every client of a batch is answered when its longest request is done).
 
 Reported per run: output tokens/s, TTFT and inter-token latency percentiles. transformers'
 tokens/s is given twice: counting *every* token it generated (including those past a request's
@@ -39,10 +47,11 @@ from zserve.catalog import resolve, smollm2_gguf_path
 SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
 
 
-def make_workload(c: int, min_new: int, max_new: int, seed: int) -> list[tuple[list[int], int]]:
+def make_workload(c: int, min_new: int, max_new: int, seed: int, count: int | None = None) -> list[tuple[list[int], int]]:
+    """``count`` (default ``c``) requests for concurrency ``c``; the first ``c`` do not depend on ``count``."""
     rng = random.Random(seed * 1000 + c)
     out = []
-    for _ in range(c):
+    for _ in range(count or c):
         user = [rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))]
         out.append((SYSTEM + [198, 1, 4093, 198] + user + [2, 198, 1, 520, 9531, 198], rng.randint(min_new, max_new)))
     return out
@@ -55,13 +64,24 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timings: dict | None = None) -> dict:
+def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timings: dict | None = None,
+               in_flight: int | None = None) -> dict:
+    """Run ``work`` through the engine loop; at most ``in_flight`` requests at a time (a closed
+    loop: the next request arrives the moment one finishes), all at once without it."""
     runner.block_manager.reset_prefix_cache()
     sched = Scheduler(runner, max_num_seqs, budget)
-    t0 = time.perf_counter()
-    for i, (prompt, n) in enumerate(work):
+    pending = list(enumerate(work))[::-1]
+    arrival: dict[str, float] = {}
+
+    def arrive(now: float) -> None:
+        i, (prompt, n) = pending.pop()
+        arrival[f"r{i}"] = now
         sched.add(Sequence(f"r{i}", b"bench", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                           arrival=t0))
+                           arrival=now))
+
+    t0 = time.perf_counter()
+    for _ in range(min(in_flight or len(work), len(work))):
+        arrive(t0)
     stamps: dict[str, list[float]] = {}
     while sched.has_work:
         a = time.perf_counter()
@@ -73,6 +93,8 @@ def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timing
         now = time.perf_counter()
         for seq, _ in outs:
             stamps.setdefault(seq.request_id, []).append(now)
+            if seq.finish_reason is not None and pending:
+                arrive(now)
         if timings is not None:
             timings["schedule"] += b - a
             timings["execute"] += c - b
@@ -81,11 +103,32 @@ def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timing
     wall = time.perf_counter() - t0
     total = sum(len(v) for v in stamps.values())
     assert total == sum(n for _, n in work), "every request must produce its tokens"
-    return summarise(total, wall, [v[0] - t0 for v in stamps.values()],
+    return summarise(total, wall, [v[0] - arrival[r] for r, v in stamps.items()],
                      [b - a for v in stamps.values() for a, b in zip(v, v[1:])], sched.preemptions)
 
 
-def run_hf(model, work, dtype) -> dict:
+def run_hf(model, work, dtype, batch: int | None = None) -> dict:
+    """transformers ``generate`` over ``work`` in static batches of ``batch`` (all at once without)."""
+    batch = batch or len(work)
+    generated = 0
+    ttft: list[float] = []
+    itl: list[float] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(work), batch):
+        wave = work[start : start + batch]
+        arrived = time.perf_counter()  # every client of the batch arrives once the last batch is answered
+        n, times = _hf_batch(model, wave)
+        generated += n
+        ttft += [times[0] - arrived] * len(wave)
+        itl += [b - a for a, b in zip(times, times[1:])] * len(wave)
+    wall = time.perf_counter() - t0
+    res = summarise(generated, wall, ttft, itl, 0)
+    res["requested_tok_s"] = sum(n for _, n in work) / wall  # the tokens the requests asked for
+    return res
+
+
+def _hf_batch(model, work) -> tuple[int, list[float]]:
+    """One left-padded ``generate`` batch: (tokens generated, time of each step)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class Stamp(StoppingCriteria):
@@ -104,16 +147,10 @@ def run_hf(model, work, dtype) -> dict:
         mask[i, width - len(p):] = 1
     new = max(n for _, n in work)
     stamp = Stamp()
-    t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              pad_token_id=2, stopping_criteria=StoppingCriteriaList([stamp]))
-    wall = time.perf_counter() - t0
-    generated = (out.shape[1] - width) * len(work)
-    itl = [b - a for a, b in zip(stamp.times, stamp.times[1:])]
-    res = summarise(generated, wall, [stamp.times[0] - t0] * len(work), itl * len(work), 0)
-    res["requested_tok_s"] = sum(n for _, n in work) / wall  # the tokens the requests asked for
-    return res
+    return (out.shape[1] - width) * len(work), stamp.times
 
 
 def summarise(tokens: int, wall: float, ttft: list[float], itl: list[float], preemptions: int) -> dict:
@@ -208,6 +245,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--min-new", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--mode", nargs="+", choices=["burst", "sustained"], default=["burst", "sustained"])
+    ap.add_argument("--waves", type=int, default=3, help="sustained traffic: requests per client")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -232,29 +271,31 @@ def main() -> None:
         run_hf(hf, warm, dtype)
 
     rows = []
-    for c in args.concurrency:
-        work = make_workload(c, args.min_new, args.max_new, args.seed)
-        timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
-        z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings)
-        h = run_hf(hf, work, dtype) if hf is not None else None
-        rows.append((c, z, h, timings))
-        print(f"  c={c}: zserve {z['tok_s']:.1f} tok/s" + (f", transformers {h['tok_s']:.1f} tok/s" if h else ""),
-              flush=True)
+    for mode in args.mode:
+        for c in args.concurrency:
+            sustained = mode == "sustained"
+            work = make_workload(c, args.min_new, args.max_new, args.seed, count=c * args.waves if sustained else c)
+            timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
+            z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings, in_flight=c if sustained else None)
+            h = run_hf(hf, work, dtype, batch=c) if hf is not None else None
+            rows.append((mode, c, len(work), z, h, timings))
+            print(f"  {mode} c={c}: zserve {z['tok_s']:.1f} tok/s" + (f", transformers {h['tok_s']:.1f} tok/s" if h else ""),
+                  flush=True)
 
-    print("\n| concurrency | zserve tok/s | transformers tok/s all / requested | ratio all / requested "
-          "| zserve TTFT p50/p99 (s) | transformers TTFT (s) | zserve ITL p50/p99 (ms) | transformers ITL p50/p99 (ms) "
-          "| preemptions |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for c, z, h, _ in rows:
+    print("\n| traffic | concurrency | requests | zserve tok/s | transformers tok/s all / requested "
+          "| ratio all / requested | zserve TTFT p50/p99 (s) | transformers TTFT p50 (s) | zserve ITL p50/p99 (ms) "
+          "| transformers ITL p50/p99 (ms) | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, c, n, z, h, _ in rows:
         hf_tok = f"{h['tok_s']:.1f} / {h['requested_tok_s']:.1f}" if h else "-"
         ratio = f"{z['tok_s'] / h['tok_s']:.2f}x / {z['tok_s'] / h['requested_tok_s']:.2f}x" if h else "-"
         hf_ttft = f"{h['ttft_p50']:.2f}" if h else "-"
         hf_itl = f"{h['itl_p50'] * 1e3:.1f} / {h['itl_p99'] * 1e3:.1f}" if h else "-"
-        print(f"| {c} | {z['tok_s']:.1f} | {hf_tok} | {ratio} | {z['ttft_p50']:.2f} / {z['ttft_p99']:.2f} | {hf_ttft} "
-              f"| {z['itl_p50'] * 1e3:.1f} / {z['itl_p99'] * 1e3:.1f} | {hf_itl} | {z['preemptions']} |")
+        print(f"| {mode} | {c} | {n} | {z['tok_s']:.1f} | {hf_tok} | {ratio} | {z['ttft_p50']:.2f} / {z['ttft_p99']:.2f} "
+              f"| {hf_ttft} | {z['itl_p50'] * 1e3:.1f} / {z['itl_p99'] * 1e3:.1f} | {hf_itl} | {z['preemptions']} |")
     print("\nzserve step time split (s): " + "; ".join(
-        f"c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} over {t['steps']} steps"
-        for c, _, _, t in rows))
+        f"{mode} c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} "
+        f"over {t['steps']} steps" for mode, c, _, _, _, t in rows))
     if args.profile:
         c = args.profile_concurrency or max_c
         profile_step(runner, make_workload(c, args.min_new, args.max_new, args.seed + 1), max_c,

@@ -220,3 +220,17 @@ def test_prompt_logprobs_score_each_prompt_token_under_the_raw_distribution():
     assert out.logprobs == pytest.approx([float(ref[0, 4]), float(ref[1, 0]), float(ref[2, 11])], abs=1e-6)
     assert out.top_ids == ref.topk(3).indices.tolist()
     assert make_sampler().prompt_logprobs(logits, [1, 2, 3], k=0).top_ids == [[], [], []]
+
+
+def test_plain_greedy_rows_take_the_argmax_of_the_raw_logits_and_modifiers_still_apply():
+    """An all-plain-greedy batch skips the float32 copy (bf16 logits here); one row with a bias
+    (or penalties, min_tokens, logprobs) sends the whole batch through the full path."""
+    logits = random_logits(4, 64, seed=9).bfloat16()
+    s = make_sampler(64)
+    plain = [Row(SamplingParams(temperature=0.0)) for _ in range(4)]
+    assert [o.token_id for o in s.sample(logits.clone(), plain)] == logits.float().argmax(-1).tolist()
+    biased = Row(SamplingParams(temperature=0.0, logit_bias=((5, 100.0),)))
+    outs = s.sample(logits.clone(), plain[:3] + [biased])
+    assert outs[3].token_id == 5 and [o.token_id for o in outs[:3]] == logits[:3].float().argmax(-1).tolist()
+    with_logprobs = Row(SamplingParams(temperature=0.0, logprobs=1))
+    assert s.sample(logits[:1].clone(), [with_logprobs])[0].logprob is not None
