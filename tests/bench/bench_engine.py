@@ -153,6 +153,12 @@ def _hf_batch(model, work) -> tuple[int, list[float]]:
     return (out.shape[1] - width) * len(work), stamp.times
 
 
+def set_native(runner: ModelRunner, on: bool) -> None:
+    """Switch the native CPU kernels (decode attention and the fused ops) on or off."""
+    runner.kv.use_native = on
+    runner.model.use_native_kernels(on)
+
+
 def summarise(tokens: int, wall: float, ttft: list[float], itl: list[float], preemptions: int) -> dict:
     return {
         "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
@@ -251,6 +257,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--torch-path", action="store_true",
+                    help="also run zserve with its native CPU kernels off (the torch path), in the same run")
     ap.add_argument("--profile", action="store_true", help="where a decode step's time goes, at the largest concurrency")
     ap.add_argument("--profile-concurrency", type=int, default=None, help="profile at this concurrency instead")
     args = ap.parse_args()
@@ -278,8 +286,14 @@ def main() -> None:
             timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
             z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings, in_flight=c if sustained else None)
             h = run_hf(hf, work, dtype, batch=c) if hf is not None else None
+            if args.torch_path and runner.kv.use_native:
+                set_native(runner, False)
+                z["torch_path_tok_s"] = run_zserve(runner, work, max_c, args.max_num_batched_tokens,
+                                                   in_flight=c if sustained else None)["tok_s"]
+                set_native(runner, True)
             rows.append((mode, c, len(work), z, h, timings))
-            print(f"  {mode} c={c}: zserve {z['tok_s']:.1f} tok/s" + (f", transformers {h['tok_s']:.1f} tok/s" if h else ""),
+            print(f"  {mode} c={c}: zserve {z['tok_s']:.1f} tok/s" + (f", transformers {h['tok_s']:.1f} tok/s" if h else "")
+                  + (f", zserve without native kernels {z['torch_path_tok_s']:.1f} tok/s" if "torch_path_tok_s" in z else ""),
                   flush=True)
 
     print("\n| traffic | concurrency | requests | zserve tok/s | transformers tok/s all / requested "
