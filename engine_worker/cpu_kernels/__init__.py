@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from zserve.paths import user_cache_dir
+from zserve.paths import private_dir, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,12 @@ def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
     base = user_cache_dir()
-    out_dir = Path(base) / "kernels" if base else Path(tempfile.gettempdir()) / f"zserve-kernels-{os.getuid()}"
+    # The library is loaded as code: its directory must be this user's alone.
+    out_dir = Path(private_dir(os.path.join(base, "kernels") if base
+                               else os.path.join(tempfile.gettempdir(), f"zserve-kernels-{os.getuid()}")))
     target = out_dir / f"zserve_cpu_{key.hexdigest()[:20]}.so"
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=target.stem, suffix=".tmp.so")
     os.close(fd)
     try:

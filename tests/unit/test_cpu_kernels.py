@@ -147,3 +147,17 @@ def test_without_a_compiler_or_when_switched_off_the_engine_runs_on_torch_with_t
         {"CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert broken_backend == "torch (gathered keys)" and broken_tokens == native_tokens
     assert "no C++ compiler" in stderr
+
+
+def test_the_kernel_directory_must_be_private(tmp_path):
+    """Kernels are loaded as code: a directory others can write to (a planted /tmp one) is refused."""
+    from zserve.paths import private_dir
+
+    mine = private_dir(str(tmp_path / "kernels"))
+    assert os.stat(mine).st_mode & 0o777 == 0o700
+    assert private_dir(mine) == mine  # reused
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="not a private directory"):
+        private_dir(str(shared))
