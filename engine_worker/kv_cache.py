@@ -9,15 +9,13 @@ for values: a token at position ``p`` of a request lives in slot ``table[p // bs
 - ``attend(layer, q, k, v, layout)`` stores the step's new keys/values and returns the attention
   output for every token of the step.
 
-Decode tokens (one new token per sequence) are attended together, over keys gathered through
-the block tables (SDPA for small batches, two batched matmuls with an fp32 softmax for larger
-ones); a lone decoder whose blocks are consecutive (the common
-batch-1 case: the free list hands out ascending blocks) reads a view instead of a copy. A
-prefill that starts at position 0 attends to its own new keys directly, causally; one that
-continues a cached prefix (a chunk, or a prefix-cache hit) gathers that prefix.
-
-On CUDA, decode uses FlexAttention over the paged pool when torch has it (no per-step gather);
-the CPU never takes that path.
+Decode tokens (one new token per sequence) are attended together by a paged kernel that reads
+the blocks in place through int32 block tables: ``cpu_kernels`` on a CPU, ``triton_attention`` on
+CUDA (static shapes, so a decode step can be a CUDA graph). Without them: FlexAttention over the
+pool on CUDA, or keys gathered through the block tables (SDPA for small batches, two batched
+matmuls with an fp32 softmax for larger ones; a lone decoder whose blocks are consecutive reads
+a view). A prefill that starts at position 0 attends to its own new keys directly, causally; one
+that continues a cached prefix (a chunk, or a prefix-cache hit) gathers that prefix.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine_worker import cpu_kernels
+from engine_worker import cpu_kernels, triton_attention
 
 # Decode batches up to this size use SDPA; larger ones two batched matmuls (faster on CPUs).
 SDPA_MAX_DECODE_BATCH = 8
@@ -102,8 +100,15 @@ class PagedKVCache:
         self.window = sliding_window
         # The FlexAttention mask reads the pool in physical order and knows no positions, so a
         # windowed model keeps the gather path on CUDA.
-        self.use_flex = device.type == "cuda" and sliding_window is None and _flex_available()
-        self.use_native = cpu_kernels.supports(device, dtype, num_heads or num_kv_heads, num_kv_heads, head_dim)
+        heads = num_heads or num_kv_heads
+        self.use_native = cpu_kernels.supports(device, dtype, heads, num_kv_heads, head_dim)
+        # CUDA: Triton's paged kernel when it passes its self-check, else FlexAttention (not for
+        # windowed models), else the gather path.
+        self.use_triton = (device.type == "cuda" and triton_attention.available()
+                           and triton_attention.self_check(device, dtype, heads, num_kv_heads, head_dim, block_size,
+                                                           sliding_window))
+        self.use_flex = (device.type == "cuda" and not self.use_triton and sliding_window is None
+                         and _flex_available())
         self.sdpa_max_decode_batch = SDPA_MAX_DECODE_BATCH
 
     @staticmethod
@@ -157,10 +162,10 @@ class PagedKVCache:
             kw["decode_len"] = width
             table0 = seqs[decode[0]].block_table
             nb = -(-width // bs)
-            if self.use_native:
+            if self.use_native or self.use_triton:
                 tables = [seqs[i].block_table[:nb] for i in decode]
-                kw["decode_tables"] = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32)
-                kw["decode_lens"] = torch.tensor(lens, dtype=torch.int32)
+                kw["decode_tables"] = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32).to(dev)
+                kw["decode_lens"] = torch.tensor(lens, dtype=torch.int32).to(dev)
             elif len(decode) == 1 and all(table0[j] == table0[0] + j for j in range(nb)):
                 skip = max(0, width - self.window) if self.window is not None else 0
                 kw["decode_view"] = (table0[0] * bs + skip, width - skip)
@@ -215,9 +220,9 @@ class PagedKVCache:
             if layout.flex is not None:
                 outs.append(flex_decode(ck, cv, q[: layout.num_decode], layout.flex))
             elif layout.decode_tables is not None:
-                outs.append(cpu_kernels.decode_attention(q[: layout.num_decode], self.kv[layer], layout.decode_tables,
-                                                         layout.decode_lens, self.block_size, head_dim ** -0.5,
-                                                         self.window))
+                paged = cpu_kernels if self.device.type == "cpu" else triton_attention
+                outs.append(paged.decode_attention(q[: layout.num_decode], self.kv[layer], layout.decode_tables,
+                                                   layout.decode_lens, self.block_size, head_dim ** -0.5, self.window))
             else:
                 outs.append(self._attend_decode(ck, cv, kv_blocks, q[: layout.num_decode], layout, n_kv,
                                                 self.sdpa_max_decode_batch))

@@ -1,7 +1,7 @@
 // zserve's CPU kernels: the few steps of a decode step that torch can only express as several
-// passes over memory. Built at first use by build.py (g++ -O3 -march=native -fopenmp) and called
-// through ctypes with raw pointers, so this file needs no torch headers and compiles in about a
-// second. OpenMP here is the libgomp torch already loaded (same soname), so these kernels share
+// passes over memory. Built at first use by __init__.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes with raw pointers, so this file needs no torch headers and compiles in a
+// few seconds. OpenMP here is the libgomp torch already loaded (same soname), so these kernels share
 // torch's thread pool instead of fighting it for the cores.
 //
 // Every kernel comes in float32 and bfloat16 (raw uint16) flavours; all arithmetic is float32.

@@ -4,6 +4,8 @@ with sampling, prompt logprobs across chunks, and the engine's stats counters.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -207,6 +209,22 @@ def test_engine_counters_for_stats(loaded):
     assert sched.prompt_tokens == 2 * len(PROMPT) - 16
 
 
+@pytest.fixture(autouse=True, scope="module")
+def triton_on_the_cpu():
+    """Triton kernels run here under Triton's interpreter (set before the kernel is built)."""
+    from engine_worker import triton_attention
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    triton_attention._kernel.cache_clear()
+    yield
+    triton_attention._kernel.cache_clear()
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
 def _reference_decode(cache, layer, q, seqs, window=None):
     """Decode attention written out per row and head in float64, from the block tables."""
     bs, n_kv = cache.block_size, cache.num_kv_heads
@@ -222,7 +240,7 @@ def _reference_decode(cache, layer, q, seqs, window=None):
     return torch.stack(out)
 
 
-DECODE_PATHS = ["torch-gather", "native", "native-portable", "flex"]
+DECODE_PATHS = ["torch-gather", "native", "native-portable", "flex", "triton"]
 
 
 @pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
@@ -243,6 +261,10 @@ def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_
         if window:
             pytest.skip("windowed models keep the gather path on CUDA")
         flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    if path == "triton":
+        pytest.importorskip("triton")
+        if dtype != torch.float32:
+            pytest.skip("Triton's CPU interpreter mishandles bf16; on a GPU the engine self-checks it")
     g = torch.Generator().manual_seed(head_dim)
     kv, heads, bs, nb = 2, 6, 4, 40
     cache = PagedKVCache(2, nb, bs, kv, head_dim, dtype, CPU, num_heads=heads, sliding_window=window)
@@ -253,12 +275,20 @@ def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_
     seqs = [SeqLayout([5, 2, 9], 9, 1), SeqLayout([5, 7], 5, 1), SeqLayout([0, 1, 3, 4], 13, 1),
             SeqLayout([30], 0, 1), SeqLayout(list(range(10, 35)), 98, 1), SeqLayout([39, 38, 37, 36, 6], 17, 1)]
     cache.use_native = path.startswith("native")
+    cache.use_triton = path == "triton"
     layout = cache.plan(seqs)
     assert layout.flex is None  # the CPU never plans flex
     q = torch.randn(len(seqs), heads, head_dim, generator=g).to(dtype)
     k_new = torch.randn(len(seqs), kv, head_dim, generator=g).to(dtype)
     v_new = torch.randn(len(seqs), kv, head_dim, generator=g).to(dtype)
-    if path == "flex":
+    if path == "triton":
+        from engine_worker import triton_attention
+
+        cache.k[1].index_copy_(1, layout.slot_mapping, k_new.transpose(0, 1))  # what attend stores first
+        cache.v[1].index_copy_(1, layout.slot_mapping, v_new.transpose(0, 1))
+        got = triton_attention.decode_attention(q, cache.kv[1], layout.decode_tables, layout.decode_lens, bs,
+                                                head_dim ** -0.5, window)
+    elif path == "flex":
         cache.attend(1, q, k_new, v_new, layout)  # stores the new keys
         mask = flex_decode_mask(nb, bs, seqs, [s.start_pos + 1 for s in seqs], CPU)
         import warnings
