@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_worker.block_manager import BlockManager
+from engine_worker.cuda_graphs import DecodeGraphs
 from engine_worker.kv_cache import PagedKVCache, SeqLayout
 from engine_worker.loader import LoadedModel
 from engine_worker.sampler import PromptLogprobs, SampleOut, Sampler
@@ -53,7 +54,9 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_bytes: int | None = None,
-                 num_blocks: int | None = None, enable_prefix_caching: bool = True):
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True, cuda_graphs: bool | None = None):
+        """``cuda_graphs``: capture decode steps (default: on CUDA when the Triton kernel passed its
+        check). ``True`` on a CPU runs the graph path in emulation, for tests."""
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {cfg.max_position_embeddings}")
@@ -94,19 +97,53 @@ class ModelRunner:
             need = -(-max_model_len // block_size) * per_block
             raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
                              f"max_model_len={max_model_len} request; give --kv-cache-memory at least {need} bytes")
-        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
-                               num_heads=cfg.num_heads, sliding_window=cfg.sliding_window)
+        want_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # With graphs, one block more than the block manager knows: padding rows write there.
+        self.kv = PagedKVCache(cfg.num_layers, num_blocks + int(want_graphs), block_size, cfg.num_kv_heads,
+                               cfg.head_dim, dtype, device, num_heads=cfg.num_heads, sliding_window=cfg.sliding_window)
         # Native CPU kernels (decode attention, norms, RoPE, SwiGLU) whenever they built here.
         model.use_native_kernels(self.kv.use_native)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache_bytes = num_blocks * per_block
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, device)
+        self.graphs: DecodeGraphs | None = None
+        if want_graphs and (self.kv.use_triton or self.kv.use_native):
+            self.graphs = self._capture_graphs(-(-max_model_len // block_size), scratch_block=num_blocks)
+
+    def _capture_graphs(self, max_blocks: int, scratch_block: int) -> DecodeGraphs | None:
+        """Capture decode graphs, then replay one step against the eager forward pass; None (and
+        eager decoding) on any error or difference."""
+        graphs = DecodeGraphs(self.model, self.kv, self.max_num_seqs, max_blocks, scratch_block)
+        try:
+            graphs.capture()
+            # Rows 0..n-1 at positions 0..n-1 of the scratch block: a real decode step, with no
+            # padding rows, that touches no block the block manager can hand out.
+            n = max(s for s in graphs.sizes if s <= self.block_size)
+            ids = [(17 * i + 5) % self.vocab_size for i in range(n)]
+            seqs = [SeqLayout([scratch_block], i, 1) for i in range(n)]
+            with torch.inference_mode():
+                layout = self.kv.plan(seqs)
+                got = graphs.run(ids, layout.positions, layout.slot_mapping, layout.decode_tables,
+                                 layout.decode_lens).clone()
+                want = self.model(torch.tensor(ids, device=self.device), self.kv.plan(seqs), self.kv)
+            err = (got.float() - want.float()).abs().max().item()
+            if not err <= 1e-3 * max(1.0, want.float().abs().max().item()):
+                raise RuntimeError(f"graph replay differs from eager by {err:.3g}")
+        except Exception as e:
+            log.warning("CUDA graphs disabled, decoding eagerly: %s", e)
+            graphs.release()
+            return None
+        log.info("decode CUDA graphs %s for batch sizes %s", "emulated" if graphs.emulated else "captured",
+                 graphs.sizes)
+        return graphs
 
     @property
     def attention_backend(self) -> str:
-        """How decode attention runs here, for logs: native CPU kernels, FlexAttention, or torch."""
+        """How decode attention runs here, for logs: native CPU kernels, Triton, FlexAttention, or torch."""
         if self.kv.use_native:
             return "native CPU kernels"
+        if self.kv.use_triton:
+            return "Triton paged kernel" + (", CUDA graphs" if self.graphs is not None else "")
         if self.kv.use_flex:
             return "FlexAttention over the paged pool"
         return "torch (gathered keys)"
@@ -147,7 +184,12 @@ class ModelRunner:
         if min(flat) < 0 or max(flat) >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         ids = torch.tensor(flat, dtype=torch.long)
-        hidden = self.model(ids.to(self.device), layout, self.kv)
+        if (self.graphs is not None and layout.num_decode == len(seqs)
+                and self.graphs.fits(len(seqs), layout.decode_tables.shape[1])):
+            hidden = self.graphs.run(flat, layout.positions, layout.slot_mapping, layout.decode_tables,
+                                     layout.decode_lens)
+        else:
+            hidden = self.model(ids.to(self.device), layout, self.kv)
 
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         with_prompt = [i for i, s in enumerate(seqs) if s.prompt_logprobs_rows > 0]

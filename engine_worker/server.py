@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes (2GiB, 512MB, 1073741824) or a fraction of free device memory "
                         "(0.3); default: max-num-seqs full-length requests, at most 25%% of free memory")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes across requests")
     p.add_argument("--threads", type=int, default=None)
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = min(a.max_model_len, loaded.config.max_position_embeddings)
     kv_bytes = parse_memory(a.kv_cache_memory, device) if a.kv_cache_memory is not None else None
     runner = ModelRunner(loaded, device, dtype, a.max_num_seqs, max_model_len, block_size=a.block_size,
-                         kv_cache_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching)
+                         kv_cache_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching,
+                         cuda_graphs=False if a.enforce_eager else None)
     log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s; attention: %s", a.rank,
              runner.num_blocks, a.block_size, runner.kv_cache_bytes / (1 << 20),
              "on" if a.enable_prefix_caching else "off", runner.attention_backend)

@@ -47,6 +47,8 @@ def main() -> None:
               help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Reuse KV blocks of shared prompt prefixes across requests.")
+@click.option("--enforce-eager", is_flag=True, default=False,
+              help="CUDA: never capture decode steps as CUDA graphs (they are on by default).")
 @click.option("--engine-threads", type=click.IntRange(1, 1024), default=None, help="CPU threads per engine.")
 @click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
               help="Seconds a process may take to become ready.")
@@ -57,7 +59,7 @@ def main() -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def api_server(count: int, engines: int, model: str, served_model_name: tuple[str, ...], host: str, port: int,
                dtype: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
-               kv_cache_memory: str | None, enable_prefix_caching: bool, engine_threads: int | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
+               kv_cache_memory: str | None, enable_prefix_caching: bool, enforce_eager: bool, engine_threads: int | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
                log_level: str) -> None:
     """Serve MODEL over HTTP with COUNT gateways in front of ENGINES engine workers."""
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
@@ -71,6 +73,7 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                       kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                      enforce_eager=enforce_eager,
                       served_model_names=list(served_model_name),
                       engine_threads=engine_threads, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))

@@ -67,6 +67,7 @@ class ServeConfig:
     block_size: int = 16
     kv_cache_memory: str | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_names: list[str] = field(default_factory=list)
     engine_threads: int | None = None
     ready_timeout: float = 600.0
@@ -160,6 +161,8 @@ class Supervisor:
                     "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching", *common]
             if c.kv_cache_memory is not None:
                 args += ["--kv-cache-memory", c.kv_cache_memory]
+            if c.enforce_eager:
+                args.append("--enforce-eager")
             device = engine_device(index, self.num_gpus)
             if device is not None:
                 args += ["--device", str(device)]
