@@ -125,6 +125,9 @@ class PagedKVCache:
                 raise ValueError(f"bad step layout {s.start_pos} cached + {s.num_tokens} new tokens")
             if s.start_pos + s.num_tokens > len(s.block_table) * bs:
                 raise ValueError(f"{s.start_pos + s.num_tokens} tokens do not fit {len(s.block_table)} KV blocks")
+            # The native and Triton kernels index the pool with these ids unchecked.
+            if s.block_table and not 0 <= min(s.block_table) <= max(s.block_table) < self.num_blocks:
+                raise ValueError(f"block table {s.block_table} points outside the pool of {self.num_blocks} blocks")
         decode = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
         prefill = [i for i, s in enumerate(seqs) if s.num_tokens > 1]
         order = decode + prefill

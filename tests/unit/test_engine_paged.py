@@ -377,3 +377,12 @@ def test_decode_graphs_in_cpu_emulation_give_the_eager_tokens_and_never_hand_out
     assert [toks(o) for o in got] == [toks(o) for o in eager]
     assert set(replays) >= {1, 5, 7} and graphs.scratch_block not in used
     assert runner.block_manager.num_used == 0
+
+
+def test_a_block_id_outside_the_pool_is_refused_before_any_kernel_reads_it():
+    from engine_worker.kv_cache import PagedKVCache, SeqLayout
+
+    cache = PagedKVCache(1, 8, 4, 2, 16, torch.float32, CPU, num_heads=4)
+    for table in ([3, 8], [-1, 2]):
+        with pytest.raises(ValueError, match="outside the pool"):
+            cache.plan([SeqLayout(table, 5, 1)])
