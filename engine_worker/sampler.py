@@ -110,11 +110,10 @@ class Sampler:
         if b == 0:
             return []
         params = [r.sampling for r in rows]
+        logits = logits.float()  # (also faster: torch's CPU argmax over bf16 is ~4x slower than over fp32)
         if all(_plain_greedy(r) for r in rows):
-            # Nothing to add to the logits and nothing to report but the argmax: skip the float32
-            # copy of [B, vocab] (the conversion from bf16 is exact, so the argmax is the same).
+            # Nothing to add to the logits and nothing to report but the argmax.
             return [SampleOut(t, None, None, None) for t in logits.argmax(dim=-1).tolist()]
-        logits = logits.float()
         dev = logits.device
 
         self._apply_bias_and_min_tokens(logits, rows, vocab)

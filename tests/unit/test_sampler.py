@@ -223,8 +223,8 @@ def test_prompt_logprobs_score_each_prompt_token_under_the_raw_distribution():
 
 
 def test_plain_greedy_rows_take_the_argmax_of_the_raw_logits_and_modifiers_still_apply():
-    """An all-plain-greedy batch skips the float32 copy (bf16 logits here); one row with a bias
-    (or penalties, min_tokens, logprobs) sends the whole batch through the full path."""
+    """An all-plain-greedy batch (bf16 logits here) takes the short path; one row with a bias (or
+    penalties, min_tokens, logprobs) sends the whole batch through the full one."""
     logits = random_logits(4, 64, seed=9).bfloat16()
     s = make_sampler(64)
     plain = [Row(SamplingParams(temperature=0.0)) for _ in range(4)]
