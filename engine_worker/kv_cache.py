@@ -110,6 +110,10 @@ class PagedKVCache:
         self.use_flex = (device.type == "cuda" and not self.use_triton and sliding_window is None
                          and _flex_available())
         self.sdpa_max_decode_batch = SDPA_MAX_DECODE_BATCH
+        self.paged_kernel = cpu_kernels if device.type == "cpu" else triton_attention
+        # Per layer (kv [2, KV, slots, D], k, v), made once: a step would otherwise pay three
+        # tensor views per layer just to find its slice of the pool.
+        self.layer_views = [(self.kv[i], self.k[i], self.v[i]) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -210,24 +214,23 @@ class PagedKVCache:
         ``stored``: the caller already wrote them (``cpu_kernels.rope_and_store``).
         Returns ``[N, heads * D]`` in the step's token order.
         """
-        ck, cv = self.k[layer], self.v[layer]
-        kv_blocks = self.kv[layer].view(-1, self.block_size * ck.shape[-1])  # [(2 * KV * blocks), bs * D]
+        kv_layer, ck, cv = self.layer_views[layer]
         if not stored:
             ck.index_copy_(1, layout.slot_mapping, k.transpose(0, 1))
             cv.index_copy_(1, layout.slot_mapping, v.transpose(0, 1))
 
         n_tokens, n_heads, head_dim = q.shape
-        n_kv = ck.shape[0]
         outs: list[torch.Tensor] = []
         if layout.num_decode:
-            if layout.flex is not None:
-                outs.append(flex_decode(ck, cv, q[: layout.num_decode], layout.flex))
-            elif layout.decode_tables is not None:
-                paged = cpu_kernels if self.device.type == "cpu" else triton_attention
-                outs.append(paged.decode_attention(q[: layout.num_decode], self.kv[layer], layout.decode_tables,
-                                                   layout.decode_lens, self.block_size, head_dim ** -0.5, self.window))
+            qd = q if layout.num_decode == n_tokens else q[: layout.num_decode]
+            if layout.decode_tables is not None:
+                outs.append(self.paged_kernel.decode_attention(qd, kv_layer, layout.decode_tables, layout.decode_lens,
+                                                               self.block_size, head_dim ** -0.5, self.window))
+            elif layout.flex is not None:
+                outs.append(flex_decode(ck, cv, qd, layout.flex))
             else:
-                outs.append(self._attend_decode(ck, cv, kv_blocks, q[: layout.num_decode], layout, n_kv,
+                kv_blocks = kv_layer.view(-1, self.block_size * head_dim)  # [(2 * KV * blocks), bs * D]
+                outs.append(self._attend_decode(ck, cv, kv_blocks, qd, layout, self.num_kv_heads,
                                                 self.sdpa_max_decode_batch))
         for p in layout.prefills:
             qp = q[p.offset : p.offset + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
         qk_heads = self.n_heads + self.n_kv
         if self.native:
             # One native pass: rotate q and k in place, store k and v in the paged cache.
-            cpu_kernels.rope_and_store(qkv, layout.positions, *rope.float_tables(), kv.kv[self.layer],
+            cpu_kernels.rope_and_store(qkv, layout.positions, *rope.float_tables(), kv.layer_views[self.layer][0],
                                        layout.slot_mapping, self.n_heads, self.n_kv, self.head_dim)
             heads = qkv.view(n, qk_heads + self.n_kv, self.head_dim)
             q, k, v = heads[:, : self.n_heads], heads[:, self.n_heads : qk_heads], heads[:, qk_heads:]
