@@ -57,7 +57,6 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.emulated = self.device.type != "cuda"
-        self.enabled = True
 
     @property
     def max_batch(self) -> int:
@@ -94,7 +93,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
-        return self.enabled and 0 < num_seqs <= self.max_batch and max_blocks <= self.tables.shape[1]
+        return 0 < num_seqs <= self.max_batch and max_blocks <= self.tables.shape[1]
 
     @torch.inference_mode()
     def run(self, ids: list[int], positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -122,4 +121,3 @@ class DecodeGraphs:
     def release(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
-        self.enabled = False

@@ -125,7 +125,7 @@ class ModelRunner:
                 layout = self.kv.plan(seqs)
                 got = graphs.run(ids, layout.positions, layout.slot_mapping, layout.decode_tables,
                                  layout.decode_lens).clone()
-                want = self.model(torch.tensor(ids, device=self.device), self.kv.plan(seqs), self.kv)
+                want = self.model(torch.tensor(ids, device=self.device), layout, self.kv)
             err = (got.float() - want.float()).abs().max().item()
             if not err <= 1e-3 * max(1.0, want.float().abs().max().item()):
                 raise RuntimeError(f"graph replay differs from eager by {err:.3g}")

@@ -111,6 +111,8 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
                block_size: int, window: int | None) -> bool:
     """Run the kernel once on random data against plain torch; False (and a warning) on any
     error or mismatch, so that a GPU/Triton combination nobody tested falls back, not corrupts."""
+    from engine_worker.kv_cache import reference_decode_attention  # (kv_cache imports this module)
+
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
         nb, lens_list = 12, [1, 7, 40]
@@ -119,7 +121,7 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
         lens = torch.tensor([min(n, 4 * block_size) for n in lens_list], dtype=torch.int32)
         q = torch.randn(3, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
         got = decode_attention(q, kv, tables.to(device), lens.to(device), block_size, head_dim ** -0.5, window)
-        want = reference_decode(q, kv, tables, lens, block_size, window)
+        want = reference_decode_attention(q, kv, tables, lens, block_size, window, torch.float32)
         err = (got.float().cpu() - want).abs().max().item()
         tol = 1e-3 if dtype == torch.float32 else 3e-2
         if not err <= tol:
@@ -130,19 +132,3 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
         log.warning("Triton decode attention failed its self-check (%s): not used", e)
         return False
 
-
-def reference_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int,
-                     window: int | None = None) -> torch.Tensor:
-    """Decode attention written out per row in float32 on the CPU (for checks and tests)."""
-    q, kv = q.float().cpu(), kv.float().cpu()
-    n_kv, d = kv.shape[1], q.shape[-1]
-    rows = []
-    for r in range(q.shape[0]):
-        n = int(lens[r])
-        first = max(0, n - window) if window else 0
-        slots = [int(tables[r][p // block_size]) * block_size + p % block_size for p in range(first, n)]
-        k, v = kv[0][:, slots], kv[1][:, slots]  # [KV, L, D]
-        heads = q[r].view(n_kv, -1, d)
-        w = (heads @ k.transpose(-1, -2) * d ** -0.5).softmax(-1)
-        rows.append((w @ v).reshape(-1))
-    return torch.stack(rows)

@@ -211,17 +211,10 @@ def test_engine_counters_for_stats(loaded):
 
 def _reference_decode(cache, layer, q, seqs, window=None):
     """Decode attention written out per row and head in float64, from the block tables."""
-    bs, n_kv = cache.block_size, cache.num_kv_heads
-    out = []
-    for row, s in enumerate(seqs):
-        first = max(0, s.start_pos + 1 - window) if window else 0
-        slots = [s.block_table[p // bs] * bs + p % bs for p in range(first, s.start_pos + 1)]
-        k = cache.k[layer][:, slots].double()  # [KV, L, D]
-        v = cache.v[layer][:, slots].double()
-        heads = q[row].double().view(n_kv, -1, q.shape[-1])  # [KV, G, D]
-        w = (heads @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1)
-        out.append((w @ v).reshape(-1))
-    return torch.stack(out)
+    from engine_worker.kv_cache import reference_decode_attention
+
+    return reference_decode_attention(q, cache.kv[layer], [s.block_table for s in seqs],
+                                      [s.start_pos + 1 for s in seqs], cache.block_size, window)
 
 
 DECODE_PATHS = ["torch-gather", "native", "native-portable", "flex"]
