@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import make_workload, run_zserve  # noqa: E402
+from bench_engine import make_workload, run_zserve, set_native  # noqa: E402
 
 from engine_worker.device import resolve_dtype, select_device  # noqa: E402
 from engine_worker.loader import load_model  # noqa: E402
@@ -37,8 +37,8 @@ def engine(loaded, device, dtype, max_seqs: int, variant: str) -> ModelRunner:
     runner = ModelRunner(loaded, device, dtype, max_num_seqs=max_seqs, max_model_len=1024,
                          cuda_graphs=variant == "graphs")
     if variant == "gather":
-        runner.kv.use_triton = runner.kv.use_native = runner.kv.use_flex = False
-        runner.model.use_native_kernels(False)
+        set_native(runner, False)
+        runner.kv.use_triton = runner.kv.use_flex = False
     return runner
 
 
