@@ -1,0 +1,372 @@
+"""Tool-call parsers: find the function calls a model wrote in its output text.
+
+Models are trained to write calls in a format of their own (Hermes/Qwen2.5 wrap each call's JSON in
+``<tool_call>`` tags; others answer with bare JSON), and the OpenAI API wants them as structured
+``tool_calls``. A parser turns the whole output into (content, calls), and its stream does the same
+for text that arrives in deltas. Whatever the deltas, the stream's content equals ``parse``'s and a
+call's argument fragments add up to ``parse``'s arguments, so streamed and non-streamed answers of
+one generation agree.
+
+Models make mistakes: a call whose JSON is malformed (or has no name, or arguments that are not an
+object) is not a call, and its text stays in the content where the client can see it; a parser
+never raises on model output.
+
+Streams emit content eagerly, holding back only a tail that could still become an opening tag
+(like ``stop.py`` does for stop strings) and trailing whitespace (content is stripped, and the
+stream must not emit what ``parse`` would strip). A call's deltas are emitted when its closing tag
+arrives, in one piece: re-serialising arguments (``json.dumps``) differs from the model's raw text,
+so fragments sent earlier could not be guaranteed to add up to the final arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass
+class ToolCall:
+    id: str  # "call_" + 24 hex digits, made when the call is recognised
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+@dataclass
+class ToolCallDelta:
+    """One streamed fragment of a call, shaped like an entry of OpenAI's streamed ``tool_calls``."""
+
+    index: int  # the call's position among this message's calls
+    id: str | None  # only on the call's first fragment
+    name: str | None  # only on the call's first fragment
+    arguments: str  # a fragment of the arguments text
+
+
+def _new_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _make_call(obj: Any) -> ToolCall | None:
+    """The call a decoded JSON value describes, or None if it is not a well-formed call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    # Llama-style models write "parameters"; "arguments" wins when both are there.
+    args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
+    if args is None:
+        arguments = "{}"
+    elif isinstance(args, dict):
+        arguments = json.dumps(args, ensure_ascii=False)
+    elif isinstance(args, str):
+        # Some models double-encode: the arguments are a string holding JSON. Keep the model's text
+        # (it is already JSON) once it is known to be an object.
+        try:
+            decoded = json.loads(args)
+        except ValueError:
+            return None
+        if not isinstance(decoded, dict):
+            return None
+        arguments = args
+    else:
+        return None
+    return ToolCall(id=_new_id(), name=obj["name"], arguments=arguments)
+
+
+def _call_from_text(text: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:  # json.JSONDecodeError, and UnicodeDecodeError on lone surrogates
+        return None
+    return _make_call(obj)
+
+
+def _call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
+    # The first fragment names the call, as OpenAI's streams do; the arguments follow whole.
+    return [
+        ToolCallDelta(index=index, id=call.id, name=call.name, arguments=""),
+        ToolCallDelta(index=index, id=None, name=None, arguments=call.arguments),
+    ]
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is the beginning of ``tag`` (but not all of it)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class _Stripped:
+    """Passes content through so that, all joined, it is the whole text stripped of surrounding whitespace.
+
+    Leading whitespace is dropped; trailing whitespace is held until more text follows it (at the
+    end it is dropped), so the stream emits exactly what ``str.strip`` of everything would keep.
+    """
+
+    def __init__(self) -> None:
+        self._started = False
+        self._space: list[str] = []  # whitespace seen after the last non-space character
+
+    def add(self, text: str) -> str:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+        kept = text.rstrip()
+        if not kept:
+            self._space.append(text)
+            return ""
+        out = "".join(self._space) + kept
+        self._space = [text[len(kept):]] if len(kept) < len(text) else []
+        return out
+
+
+class ToolStream:
+    """Incremental parser for one generated message (made by ``ToolParser.stream``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []  # complete calls so far; after finish(), all of them
+
+    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Add generated text; return (content to emit now, call fragments to emit now)."""
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """At the end of generation: settle and emit whatever was held back."""
+        raise NotImplementedError
+
+    def _add_call(self, call: ToolCall) -> list[ToolCallDelta]:
+        self.calls.append(call)
+        return _call_deltas(len(self.calls) - 1, call)
+
+
+class ToolParser:
+    """Base class: one model family's way of writing tool calls."""
+
+    name: ClassVar[str]
+
+    def prefill(self, function: str | None) -> str:
+        """Text to put after the generation prompt so the model must answer with a call.
+
+        ``function`` None (tool_choice "required"): the opening of any call; a name: the opening of
+        a call to that function. The caller prepends it to the output before parsing.
+        """
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Whole output -> (content outside calls, stripped of surrounding whitespace; the calls)."""
+        raise NotImplementedError
+
+    def stream(self) -> ToolStream:
+        """A fresh incremental parser for one generated message."""
+        raise NotImplementedError
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+
+
+def _register(cls: type[ToolParser]) -> type[ToolParser]:
+    TOOL_PARSERS[cls.name] = cls
+    return cls
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser registered under ``name``; ValueError naming the valid ones otherwise."""
+    cls = TOOL_PARSERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {', '.join(sorted(TOOL_PARSERS))}")
+    return cls()
+
+
+# ---------------------------------------------------------------------------------------------------
+# hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>  (Hermes 2/3, Qwen2.5, Qwen3)
+
+_OPEN = "<tool_call>"
+_CLOSE = "</tool_call>"
+
+
+@_register
+class HermesToolParser(ToolParser):
+    name = "hermes"
+
+    def prefill(self, function: str | None) -> str:
+        if function is None:
+            return _OPEN + "\n"
+        return _OPEN + '\n{"name": ' + json.dumps(function, ensure_ascii=False) + ', "arguments": '
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        pos = 0
+        while True:
+            start = text.find(_OPEN, pos)
+            if start < 0:
+                content.append(text[pos:])
+                break
+            content.append(text[pos:start])
+            body_start = start + len(_OPEN)
+            end = text.find(_CLOSE, body_start)
+            # An unclosed call at the end is still tried: models often stop (EOS) before the tag.
+            body = text[body_start:] if end < 0 else text[body_start:end]
+            call = _call_from_text(body)
+            if call is not None:
+                calls.append(call)
+            else:
+                content.append(text[start:] if end < 0 else text[start : end + len(_CLOSE)])
+            if end < 0:
+                break
+            pos = end + len(_CLOSE)
+        return "".join(content).strip(), calls
+
+    def stream(self) -> ToolStream:
+        return _HermesStream()
+
+
+class _HermesStream(ToolStream):
+    def __init__(self) -> None:
+        super().__init__()
+        self._content = _Stripped()
+        self._held = ""  # outside a call: a tail that may be the start of <tool_call>
+        self._body: list[str] | None = None  # inside a call: its text so far (None: outside)
+        self._tail = ""  # inside a call: the body's last characters, where </tool_call> may have begun
+
+    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while text:
+            if self._body is None:
+                window = self._held + text
+                start = window.find(_OPEN)
+                if start < 0:
+                    keep = _partial_tail(window, _OPEN)
+                    content.append(self._content.add(window[: len(window) - keep]))
+                    self._held = window[len(window) - keep :]
+                    break
+                content.append(self._content.add(window[:start]))
+                self._held = ""
+                self._body, self._tail = [], ""
+                text = window[start + len(_OPEN) :]
+            else:
+                # Search only the new text and the few characters before it, not the whole body.
+                window = self._tail + text
+                end = window.find(_CLOSE)
+                if end < 0:
+                    self._body.append(text)
+                    self._tail = window[-(len(_CLOSE) - 1) :]
+                    break
+                body = "".join(self._body)
+                cut = end - len(self._tail)  # where the tag starts in ``text`` (< 0: in the old body)
+                body = body + text[:cut] if cut >= 0 else body[: len(body) + cut]
+                text = window[end + len(_CLOSE) :]
+                self._body, self._tail = None, ""
+                call = _call_from_text(body)
+                if call is not None:
+                    deltas.extend(self._add_call(call))
+                else:
+                    content.append(self._content.add(_OPEN + body + _CLOSE))
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self._body is None:
+            held, self._held = self._held, ""
+            return self._content.add(held), []
+        body, self._body, self._tail = "".join(self._body), None, ""
+        call = _call_from_text(body)
+        if call is not None:
+            return "", self._add_call(call)
+        return self._content.add(_OPEN + body), []
+
+
+# ---------------------------------------------------------------------------------------------------
+# json: the whole output is one call object, or an array of them, maybe in a ```json fence
+
+_FENCE = "```"
+_FENCED = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
+
+
+@_register
+class JsonToolParser(ToolParser):
+    name = "json"
+
+    def prefill(self, function: str | None) -> str:
+        if function is None:
+            return '{"name": "'
+        return '{"name": ' + json.dumps(function, ensure_ascii=False) + ', "arguments": '
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        stripped = text.strip()
+        body = stripped
+        fenced = _FENCED.match(stripped)
+        if fenced is not None:
+            body = fenced.group(1)
+        if not body.startswith(("{", "[")):
+            return stripped, []
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return stripped, []
+        items = value if isinstance(value, list) else [value]
+        calls = [_make_call(item) for item in items]
+        # The output is one JSON value: either all of it is calls, or none of it is.
+        if not calls or any(call is None for call in calls):
+            return stripped, []
+        return "", [call for call in calls if call is not None]
+
+    def stream(self) -> ToolStream:
+        return _JsonStream(self)
+
+
+class _JsonStream(ToolStream):
+    """Holds the output back while it may be a JSON call; decides at the end.
+
+    Nothing short of the whole value says whether it is a call, so an output that starts like JSON
+    (or a code fence) is held entirely; any other output is content from its first character on.
+    """
+
+    def __init__(self, parser: JsonToolParser) -> None:
+        super().__init__()
+        self._parser = parser
+        self._content = _Stripped()
+        self._held: list[str] = []
+        self._head = ""  # the held text without leading whitespace, while undecided (a few chars)
+        self._mode = "undecided"  # -> "hold" (may be JSON) or "content"
+
+    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._mode == "content":
+            return self._content.add(text), []
+        self._held.append(text)
+        if self._mode == "hold":
+            return "", []
+        self._head = self._head + text if self._head else text.lstrip()
+        if not self._head or (len(self._head) < len(_FENCE) and _FENCE.startswith(self._head)):
+            return "", []  # only whitespace or the start of a fence so far
+        if self._head.startswith(("{", "[", _FENCE)):
+            self._mode = "hold"
+            return "", []
+        self._mode = "content"
+        held, self._held = "".join(self._held), []
+        return self._content.add(held), []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self._mode == "content":
+            return "", []  # only trailing whitespace can be left, and it is stripped
+        held, self._held = "".join(self._held), []
+        content, calls = self._parser.parse(held)
+        deltas: list[ToolCallDelta] = []
+        for call in calls:
+            deltas.extend(self._add_call(call))
+        return content, deltas
+
+
+__all__ = [
+    "TOOL_PARSERS",
+    "HermesToolParser",
+    "JsonToolParser",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "ToolStream",
+    "get_tool_parser",
+]

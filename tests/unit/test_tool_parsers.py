@@ -1,0 +1,332 @@
+"""Tool-call parsers find the calls models write, keep malformed ones as content, and stream the same result."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from gateway.text.tool_parsers import (
+    TOOL_PARSERS,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    ToolStream,
+    get_tool_parser,
+)
+
+CHUNK_SIZES = [1, 2, 3, 7]
+ID = re.compile(r"call_[0-9a-f]{24}")
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def run_stream(parser: ToolParser, text: str, size: int) -> tuple[str, list[ToolCallDelta], ToolStream]:
+    stream = parser.stream()
+    content: list[str] = []
+    deltas: list[ToolCallDelta] = []
+    for piece in pieces(text, size):
+        c, d = stream.push(piece)
+        content.append(c)
+        deltas.extend(d)
+    c, d = stream.finish()
+    content.append(c)
+    deltas.extend(d)
+    return "".join(content), deltas, stream
+
+
+def assemble(deltas: list[ToolCallDelta]) -> list[dict[str, str]]:
+    """Rebuild calls from streamed fragments the way an OpenAI client does, checking their shape."""
+    calls: list[dict[str, str]] = []
+    for delta in deltas:
+        if delta.index == len(calls):
+            assert delta.id is not None and delta.name is not None, "a call's first fragment names it"
+            calls.append({"id": delta.id, "name": delta.name, "arguments": delta.arguments})
+        else:
+            assert delta.index == len(calls) - 1, "fragments come call by call, in order"
+            assert delta.id is None and delta.name is None
+            calls[-1]["arguments"] += delta.arguments
+    return calls
+
+
+def check(parser_name: str, text: str) -> tuple[str, list[ToolCall]]:
+    """parse(text), after checking that every way of streaming text gives the same answer."""
+    parser = get_tool_parser(parser_name)
+    content, calls = parser.parse(text)
+    assert content == content.strip()
+    for call in calls:
+        assert ID.fullmatch(call.id)
+        assert isinstance(json.loads(call.arguments), dict)
+    for size in CHUNK_SIZES + [len(text) or 1]:
+        streamed, deltas, stream = run_stream(parser, text, size)
+        assert streamed == content, f"chunk size {size}"
+        got = assemble(deltas)
+        assert [(c["name"], c["arguments"]) for c in got] == [(c.name, c.arguments) for c in calls], size
+        assert [c["id"] for c in got] == [c.id for c in stream.calls]
+        assert [(c.name, c.arguments) for c in stream.calls] == [(c.name, c.arguments) for c in calls]
+    return content, calls
+
+
+def names_args(calls: list[ToolCall]) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+# --- hermes -----------------------------------------------------------------------------------------
+
+
+def test_hermes_one_call() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    content, calls = check("hermes", text)
+    assert content == ""
+    assert len(calls) == 1
+    assert calls[0].name == "get_weather"
+    assert calls[0].arguments == '{"city": "Paris", "unit": "celsius"}'
+
+
+def test_hermes_several_calls_with_text_before() -> None:
+    text = (
+        "I'll look up both cities.\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>'
+    )
+    content, calls = check("hermes", text)
+    assert content == "I'll look up both cities."
+    assert names_args(calls) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Tokyo"})]
+    assert calls[0].id != calls[1].id
+
+
+def test_hermes_text_after_calls_is_content() -> None:
+    text = 'Sure.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone, waiting for results.'
+    content, calls = check("hermes", text)
+    assert content == "Sure.\n\nDone, waiting for results."
+    assert names_args(calls) == [("f", {})]
+
+
+def test_hermes_malformed_call_stays_content() -> None:
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'
+    good = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    content, calls = check("hermes", bad + "\n" + good)
+    assert content == bad
+    assert names_args(calls) == [("get_time", {"tz": "UTC"})]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"arguments": {"x": 1}}',  # no name
+        '{"name": 3, "arguments": {}}',  # name not a string
+        '{"name": "f", "arguments": [1, 2]}',  # arguments not an object
+        '{"name": "f", "arguments": "not json"}',  # a string that is not JSON
+        '{"name": "f", "arguments": "[1]"}',  # a string holding JSON that is not an object
+        '["f"]',
+        "",
+    ],
+)
+def test_hermes_invalid_calls_stay_content(body: str) -> None:
+    text = f"Let me check.\n<tool_call>{body}</tool_call>"
+    content, calls = check("hermes", text)
+    assert calls == []
+    assert content == text
+
+
+def test_hermes_arguments_as_json_string() -> None:
+    text = '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"zserve\\", \\"limit\\": 3}"}\n</tool_call>'
+    content, calls = check("hermes", text)
+    assert content == ""
+    assert calls[0].arguments == '{"query": "zserve", "limit": 3}'
+
+
+def test_hermes_missing_arguments_are_empty_object() -> None:
+    _, calls = check("hermes", '<tool_call>{"name": "now"}</tool_call>')
+    assert calls[0].arguments == "{}"
+
+
+def test_hermes_unicode_arguments() -> None:
+    args = '{"text": "Grüße aus Zürich 🌧", "to": "日本語"}'
+    text = '<tool_call>{"name": "translate", "arguments": ' + args + "}</tool_call>"
+    _, calls = check("hermes", text)
+    assert calls[0].arguments == args
+    escaped = '<tool_call>{"name": "t", "arguments": {"s": "\\u00e9t\\u00e9"}}</tool_call>'
+    assert check("hermes", escaped)[1][0].arguments == '{"s": "été"}'
+
+
+def test_hermes_unclosed_call_at_end_is_parsed() -> None:
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    content, calls = check("hermes", text)
+    assert content == "Checking."
+    assert names_args(calls) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_hermes_unclosed_malformed_call_stays_content() -> None:
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    content, calls = check("hermes", text)
+    assert calls == []
+    assert content == text
+
+
+def test_hermes_partial_tags_and_look_alikes() -> None:
+    # Text that starts like a tag but is not one must come out as content, wherever the cut falls.
+    prefix = "a < b and <tool_ and <tool_call without the bracket "
+    content, calls = check("hermes", prefix + '<tool_call>{"name": "f"}</tool_call> <tool_cal')
+    assert content == prefix + " <tool_cal"
+    assert names_args(calls) == [("f", {})]
+    assert check("hermes", "x </tool_call> y") == ("x </tool_call> y", [])
+
+
+def test_hermes_plain_text_and_empty() -> None:
+    assert check("hermes", "  Hello there!\n ") == ("Hello there!", [])
+    assert check("hermes", "") == ("", [])
+
+
+def test_hermes_stream_emits_content_eagerly() -> None:
+    stream = get_tool_parser("hermes").stream()
+    assert stream.push("Hello wor") == ("Hello wor", [])
+    assert stream.push("ld <tool") == ("ld", [])  # " <tool" may open a call
+    content, deltas = stream.push('_call>{"name": "f", "arguments": {"a": 1}}</tool_')
+    assert (content, deltas) == ("", [])
+    content, deltas = stream.push("call>")
+    assert content == ""
+    assert [(d.index, d.id, d.name, d.arguments) for d in deltas] == [
+        (0, stream.calls[0].id, "f", ""),
+        (0, None, None, '{"a": 1}'),
+    ]
+    assert stream.finish() == ("", [])
+
+
+def test_hermes_prefill_is_parsed_with_the_output() -> None:
+    parser = get_tool_parser("hermes")
+    prefill = parser.prefill("get_weather")
+    assert prefill == '<tool_call>\n{"name": "get_weather", "arguments": '
+    _, calls = check("hermes", prefill + '{"city": "Rome"}}\n</tool_call>')
+    assert names_args(calls) == [("get_weather", {"city": "Rome"})]
+    required = parser.prefill(None)
+    _, calls = check("hermes", required + '{"name": "now", "arguments": {}}')  # stopped before the tag
+    assert names_args(calls) == [("now", {})]
+
+
+def test_hermes_long_call_streams_without_rescanning() -> None:
+    # One character at a time through a long call: the stream must finish promptly (no O(n^2)).
+    args = {"items": list(range(20000))}
+    text = '<tool_call>{"name": "bulk", "arguments": ' + json.dumps(args) + "}</tool_call>"
+    _, deltas, stream = run_stream(get_tool_parser("hermes"), text, 1)
+    assert json.loads(assemble(deltas)[0]["arguments"]) == args
+
+
+# --- json -------------------------------------------------------------------------------------------
+
+
+def test_json_one_call() -> None:
+    content, calls = check("json", '{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert content == ""
+    assert names_args(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_json_parameters_alias_and_array() -> None:
+    text = '\n[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "arguments": "{\\"y\\": 2}"}, {"name": "c"}]\n'
+    content, calls = check("json", text)
+    assert content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}'), ("b", '{"y": 2}'), ("c", "{}")]
+
+
+def test_json_fenced_block() -> None:
+    text = '```json\n{"name": "search", "arguments": {"q": "café"}}\n```'
+    content, calls = check("json", text)
+    assert content == ""
+    assert calls[0].arguments == '{"q": "café"}'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather in Paris is sunny.",
+        '{"name": "f", "arguments": {"x": 1}',  # malformed
+        '{"city": "Paris"}',  # an object, but not a call
+        '[{"name": "a"}, {"nom": "b"}]',  # one bad item: none of it is a call
+        "[]",
+        '{"name": "f"} and then some text',
+        "```python\nprint('hi')\n```",
+        "``not a fence",
+        "`code` first",
+        "   \n",
+    ],
+)
+def test_json_anything_else_is_content(text: str) -> None:
+    assert check("json", text) == (text.strip(), [])
+
+
+def test_json_stream_holds_json_and_streams_text() -> None:
+    parser = get_tool_parser("json")
+    stream = parser.stream()
+    assert stream.push("  ") == ("", [])
+    assert stream.push("Hel") == ("Hel", [])
+    assert stream.push("lo {") == ("lo {", [])
+    stream = parser.stream()
+    assert stream.push('\n{"name": "f", ') == ("", [])
+    assert stream.push('"arguments": {}}') == ("", [])
+    content, deltas = stream.finish()
+    assert content == "" and [d.name for d in deltas] == ["f", None]
+
+
+def test_json_prefill() -> None:
+    parser = get_tool_parser("json")
+    _, calls = check("json", parser.prefill("lookup") + '{"id": 7}}')
+    assert names_args(calls) == [("lookup", {"id": 7})]
+    _, calls = check("json", parser.prefill(None) + 'now", "arguments": {}}')
+    assert names_args(calls) == [("now", {})]
+
+
+# --- registry ---------------------------------------------------------------------------------------
+
+
+def test_registry_names_match() -> None:
+    assert {"hermes", "json"} <= set(TOOL_PARSERS)
+    for name, cls in TOOL_PARSERS.items():
+        assert cls.name == name
+        assert get_tool_parser(name).name == name
+
+
+def test_unknown_parser_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError) as excinfo:
+        get_tool_parser("mistral-ish")
+    message = str(excinfo.value)
+    assert message.startswith("unknown tool-call parser 'mistral-ish'; choose one of: ")
+    assert "hermes" in message and "json" in message
+
+
+def test_streams_are_independent() -> None:
+    parser = get_tool_parser("hermes")
+    first, second = parser.stream(), parser.stream()
+    first.push('<tool_call>{"name": "f"}</tool_call>')
+    assert len(first.calls) == 1 and second.calls == []
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "json"])
+def test_random_outputs_stream_like_they_parse(parser_name: str) -> None:
+    # Outputs glued from tag pieces, calls and junk, streamed in random cuts: always the same answer.
+    rng = random.Random(7)
+    atoms = [
+        "<tool_call>", "</tool_call>", "<tool_", "</tool", "call>", '{"name": "f", "arguments": {"a": "é"}}',
+        '{"name": "g"}', "{bad", " ", "\n", "x", "```", "```json\n", "[", "]", ",", "<", ">",
+    ]  # fmt: skip
+    parser = get_tool_parser(parser_name)
+    for _ in range(2000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 8)))
+        content, calls = parser.parse(text)
+        stream = parser.stream()
+        streamed: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        i = 0
+        while i < len(text):
+            size = rng.randint(1, 6)
+            c, d = stream.push(text[i : i + size])
+            streamed.append(c)
+            deltas.extend(d)
+            i += size
+        c, d = stream.finish()
+        assert "".join(streamed) + c == content, text
+        got = assemble(deltas + d)
+        assert [(g["name"], g["arguments"]) for g in got] == [(c.name, c.arguments) for c in calls], text
