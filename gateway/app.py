@@ -6,11 +6,12 @@ from aiohttp import web
 
 from .errors import error_middleware
 from .metrics import metrics_middleware
-from .routers import control, core, openai
+from .routers import anthropic, control, core, native, openai, responses
 from .state import STATE, GatewayState
 
 # Route families, each a module with a ``routes`` table (see ARCHITECTURE.md's route map).
-ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai}
+ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,
+                  "anthropic": anthropic, "native": native}
 
 MAX_BODY_BYTES = 32 << 20
 

@@ -1,13 +1,19 @@
-"""Errors in the OpenAI shape, raised anywhere in a handler and rendered by one middleware.
+"""Errors raised anywhere in a handler and rendered by one middleware, in the API family's shape.
 
-``{"error": {"message", "type", "param", "code"}}`` is what the official SDKs parse into their
-exception classes (BadRequestError, NotFoundError, ...), so every failure, including ones aiohttp
-raises itself (404 route, 405, 413 body too large), goes out in this shape.
+Handlers raise ``APIError(status, message)``; the middleware renders it as the family of the
+route expects, because that is what the official SDKs parse into their exception classes
+(BadRequestError, NotFoundError, ...):
+
+- OpenAI (the default, also for aiohttp's own 404/405/413): ``{"error": {"message", "type", "param", "code"}}``
+- Anthropic: ``{"type": "error", "error": {"type", "message"}}``
+
+A family marks its handlers with ``@error_shape(body_fn)``; everything else gets the OpenAI shape.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
@@ -43,12 +49,28 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+ErrorBody = Callable[[APIError], dict]
+_SHAPE_ATTR = "__zserve_error_shape__"
+
+
+def error_shape(body: ErrorBody):
+    """Decorator: errors raised by this handler are rendered with ``body`` instead of OpenAI's shape."""
+    def mark(handler):
+        setattr(handler, _SHAPE_ATTR, body)
+        return handler
+    return mark
+
+
+def _shape_of(request: web.Request) -> ErrorBody:
+    return getattr(request.match_info.handler, _SHAPE_ATTR, APIError.body)
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def error_response(err: APIError) -> web.Response:
-    return web.Response(status=err.status, body=orjson.dumps(err.body()), content_type="application/json",
+def error_response(err: APIError, body: ErrorBody = APIError.body) -> web.Response:
+    return web.Response(status=err.status, body=orjson.dumps(body(err)), content_type="application/json",
                         headers=err.headers)
 
 
@@ -57,13 +79,14 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return error_response(e)
+        return error_response(e, _shape_of(request))
     except web.HTTPException as e:
         if e.status < 400:
             raise
         msg = {404: f"no route for {request.method} {request.path}", 405: f"method {request.method} is not allowed on {request.path}",
                413: "request body too large"}.get(e.status, e.reason)
-        return error_response(APIError(e.status, msg, headers={k: v for k, v in e.headers.items() if k == "Allow"}))
+        return error_response(APIError(e.status, msg, headers={k: v for k, v in e.headers.items() if k == "Allow"}),
+                              _shape_of(request))
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return error_response(APIError(500, "internal server error"))
+        return error_response(APIError(500, "internal server error"), _shape_of(request))

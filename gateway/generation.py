@@ -1,7 +1,7 @@
 """From prompt ids to text deltas: engine tokens → incremental detokenizing → stop strings.
 
-Both OpenAI routes (and later Anthropic, Responses) share this one pipeline; they only differ in
-how they shape its ``Delta``s into JSON.
+Every generation route (OpenAI completions and chat, Anthropic Messages, Responses) shares this
+one pipeline; they only differ in how they shape its ``Delta``s into JSON.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Delta:
     num_output_tokens: int  # so far, for usage
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (first delta, when asked)
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (first delta)
+    stop_str: str | None = None  # the stop string that ended the text (last delta)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class TextOptions:
     stop: list[str]
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (the native generate route)
 
 
 def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
@@ -66,8 +68,9 @@ def _pair_logprobs(ids, lps, top) -> list[TokenLogprob] | None:
 async def generate_text(state: GatewayState, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                         opts: TextOptions) -> AsyncIterator[Delta]:
     """Yield text deltas until the request finishes; closing early aborts it in the engine."""
-    detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens)
-    stopper = StopChecker(opts.stop, opts.include_stop_str_in_output) if opts.stop else None
+    detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens) \
+        if opts.detokenize else None
+    stopper = StopChecker(opts.stop, opts.include_stop_str_in_output) if opts.stop and detok else None
     final_ids = state.eos_token_ids | set(sampling.stop_token_ids)
     n_out = 0
     timer = TokenTimer()
@@ -81,8 +84,8 @@ async def generate_text(state: GatewayState, request_id: str, prompt_ids: list[i
                 finish = out.finish_reason
                 # The token that ended generation (EOS or a stop token id) counts as output but is not text.
                 text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in final_ids else ids
-                text = detok.push(text_ids)
-                if finish is not None:
+                text = detok.push(text_ids) if detok is not None else ""
+                if finish is not None and detok is not None:
                     text += detok.flush()
                 if stopper is not None:
                     text, stopped = stopper.push(text)
@@ -91,6 +94,6 @@ async def generate_text(state: GatewayState, request_id: str, prompt_ids: list[i
                     elif finish is not None:
                         text += stopper.flush()
                 yield Delta(text, ids, _logprobs(out), finish, n_out, _prompt_logprobs(out, prompt_ids),
-                            out.num_cached_tokens)
+                            out.num_cached_tokens, stopper.matched if stopper is not None else None)
                 if finish is not None:
                     return

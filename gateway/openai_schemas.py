@@ -94,14 +94,30 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+MAX_TOOLS = 256
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

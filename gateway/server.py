@@ -28,6 +28,9 @@ from zserve.proc import StatusPipe, die_with_parent, ignore_terminal_signals, se
 from .app import build_app
 from .engine_client import EngineClient
 from .state import GatewayState, load_text
+from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, open_store
+from .text.reasoning import get_reasoning_parser
+from .text.tool_parsers import get_tool_parser
 
 log = logging.getLogger("zserve.gateway")
 
@@ -73,7 +76,11 @@ async def serve(a: argparse.Namespace) -> int:
     tokenizer, template = await loop.run_in_executor(None, load_text, source, a.cache_dir)
     engines = EngineClient(a.engine or [], client_id=f"gw{a.index}-{os.getpid()}")
     names = a.served_model_name or [source.model_id]
-    state = GatewayState(a.index, source, names, tokenizer, template, engines, control_socket=a.control_socket)
+    state = GatewayState(a.index, source, names, tokenizer, template, engines, control_socket=a.control_socket,
+                         tool_parser=get_tool_parser(a.tool_call_parser) if a.tool_call_parser else None,
+                         reasoning_parser=get_reasoning_parser(a.reasoning_parser) if a.reasoning_parser else None,
+                         responses=open_store(a.state_url, a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
+                                              ttl_s=a.responses_ttl, max_items=a.responses_max_items))
     tasks: list[asyncio.Task] = []
 
     async def apply(cluster: ClusterState) -> None:
@@ -113,6 +120,7 @@ async def serve(a: argparse.Namespace) -> int:
     for t in tasks:
         t.cancel()
     await engines.close()
+    await state.responses.close()
     return code
 
 
@@ -152,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
     p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor")
+    p.add_argument("--tool-call-parser", default=None)
+    p.add_argument("--reasoning-parser", default=None)
+    p.add_argument("--state-url", default=None, help="shared state (stored responses): sqlite:///PATH or redis://")
+    p.add_argument("--responses-db", default=None, help="the SQLite file every gateway of this host shares")
+    p.add_argument("--responses-ttl", type=float, default=DEFAULT_TTL_S)
+    p.add_argument("--responses-max-items", type=int, default=DEFAULT_MAX_ITEMS)
     a = p.parse_args(argv)
     die_with_parent(a.parent_pid)
     ignore_terminal_signals()

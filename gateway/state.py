@@ -11,8 +11,11 @@ from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
 
 from .engine_client import EngineClient
+from .store import ResponseStore
 from .text.chat_template import ChatTemplate
+from .text.reasoning import ReasoningParser
 from .text.tokenizer import Tokenizer
+from .text.tool_parsers import ToolParser
 
 
 @dataclass
@@ -27,6 +30,9 @@ class GatewayState:
     control_socket: str | None = None  # the supervisor's, for cluster-wide operations
     cluster: ClusterState | None = None  # the latest state the supervisor broadcast
     draining: bool = False  # SIGTERM received: finishing in-flight work, then exiting
+    tool_parser: ToolParser | None = None  # --tool-call-parser: tools are refused without one
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    responses: ResponseStore | None = None  # stored Responses-API objects, shared by every gateway
 
     @property
     def paused(self) -> bool:

@@ -16,6 +16,9 @@ import click
 
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, resolve
+from gateway.store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
+from gateway.text.reasoning import REASONING_PARSERS
+from gateway.text.tool_parsers import TOOL_PARSERS
 from zserve.proc import set_title, setup_logging
 
 from .sockets import ListenError
@@ -56,11 +59,25 @@ def main() -> None:
               help="Seconds in-flight requests may take to finish on SIGTERM or scale-down.")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
               help="A process silent for this long is hung and gets replaced.")
+@click.option("--tool-call-parser", default=None, callback=lambda ctx, p, v: _parser(v, TOOL_PARSERS, p),
+              help=f"Turn model output into tool calls: {', '.join(sorted(TOOL_PARSERS))}. Without it, requests "
+                   "with tools are refused.")
+@click.option("--reasoning-parser", default=None, callback=lambda ctx, p, v: _parser(v, REASONING_PARSERS, p),
+              help=f"Split reasoning from the answer: {', '.join(sorted(REASONING_PARSERS))}.")
+@click.option("--state-url", default=None, callback=lambda ctx, p, v: _state_url(v),
+              help="State every gateway shares (stored responses): redis://HOST:PORT/DB for several hosts, or "
+                   "sqlite:///PATH. Default: a SQLite file in the private run directory.")
+@click.option("--responses-ttl", type=click.FloatRange(1, 365 * 86400), default=None,
+              help=f"Seconds a stored response is kept  [default: {DEFAULT_TTL_S:.0f}]")
+@click.option("--responses-max-items", type=click.IntRange(1, 10**8), default=None,
+              help=f"Most stored responses kept; the oldest go first  [default: {DEFAULT_MAX_ITEMS}]")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def api_server(count: int, engines: int, model: str, served_model_name: tuple[str, ...], host: str, port: int,
                dtype: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
-               kv_cache_memory: str | None, enable_prefix_caching: bool, enforce_eager: bool, engine_threads: int | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
-               log_level: str) -> None:
+               kv_cache_memory: str | None, enable_prefix_caching: bool, enforce_eager: bool, engine_threads: int | None,
+               ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float, tool_call_parser: str | None,
+               reasoning_parser: str | None, state_url: str | None, responses_ttl: float | None,
+               responses_max_items: int | None, log_level: str) -> None:
     """Serve MODEL over HTTP with COUNT gateways in front of ENGINES engine workers."""
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
@@ -76,7 +93,9 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
                       enforce_eager=enforce_eager,
                       served_model_names=list(served_model_name),
                       engine_threads=engine_threads, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
-                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
+                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4),
+                      tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, state_url=state_url,
+                      responses_ttl=responses_ttl, responses_max_items=responses_max_items)
     sup = Supervisor(cfg)
     code = 0
     try:
@@ -106,6 +125,23 @@ def _memory(value: str | None) -> str | None:
         raise click.BadParameter(f"{value!r}: expected bytes (2GiB, 512MB, 1073741824) or a fraction like 0.3",
                                  param_hint="--kv-cache-memory")
     return value.strip()
+
+
+def _parser(value: str | None, registry: dict, param: click.Parameter) -> str | None:
+    """Unknown parser names fail here, listing the valid ones, instead of in every gateway."""
+    if value is not None and value not in registry:
+        raise click.BadParameter(f"unknown parser {value!r}; choose one of: {', '.join(sorted(registry))}",
+                                 param=param)
+    return value
+
+
+def _state_url(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            check_store_url(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--state-url") from None
+    return value
 
 
 def _ask(port: int, cmd: dict, timeout: float = 30.0) -> dict:

@@ -74,6 +74,11 @@ class ServeConfig:
     shutdown_timeout: float = 30.0
     heartbeat_timeout: float = 30.0
     heartbeat_interval: float = 1.0
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    state_url: str | None = None  # shared state across hosts (redis://); default: SQLite in the run directory
+    responses_ttl: float | None = None  # seconds a stored response lives (None: the store's default)
+    responses_max_items: int | None = None
 
 
 @dataclass
@@ -174,6 +179,12 @@ class Supervisor:
                     "--control-socket", self.control_path, "--shutdown-timeout", str(c.shutdown_timeout), *common]
             for name in c.served_model_names:
                 args += ["--served-model-name", name]
+            args += ["--responses-db", os.path.join(self.run_dir, "responses.db")]
+            for flag, value in (("--tool-call-parser", c.tool_call_parser), ("--reasoning-parser", c.reasoning_parser),
+                                ("--state-url", c.state_url), ("--responses-ttl", c.responses_ttl),
+                                ("--responses-max-items", c.responses_max_items)):
+                if value is not None:
+                    args += [flag, str(value)]
             env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
             child = spawn(slot, "gateway", args, pass_fds=(fd,), env=env)
             child.send({"event": "cluster", "state": self.store.get().to_json()})

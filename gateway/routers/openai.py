@@ -1,8 +1,9 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-Each handler validates its body, turns it into prompt ids and SamplingParams, runs every choice
-through ``generation.generate_text`` concurrently, and shapes the deltas as the OpenAI API does,
-as one JSON body or as an SSE stream.
+Each handler validates its body, turns it into prompt ids and SamplingParams (``common``), runs
+every choice through ``generation.generate_text`` concurrently, and shapes the deltas as the OpenAI
+API does, as one JSON body or as an SSE stream. Chat completions also carry tool calls and
+reasoning (``reasoning_content``) when the server runs a tool-call or reasoning parser.
 """
 
 from __future__ import annotations
@@ -11,153 +12,40 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
-from dataclasses import dataclass, field
 
-import orjson
 from aiohttp import web
 
-from protocol import SamplingParams
-
-from ..engine_client import EngineRequestError, NoEngineAvailable
 from ..errors import APIError, bad_request
-from ..generation import Delta, TextOptions, TokenLogprob, generate_text
-from ..openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
+from ..generation import Delta, TextOptions, TokenLogprob
+from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..sse import open_stream, send_done, send_event
 from ..state import STATE, GatewayState
-from ..text.chat_template import ChatTemplateError
+from ..text.message import MessagePiece
+from ..text.tool_parsers import ToolCall, ToolCallDelta
+from .common import (
+    ENGINE_ERRORS,
+    Choice,
+    ToolUse,
+    TokenText,
+    admit,
+    build_sampling,
+    chat_prompt,
+    check_model,
+    check_prompt_ids,
+    collect,
+    dumps,
+    engine_error,
+    final_tool_calls,
+    message_parser,
+    run_choices,
+    text_options,
+    token_text,
+    tool_use,
+    wants_generation_prompt,
+)
 
 log = logging.getLogger("zserve.gateway.openai")
 routes = web.RouteTableDef()
-
-
-# -- shared helpers ---------------------------------------------------------------------------
-
-def check_model(state: GatewayState, model: str | None) -> str:
-    if model is None or model in state.served_model_names:
-        return state.model_id if model is None else model
-    raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-
-def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
-    """Validate prompt length against the context; return the max_tokens to use."""
-    if not ids:
-        raise bad_request("the prompt is empty", param=param)
-    vocab = state.tokenizer.vocab_size
-    bad = next((t for t in ids if t < 0 or t >= vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is out of range [0, {vocab})", param=param)
-    limit = state.max_model_len
-    room = limit - len(ids)
-    if room <= 0:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                          f"{len(ids)} tokens.", param=param, code="context_length_exceeded")
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                          f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                          "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-                          code="context_length_exceeded")
-    return max_tokens
-
-
-def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, logprobs: int | None,
-                   choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
-    vocab = state.tokenizer.vocab_size
-    bias = []
-    for k, v in (req.logit_bias or {}).items():
-        if int(k) >= vocab:
-            raise bad_request(f"logit_bias token id {k} is out of range", param="logit_bias")
-        bias.append((int(k), float(v)))
-    stop_ids = tuple(req.stop_token_ids or ())
-    if any(t >= vocab for t in stop_ids):
-        raise bad_request("stop_token_ids holds an id outside the vocabulary", param="stop_token_ids")
-    if req.min_tokens > max_tokens:
-        raise bad_request("min_tokens must not exceed max_tokens", param="min_tokens")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
-        min_p=req.min_p,
-        seed=None if req.seed is None else req.seed + choice,
-        min_tokens=req.min_tokens,
-        stop_token_ids=stop_ids,
-        ignore_eos=req.ignore_eos,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        logit_bias=tuple(bias),
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        priority=req.priority,
-    )
-
-
-@dataclass
-class Choice:
-    """One generation of a request (prompt i × sample j), fed to the engine on its own."""
-
-    index: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    prefix: str = ""  # echoed prompt text
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob] | None = None
-    cached_tokens: int = 0
-
-    def take(self, d: Delta) -> None:
-        """Fold one delta's bookkeeping into the choice (text is handled by the shape)."""
-        self.completion_tokens = d.num_output_tokens
-        if d.prompt_logprobs is not None:
-            self.prompt_logprobs = d.prompt_logprobs
-        self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
-
-
-async def run_choices(state: GatewayState, request_id: str, choices: list[Choice], opts: TextOptions
-                      ) -> AsyncIterator[tuple[Choice, Delta]]:
-    """Generate all choices concurrently and yield their deltas as they come."""
-    q: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(c: Choice) -> None:
-        try:
-            async with aclosing(generate_text(state, f"{request_id}-{c.index}", c.prompt_ids, c.sampling, opts)) as it:
-                async for d in it:
-                    await q.put((c, d))
-        except BaseException as e:  # handed to the consumer, which raises it
-            await q.put((c, e))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            await q.put((c, done))
-
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            c, item = await q.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield c, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def engine_error(e: Exception) -> APIError:
-    if isinstance(e, NoEngineAvailable):
-        return APIError(503, "no engine is available to serve the request; retry shortly", headers={"Retry-After": "1"})
-    return APIError(500, f"generation failed: {e}")
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
@@ -168,26 +56,6 @@ def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
-
-
-class TokenText:
-    """Token id → (text, bytes) for logprobs, cached per gateway."""
-
-    def __init__(self, state: GatewayState):
-        self.tok = state.tokenizer
-        self.cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, tid: int) -> tuple[str, list[int]]:
-        hit = self.cache.get(tid)
-        if hit is None:
-            raw = self.tok.id_to_bytes(tid)
-            hit = (raw.decode("utf-8", errors="replace"), list(raw))
-            if len(self.cache) < 200_000:
-                self.cache[tid] = hit
-        return hit
-
-
-_TOKEN_TEXT: web.AppKey[TokenText] = web.AppKey("zserve_token_text", TokenText)
 
 
 def chat_logprobs(tt: TokenText, lps: list[TokenLogprob]) -> dict:
@@ -219,42 +87,35 @@ def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> 
 
 
 async def respond(request: web.Request, *, request_id: str, model: str, choices: list[Choice], opts: TextOptions,
-                  prompt_tokens: int, stream: bool, include_usage: bool, shape: "Shape") -> web.StreamResponse:
+                  prompt_tokens: int, stream: bool, shape: "Shape", include_usage: bool = False,
+                  continuous_usage: bool = False) -> web.StreamResponse:
     state = request.app[STATE]
-    if state.paused:
-        raise APIError(503, "the server is paused and admits no new requests; retry later",
-                       code="server_paused", headers={"Retry-After": "1"})
-    if not state.engines.ready_engines:  # fail fast with 503 before any byte is sent
-        raise engine_error(NoEngineAvailable("no engine is ready"))
+    admit(state)
     created = int(time.time())
     if not stream:
-        try:
-            async for c, d in run_choices(state, request_id, choices, opts):
-                c.take(d)
-                c.text.append(d.text)
-                if d.logprobs:
-                    c.logprobs.extend(d.logprobs)
-                c.finish_reason = d.finish_reason or c.finish_reason
-        except (EngineRequestError, NoEngineAvailable) as e:
-            raise engine_error(e) from None
+        await collect(state, request_id, choices, opts)
         body = shape.full(request_id, created, model, choices, usage(prompt_tokens, choices))
-        return web.json_response(body, dumps=_dumps)
+        return web.json_response(body, dumps=dumps)
+
+    def running_usage() -> dict | None:
+        return usage(prompt_tokens, choices) if continuous_usage else None
 
     resp = await open_stream(request)
     try:
         for c in choices:
             first = shape.first_chunk(c)
             if first is not None:
-                await send_event(resp, shape.chunk(request_id, created, model, [first], include_usage))
+                await send_event(resp, shape.chunk(request_id, created, model, [first], include_usage, running_usage()))
         async for c, d in run_choices(state, request_id, choices, opts):
             c.take(d)
-            if d.text or d.finish_reason or d.logprobs:
-                await send_event(resp, shape.chunk(request_id, created, model, [shape.delta(c, d)], include_usage))
+            delta = shape.delta(c, d)
+            if delta is not None:
+                await send_event(resp, shape.chunk(request_id, created, model, [delta], include_usage, running_usage()))
         if include_usage:
             await send_event(resp, shape.chunk(request_id, created, model, [], include_usage,
                                                usage(prompt_tokens, choices)))
-    except (EngineRequestError, NoEngineAvailable) as e:
-        await send_event(resp, engine_error(e).body())
+    except (*ENGINE_ERRORS, APIError) as e:
+        await send_event(resp, (e if isinstance(e, APIError) else engine_error(e)).body())
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("client went away during %s; aborted its generation", request_id)
         raise
@@ -263,18 +124,15 @@ async def respond(request: web.Request, *, request_id: str, model: str, choices:
     return resp
 
 
-def _dumps(obj) -> str:
-    return orjson.dumps(obj).decode()
-
-
 class Shape:
     """How one route lays out its response bodies and stream chunks."""
 
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, tt: TokenText):
+    def __init__(self, tt: TokenText, want_logprobs: bool):
         self.tt = tt
+        self.want_logprobs = want_logprobs
 
     def chunk(self, rid: str, created: int, model: str, choices: list[dict], include_usage: bool,
               usage_: dict | None = None) -> dict:
@@ -286,7 +144,8 @@ class Shape:
     def first_chunk(self, c: Choice) -> dict | None:
         return None
 
-    def delta(self, c: Choice, d: Delta) -> dict:
+    def delta(self, c: Choice, d: Delta) -> dict | None:
+        """One choice's entry of a stream chunk, or None when the delta adds nothing to send."""
         raise NotImplementedError
 
     def full(self, rid: str, created: int, model: str, choices: list[Choice], usage_: dict) -> dict:
@@ -297,11 +156,12 @@ class CompletionShape(Shape):
     object_full = object_chunk = "text_completion"
 
     def __init__(self, tt: TokenText, want_logprobs: bool):
-        super().__init__(tt)
-        self.want_logprobs = want_logprobs
+        super().__init__(tt, want_logprobs)
         self.offsets: dict[int, int] = {}
 
-    def delta(self, c: Choice, d: Delta) -> dict:
+    def delta(self, c: Choice, d: Delta) -> dict | None:
+        if not (d.text or d.finish_reason or d.logprobs or c.prefix):
+            return None
         text = d.text
         entries = list(d.logprobs or [])
         if c.prefix:
@@ -327,42 +187,90 @@ class CompletionShape(Shape):
                 "usage": usage_}
 
 
+def chat_tool_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_tool_deltas(deltas: list[ToolCallDelta]) -> list[dict]:
+    """Streamed ``tool_calls`` entries: a call's first entry carries its id and name; fragments of
+    one call that arrive together are merged, as clients expect one entry per index per chunk."""
+    out: list[dict] = []
+    for t in deltas:
+        if out and out[-1]["index"] == t.index:
+            out[-1]["function"]["arguments"] += t.arguments
+            continue
+        entry: dict = {"index": t.index, "function": {"arguments": t.arguments}}
+        if t.id is not None:
+            entry["id"], entry["type"] = t.id, "function"
+            entry["function"]["name"] = t.name
+        out.append(entry)
+    return out
+
+
+def chat_finish_reason(finish: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
 class ChatShape(Shape):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, tt: TokenText, want_logprobs: bool):
-        super().__init__(tt)
-        self.want_logprobs = want_logprobs
+    def __init__(self, tt: TokenText, want_logprobs: bool, use: ToolUse):
+        super().__init__(tt, want_logprobs)
+        self.use = use
 
     def first_chunk(self, c: Choice) -> dict:
         return {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, c: Choice, d: Delta) -> dict:
+    def delta(self, c: Choice, d: Delta) -> dict | None:
         lp = chat_logprobs(self.tt, d.logprobs) if self.want_logprobs and d.logprobs else None
-        delta = {"content": d.text} if d.text else {}
-        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        finish = d.finish_reason
+        if c.msg is None:
+            piece = MessagePiece(content=d.text)
+        else:
+            piece = c.msg.push(d.text)
+            if finish is not None:
+                tail = c.msg.finish()
+                piece = MessagePiece(piece.reasoning + tail.reasoning, piece.content + tail.content,
+                                     piece.tool_calls + tail.tool_calls)
+                calls = final_tool_calls(self.use, c.msg.tool_calls)  # raises if a forced call is missing
+                finish = chat_finish_reason(finish, calls)
+            if not self.use.parallel:
+                piece.tool_calls = [t for t in piece.tool_calls if t.index == 0]
+        if not (piece or finish or lp):
+            return None
+        delta: dict = {}
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        if piece.content:
+            delta["content"] = piece.content
+        if piece.tool_calls:
+            delta["tool_calls"] = chat_tool_deltas(piece.tool_calls)
+        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def message(self, c: Choice) -> tuple[dict, str | None]:
+        """The whole assistant message of a non-streamed choice, and its finish reason."""
+        if c.msg is None:
+            return {"role": "assistant", "content": "".join(c.text), "refusal": None, "tool_calls": []}, c.finish_reason
+        calls = final_tool_calls(self.use, c.msg.tool_calls)
+        content = c.msg.text()
+        if calls:
+            content = content.strip()
+        msg = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None,
+               "tool_calls": [chat_tool_call(t) for t in calls]}
+        reasoning = c.msg.reasoning_text()
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        return msg, chat_finish_reason(c.finish_reason, calls)
 
     def full(self, rid, created, model, choices, usage_):
         out = []
         for c in choices:
             lp = chat_logprobs(self.tt, c.logprobs) if self.want_logprobs else None
-            out.append({"index": c.index, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None,
-                                                      "tool_calls": []},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
+            msg, finish = self.message(c)
+            out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish})
         return {"id": rid, "object": self.object_full, "created": created, "model": model, "choices": out,
                 "usage": usage_, "system_fingerprint": None}
-
-
-def _token_text(app: web.Application) -> TokenText:
-    if _TOKEN_TEXT not in app:
-        app[_TOKEN_TEXT] = TokenText(app[STATE])
-    return app[_TOKEN_TEXT]
-
-
-def _text_options(req: SamplingFields) -> TextOptions:
-    return TextOptions(stop=req.stop or [], include_stop_str_in_output=req.include_stop_str_in_output,
-                       skip_special_tokens=req.skip_special_tokens)
 
 
 # -- routes -----------------------------------------------------------------------------------
@@ -373,7 +281,7 @@ async def list_models(request: web.Request) -> web.Response:
     data = [{"id": name, "object": "model", "created": int(state.started_at), "owned_by": "zserve",
              "root": state.source.model_id, "parent": None, "max_model_len": state.max_model_len}
             for name in state.served_model_names]
-    return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+    return web.json_response({"object": "list", "data": data}, dumps=dumps)
 
 
 @routes.get("/v1/models/{model:.+}")
@@ -381,7 +289,14 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = check_model(state, request.match_info["model"])
     return web.json_response({"id": name, "object": "model", "created": int(state.started_at), "owned_by": "zserve"},
-                             dumps=_dumps)
+                             dumps=dumps)
+
+
+def _stream_usage(req) -> tuple[bool, bool]:
+    """(usage on a final chunk, usage on every chunk) as stream_options asks."""
+    opts = req.stream_options if req.stream else None
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts and opts.continuous_usage_stats)
 
 
 @routes.post("/v1/completions")
@@ -415,11 +330,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for j in range(req.n):
             sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs)
             choices.append(Choice(i * req.n + j, ids, sp, prefix))
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    shape = CompletionShape(_token_text(request.app), req.logprobs is not None)
-    return await respond(request, request_id=rid, model=model, choices=choices, opts=_text_options(req),
-                         prompt_tokens=prompt_tokens, stream=req.stream, include_usage=include_usage, shape=shape)
+    include, continuous = _stream_usage(req)
+    shape = CompletionShape(token_text(request.app), req.logprobs is not None)
+    return await respond(request, request_id=f"cmpl-{uuid.uuid4().hex}", model=model, choices=choices,
+                         opts=text_options(req), prompt_tokens=prompt_tokens, stream=req.stream, shape=shape,
+                         include_usage=include, continuous_usage=continuous)
+
+
+def chat_tool_use(state: GatewayState, req: ChatCompletionRequest) -> ToolUse:
+    """OpenAI's tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}."""
+    choice = req.tool_choice
+    tools = [t.model_dump() for t in req.tools] if req.tools else None
+    if choice is None:
+        return tool_use(state, tools, "auto", parallel=req.parallel_tool_calls)
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
+        return tool_use(state, tools, choice, parallel=req.parallel_tool_calls)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        return tool_use(state, tools, "function", choice["function"]["name"], req.parallel_tool_calls)
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                      '{"name": ...}}', param="tool_choice")
 
 
 @routes.post("/v1/chat/completions")
@@ -428,27 +358,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.read())
     model = check_model(state, req.model)
     if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request("response_format other than text is not supported yet", param="response_format")
-    if req.continue_final_message:
-        raise bad_request("continue_final_message is not supported yet", param="continue_final_message")
-    if state.chat_template is None:
-        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        raise bad_request(f"response_format of type {req.response_format.get('type')!r} is not supported yet "
+                          "(structured output); use type 'text'", param="response_format")
+    use = chat_tool_use(state, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    try:
-        text = state.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt,
-                                          tools=req.tools, **(req.chat_template_kwargs or {}))
-    except ChatTemplateError as e:
-        raise bad_request(str(e), param="messages") from None
-    ids = state.tokenizer.encode(text)
-    max_tokens = check_prompt_ids(state, ids, req.max_completion_tokens or req.max_tokens, param="messages")
-    top = req.top_logprobs if req.logprobs else None
+    add_generation_prompt = wants_generation_prompt(req.add_generation_prompt, req.continue_final_message,
+                                                    req.model_fields_set)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    prompt = chat_prompt(state, messages, tools=tools, use=use, add_generation_prompt=add_generation_prompt,
+                         continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
+    max_tokens = check_prompt_ids(state, prompt.ids, req.max_completion_tokens or req.max_tokens, param="messages")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    logprobs = (top or 0) if req.logprobs else None
-    choices = [Choice(j, ids, build_sampling(state, req, max_tokens, logprobs, j)) for j in range(req.n)]
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    shape = ChatShape(_token_text(request.app), req.logprobs)
-    return await respond(request, request_id=rid, model=model, choices=choices, opts=_text_options(req),
-                         prompt_tokens=len(ids), stream=req.stream,
-                         include_usage=include_usage, shape=shape)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j),
+                      msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
+    include, continuous = _stream_usage(req)
+    shape = ChatShape(token_text(request.app), req.logprobs, use)
+    return await respond(request, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=model, choices=choices,
+                         opts=text_options(req), prompt_tokens=len(prompt.ids), stream=req.stream, shape=shape,
+                         include_usage=include, continuous_usage=continuous)

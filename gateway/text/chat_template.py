@@ -137,6 +137,26 @@ def _content_text(content: Any, where: str) -> str | None:
     return "\n".join(texts)
 
 
+def _template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """Tool calls as templates expect them: OpenAI sends ``function.arguments`` as JSON text, but
+    templates (Qwen2.5, Hermes, Llama 3.1) write ``arguments | tojson``, so they get the object."""
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"{where}: tool_calls must be a list")
+    out = []
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise ChatTemplateError(f"{where}[{i}]: a tool call must be an object")
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+            except ValueError:
+                raise ChatTemplateError(f"{where}[{i}].function.arguments is not valid JSON") from None
+            call = {**call, "function": {**fn, "arguments": args}}
+        out.append(call)
+    return out
+
+
 def _normalise_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError("messages must be a list")
@@ -149,8 +169,11 @@ def _normalise_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"{where}: a message needs a string 'role'")
         plain = _plain(message, where)
-        if "content" in plain:
-            plain["content"] = _content_text(plain["content"], f"{where}.content")
+        # Templates index message['content'] and concatenate it: an assistant turn that only calls
+        # tools (content null or absent) renders as "" rather than failing.
+        plain["content"] = _content_text(plain.get("content"), f"{where}.content") or ""
+        if "tool_calls" in plain:
+            plain["tool_calls"] = _template_tool_calls(plain["tool_calls"], f"{where}.tool_calls")
         out.append(plain)
     return out
 

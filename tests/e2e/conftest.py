@@ -110,3 +110,21 @@ def tiny_server():
                log_name="tiny")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def scripted_model(tmp_path_factory) -> Path:
+    """The scripted test model (tests/e2e/scripted_model.py): its output is chosen by the prompt's last token."""
+    from .scripted_model import build_scripted_model
+
+    return build_scripted_model(tmp_path_factory.mktemp("scripted") / "scripted")
+
+
+@pytest.fixture(scope="session")
+def scripted_server(scripted_model):
+    """Two gateways with the hermes tool-call parser and the think reasoning parser, on the scripted model;
+    shared by the tool-calling, Anthropic, Responses and native-route tests."""
+    s = Server("--model", str(scripted_model), "--count", "2", "--dtype", "float32", "--max-model-len", "1024",
+               "--tool-call-parser", "hermes", "--reasoning-parser", "think", log_name="scripted")
+    yield s
+    s.stop()

@@ -128,12 +128,32 @@ def test_render_does_not_modify_the_callers_messages(template: ChatTemplate) -> 
             r"content\[0\]: content parts of type 'image_url' are not supported",
         ),
         ([{"role": "user", "content": [{"type": "text"}]}], "needs a string 'text'"),
-        ([{"role": "user", "content": None}], "cannot render these messages"),  # template adds None to a str
+        ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+         r"tool_calls\[0\]\.function\.arguments is not valid JSON"),
     ],
 )
 def test_bad_messages_raise_chat_template_error(template: ChatTemplate, messages, match: str) -> None:
     with pytest.raises(ChatTemplateError, match=match):
         template.render(messages)
+
+
+def test_tool_call_turns_render_with_a_template_that_knows_no_tools(template: ChatTemplate) -> None:
+    # An assistant turn that only calls tools has content null (or none at all); SmolLM2's template
+    # concatenates message['content'], which used to fail with "'dict object' has no attribute 'content'".
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    for assistant in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "assistant", "tool_calls": [call]}):
+        text = template.render([{"role": "user", "content": "Weather?"}, assistant,
+                                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+        assert "<|im_start|>assistant\n<|im_end|>" in text and "<|im_start|>tool\nsunny<|im_end|>" in text
+
+
+def test_tool_call_arguments_reach_templates_as_objects() -> None:
+    # Templates write `arguments | tojson`; OpenAI sends arguments as JSON text.
+    t = ChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}"
+                     "{{ c.function.arguments.city }}{% endfor %}{% endfor %}", None, None)
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    assert t.render([{"role": "assistant", "content": None, "tool_calls": [call]}]) == '{"city": "Paris"}Paris'
 
 
 def test_raise_exception_in_template_becomes_chat_template_error() -> None:

@@ -1,0 +1,366 @@
+"""What every generation family shares: model and prompt checks, sampling parameters, chat prompts
+with tools, running a request's choices through ``generation.generate_text``, engine errors.
+
+A family module (openai, anthropic, responses, native) validates its own body, calls these to get
+prompt ids, ``SamplingParams`` and deltas, and shapes the result in its own JSON. Nothing here
+knows any family's wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from protocol import SamplingParams
+
+from ..engine_client import EngineRequestError, NoEngineAvailable
+from ..errors import APIError, bad_request
+from ..generation import Delta, TextOptions, TokenLogprob, generate_text
+from ..openai_schemas import SamplingFields
+from ..state import STATE, GatewayState
+from ..text.chat_template import ChatTemplateError
+from ..text.message import MessageParser
+from ..text.tool_parsers import TOOL_PARSERS, ToolCall
+
+
+def dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def check_model(state: GatewayState, model: str | None) -> str:
+    if model is None or model in state.served_model_names:
+        return state.model_id if model is None else model
+    raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None, param: str = "prompt",
+                     max_tokens_param: str = "max_tokens") -> int:
+    """Validate prompt length against the context; return the max_tokens to use."""
+    if not ids:
+        raise bad_request("the prompt is empty", param=param)
+    vocab = state.tokenizer.vocab_size
+    bad = next((t for t in ids if t < 0 or t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range [0, {vocab})", param=param)
+    limit = state.max_model_len
+    room = limit - len(ids)
+    if room <= 0:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                          f"{len(ids)} tokens.", param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                          f"completion). Please reduce the prompt or {max_tokens_param}.", param=max_tokens_param,
+                          code="context_length_exceeded")
+    return max_tokens
+
+
+def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                   choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
+    vocab = state.tokenizer.vocab_size
+    bias = []
+    for k, v in (req.logit_bias or {}).items():
+        if int(k) >= vocab:
+            raise bad_request(f"logit_bias token id {k} is out of range", param="logit_bias")
+        bias.append((int(k), float(v)))
+    stop_ids = tuple(req.stop_token_ids or ())
+    if any(t >= vocab for t in stop_ids):
+        raise bad_request("stop_token_ids holds an id outside the vocabulary", param="stop_token_ids")
+    if req.min_tokens > max_tokens:
+        raise bad_request("min_tokens must not exceed max_tokens", param="min_tokens")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        min_p=req.min_p,
+        seed=None if req.seed is None else req.seed + choice,
+        min_tokens=req.min_tokens,
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=tuple(bias),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        priority=req.priority,
+    )
+
+
+def text_options(req: SamplingFields) -> TextOptions:
+    return TextOptions(stop=req.stop or [], include_stop_str_in_output=req.include_stop_str_in_output,
+                       skip_special_tokens=req.skip_special_tokens)
+
+
+# -- tools and chat prompts -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a request wants tools used: ``mode`` is none | auto | required | function (then ``function``)."""
+
+    mode: str
+    function: str | None = None
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+NO_TOOLS = ToolUse("none")
+
+
+def tool_names(tools: list[dict] | None) -> list[str]:
+    """Names of OpenAI-style function tools ({"type": "function", "function": {"name", ...}})."""
+    names = []
+    for t in tools or ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.append(fn["name"])
+    return names
+
+
+def tool_use(state: GatewayState, tools: list[dict] | None, mode: str, function: str | None = None,
+             parallel: bool = True, param: str = "tool_choice") -> ToolUse:
+    """Check a request's tools against what this server can do; never drop tools silently."""
+    if mode == "none" or (not tools and mode == "auto"):
+        return NO_TOOLS
+    if not tools:
+        raise bad_request(f"tool_choice {mode!r} needs tools", param=param)
+    if state.tool_parser is None:
+        raise bad_request("tool calling is not enabled on this server: start it with --tool-call-parser NAME "
+                          f"(one of: {', '.join(sorted(TOOL_PARSERS))})", param="tools")
+    if mode == "function" and function not in tool_names(tools):
+        raise bad_request(f"tool_choice names the function {function!r}, which is not among the tools", param=param)
+    return ToolUse(mode, function, parallel)
+
+
+def wants_generation_prompt(add_generation_prompt: bool, continue_final_message: bool, fields_set: set[str]) -> bool:
+    """vLLM's rule: continue_final_message turns the generation prompt off unless it was asked for
+    explicitly (then ``chat_prompt`` refuses the pair)."""
+    return add_generation_prompt and not (continue_final_message and "add_generation_prompt" not in fields_set)
+
+
+@dataclass
+class ChatPrompt:
+    ids: list[int]
+    text: str
+    prefill: str = ""  # opening of a forced tool call, appended after the generation prompt
+
+
+def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] | None = None,
+                use: ToolUse = NO_TOOLS, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict | None = None, param: str = "messages") -> ChatPrompt:
+    """Render messages with the model's chat template and tokenize them.
+
+    ``continue_final_message`` renders the conversation up to the end of the last (assistant)
+    message's text, without closing it, so the model continues that text (as vLLM does; Anthropic's
+    assistant prefill). A forced tool call appends the parser's opening of a call.
+    """
+    if state.chat_template is None:
+        raise bad_request("this model has no chat template; use /v1/completions", param=param)
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          param="continue_final_message")
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise bad_request("continue_final_message needs an assistant message last", param="continue_final_message")
+    try:
+        text = state.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          **(template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param=param) from None
+    if continue_final_message:
+        final = _plain_text(messages[-1].get("content"))
+        cut = text.rfind(final) if final else -1
+        if cut < 0:
+            raise bad_request("the chat template does not render the final message's text, so it cannot be "
+                              "continued", param="continue_final_message")
+        text = text[: cut + len(final)]
+    prefill = ""
+    if use.forced:
+        assert state.tool_parser is not None
+        prefill = state.tool_parser.prefill(use.function)
+        text += prefill
+    return ChatPrompt(state.tokenizer.encode(text), text, prefill)
+
+
+def _plain_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def message_parser(state: GatewayState, use: ToolUse, prefill: str = "") -> MessageParser | None:
+    parser = MessageParser(state.reasoning_parser, state.tool_parser if use.mode != "none" else None, prefill)
+    return parser if parser.active else None
+
+
+def final_tool_calls(use: ToolUse, calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls a response carries; a forced call that the model did not produce is a server error
+    (until structured output constrains it, the prefill only steers the model)."""
+    if not use.parallel:
+        calls = calls[:1]
+    if use.forced:
+        if not calls:
+            raise APIError(500, "the model did not produce a valid tool call although tool_choice requires one",
+                           code="invalid_tool_call")
+        if use.mode == "function" and any(c.name != use.function for c in calls):
+            raise APIError(500, f"the model called a function other than {use.function!r}", code="invalid_tool_call")
+    return calls
+
+
+def arguments_dict(call: ToolCall) -> dict:
+    """A call's arguments as an object (Anthropic's ``input``); the parsers guarantee a JSON object."""
+    value = json.loads(call.arguments or "{}")
+    return value if isinstance(value, dict) else {}
+
+
+# -- running choices ------------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """One generation of a request (prompt i × sample j), fed to the engine on its own."""
+
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    prefix: str = ""  # echoed prompt text
+    msg: MessageParser | None = None  # reasoning / tool-call parsing, when the request uses them
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_str: str | None = None
+    completion_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
+
+    def take(self, d: Delta) -> None:
+        """Fold one delta's bookkeeping into the choice (text is handled by the caller)."""
+        self.completion_tokens = d.num_output_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.stop_str = d.stop_str
+
+    def collect(self, d: Delta) -> None:
+        """Non-streamed: keep the whole output."""
+        self.take(d)
+        self.text.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if self.msg is not None:
+            self.msg.push(d.text)
+            if d.finish_reason is not None:
+                self.msg.finish()
+
+
+def admit(state: GatewayState) -> None:
+    """Refuse new generation work before any byte is sent: paused cluster, or no engine."""
+    if state.paused:
+        raise APIError(503, "the server is paused and admits no new requests; retry later",
+                       code="server_paused", headers={"Retry-After": "1"})
+    if not state.engines.ready_engines:
+        raise engine_error(NoEngineAvailable("no engine is ready"))
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, NoEngineAvailable):
+        return APIError(503, "no engine is available to serve the request; retry shortly", headers={"Retry-After": "1"})
+    return APIError(500, f"generation failed: {e}")
+
+
+ENGINE_ERRORS = (EngineRequestError, NoEngineAvailable)
+
+
+async def run_choices(state: GatewayState, request_id: str, choices: list[Choice], opts: TextOptions
+                      ) -> AsyncIterator[tuple[Choice, Delta]]:
+    """Generate all choices concurrently and yield their deltas as they come."""
+    if len(choices) == 1:  # the common case needs no queue and no extra task
+        c = choices[0]
+        async with aclosing(generate_text(state, f"{request_id}-0", c.prompt_ids, c.sampling, opts)) as it:
+            async for d in it:
+                yield c, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async with aclosing(generate_text(state, f"{request_id}-{c.index}", c.prompt_ids, c.sampling, opts)) as it:
+                async for d in it:
+                    await q.put((c, d))
+        except BaseException as e:  # handed to the consumer, which raises it
+            await q.put((c, e))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            await q.put((c, done))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            c, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield c, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(state: GatewayState, request_id: str, choices: list[Choice], opts: TextOptions) -> None:
+    """Run every choice to its end (non-streamed responses); engine failures become API errors."""
+    try:
+        async for c, d in run_choices(state, request_id, choices, opts):
+            c.collect(d)
+    except ENGINE_ERRORS as e:
+        raise engine_error(e) from None
+
+
+# -- token text for logprobs ----------------------------------------------------------------------
+
+class TokenText:
+    """Token id → (text, bytes) for logprobs, cached per gateway."""
+
+    def __init__(self, state: GatewayState):
+        self.tok = state.tokenizer
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, tid: int) -> tuple[str, list[int]]:
+        hit = self.cache.get(tid)
+        if hit is None:
+            raw = self.tok.id_to_bytes(tid)
+            hit = (raw.decode("utf-8", errors="replace"), list(raw))
+            if len(self.cache) < 200_000:
+                self.cache[tid] = hit
+        return hit
+
+
+_TOKEN_TEXT: web.AppKey[TokenText] = web.AppKey("zserve_token_text", TokenText)
+
+
+def token_text(app: web.Application) -> TokenText:
+    if _TOKEN_TEXT not in app:
+        app[_TOKEN_TEXT] = TokenText(app[STATE])
+    return app[_TOKEN_TEXT]

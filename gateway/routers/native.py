@@ -1,0 +1,174 @@
+"""Native token routes, in vLLM's shapes: ``/tokenize``, ``/detokenize`` and ``/inference/v1/generate``.
+
+``/tokenize`` with ``messages`` renders the chat template exactly as ``/v1/chat/completions`` does
+(``common.chat_prompt``), so its ids are the ones the chat route would feed the engine.
+``/inference/v1/generate`` is token ids in, token ids out: the shared pipeline runs without
+detokenizing, for clients (RL trainers, disaggregated front-ends) that do their own text work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Annotated, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import APIError, bad_request
+from ..generation import TextOptions, TokenLogprob
+from ..openai_schemas import ChatMessage, ChatTool, SamplingFields, parse
+from ..sse import open_stream, send_done, send_event
+from ..state import STATE, GatewayState
+from .common import (
+    ENGINE_ERRORS,
+    Choice,
+    admit,
+    build_sampling,
+    chat_prompt,
+    check_model,
+    check_prompt_ids,
+    collect,
+    dumps,
+    engine_error,
+    run_choices,
+    wants_generation_prompt,
+)
+
+log = logging.getLogger("zserve.gateway.native")
+routes = web.RouteTableDef()
+
+MAX_IDS = 1 << 20  # ids in one /detokenize or /inference/v1/generate body
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
+    add_special_tokens: bool | None = None  # vLLM: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_IDS)]
+
+
+class GenerateSampling(SamplingFields):
+    """vLLM's SamplingParams as JSON (the fields this engine implements)."""
+
+    max_tokens: Annotated[int, Field(ge=1)] = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_IDS)]
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    stream: bool = False
+
+
+def _check_ids(state: GatewayState, ids: list[int], param: str) -> None:
+    vocab = state.tokenizer.vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range [0, {vocab})", param=param)
+
+
+@routes.post("/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req: TokenizeRequest = parse(TokenizeRequest, await request.read())
+    check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        add_gp = wants_generation_prompt(req.add_generation_prompt, req.continue_final_message, req.model_fields_set)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        prompt = chat_prompt(state, [m.model_dump(exclude_none=True) for m in req.messages], tools=tools,
+                             add_generation_prompt=add_gp, continue_final_message=req.continue_final_message,
+                             template_kwargs=req.chat_template_kwargs)
+        ids = prompt.ids
+        if req.add_special_tokens:
+            ids = state.tokenizer.encode(prompt.text, add_special_tokens=True)
+    else:
+        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return web.json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                              "token_strs": strs}, dumps=dumps)
+
+
+@routes.post("/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req: DetokenizeRequest = parse(DetokenizeRequest, await request.read())
+    check_model(state, req.model)
+    _check_ids(state, req.tokens, "tokens")
+    return web.json_response({"prompt": state.tokenizer.decode(req.tokens)}, dumps=dumps)
+
+
+def _logprobs(lps: list[TokenLogprob]) -> list[dict]:
+    return [{"token_id": lp.token_id, "logprob": lp.logprob,
+             "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top or ()]} for lp in lps]
+
+
+def _choice(c: Choice, token_ids: list[int], lps: list | None, finish: str | None) -> dict:
+    return {"index": c.index, "token_ids": token_ids, "finish_reason": finish,
+            "logprobs": None if lps is None else {"content": _logprobs(lps)}}
+
+
+@routes.post("/inference/v1/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req: GenerateRequest = parse(GenerateRequest, await request.read())
+    check_model(state, req.model)
+    sp = req.sampling_params
+    if sp.stop:
+        raise bad_request("stop strings need text; this route takes and returns token ids: use stop_token_ids",
+                          param="sampling_params.stop")
+    ids = list(req.token_ids)
+    max_tokens = check_prompt_ids(state, ids, sp.max_tokens, param="token_ids",
+                                  max_tokens_param="sampling_params.max_tokens")
+    choices = [Choice(j, ids, build_sampling(state, sp, max_tokens, sp.logprobs, j, sp.prompt_logprobs))
+               for j in range(sp.n)]
+    rid = req.request_id or f"gen-{uuid.uuid4().hex}"
+    opts = TextOptions(stop=[], detokenize=False)
+    admit(state)
+    if not req.stream:
+        await collect(state, rid, choices, opts)
+        outs = [_choice(c, c.token_ids, c.logprobs if sp.logprobs is not None else None, c.finish_reason)
+                for c in choices]
+        prompt_lps = choices[0].prompt_logprobs
+        return web.json_response({"request_id": rid, "choices": outs,
+                                  "prompt_logprobs": None if prompt_lps is None else _logprobs(prompt_lps)},
+                                 dumps=dumps)
+    resp = await open_stream(request)
+    try:
+        async for c, d in run_choices(state, rid, choices, opts):
+            c.take(d)
+            if d.token_ids or d.finish_reason:
+                lps = d.logprobs if sp.logprobs is not None else None
+                await send_event(resp, {"request_id": rid, "choices": [_choice(c, d.token_ids, lps, d.finish_reason)]})
+    except (*ENGINE_ERRORS, APIError) as e:
+        await send_event(resp, (e if isinstance(e, APIError) else engine_error(e)).body())
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client went away during %s; aborted its generation", rid)
+        raise
+    await send_done(resp)
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,518 @@
+"""OpenAI Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``.
+
+A response is a chat turn: ``input`` (a string, or message / function_call / function_call_output
+items) after the conversation of ``previous_response_id``, with ``instructions`` as the system
+prompt of this turn only. Its output items (reasoning, message, function_call) come from the same
+``MessageParser`` as chat completions.
+
+Stored responses (``store``, on by default) live in the store every gateway shares
+(``gateway.store``), so a response created through one gateway process is fetched, chained and
+cancelled through any other. A stored response is written ``in_progress`` before generation
+starts; the gateway generating it polls the store and stops when another gateway marked it
+``cancelled``, and writes its result only if it was not. ``background: true`` answers at once and
+generates in this gateway's event loop; the client polls ``GET``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import APIError, bad_request
+from ..openai_schemas import MAX_TOOLS, SamplingFields, parse
+from ..sse import open_stream, send_event
+from ..state import STATE, GatewayState
+from ..store import StoreUnavailable
+from ..text.message import MessagePiece
+from .common import (
+    ENGINE_ERRORS,
+    Choice,
+    ToolUse,
+    admit,
+    build_sampling,
+    chat_prompt,
+    check_model,
+    check_prompt_ids,
+    dumps,
+    engine_error,
+    final_tool_calls,
+    message_parser,
+    run_choices,
+    text_options,
+    tool_use,
+)
+
+log = logging.getLogger("zserve.gateway.responses")
+routes = web.RouteTableDef()
+
+CANCEL_POLL_S = 0.25  # how soon a generating gateway notices a cancel made through another one
+LIVE = ("queued", "in_progress")
+_BACKGROUND: web.AppKey[set] = web.AppKey("zserve_background_responses", set)
+
+
+# -- request schema -------------------------------------------------------------------------------
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[dict[str, Any]]
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1, max_length=256)]
+    output: str | list[dict[str, Any]]
+
+
+class ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning"]
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] | None = None
+    user: str | None = None
+
+
+def _with_item_defaults(body: dict) -> dict:
+    # Items without "type" are messages (the SDK's EasyInputMessage); pydantic's discriminator needs it.
+    items = body.get("input")
+    if isinstance(items, list):
+        body["input"] = [{**i, "type": "message"} if isinstance(i, dict) and "type" not in i else i for i in items]
+    return body
+
+
+# -- input → chat ---------------------------------------------------------------------------------
+
+def _output_text(output: str | list[dict[str, Any]]) -> str:
+    if isinstance(output, str):
+        return output
+    return "\n".join(p.get("text", "") for p in output if isinstance(p, dict))
+
+
+def chat_messages(items: str | list) -> list[dict]:
+    """Input items as chat-template messages; consecutive function calls join the assistant turn."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": item.content})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _output_text(item.output)})
+    return out
+
+
+def _tool_use(state: GatewayState, req: ResponsesRequest, tools: list[dict] | None) -> ToolUse:
+    tc = req.tool_choice
+    if tc is None or tc in ("none", "auto", "required"):
+        return tool_use(state, tools, tc or "auto", parallel=req.parallel_tool_calls)
+    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
+        return tool_use(state, tools, "function", tc["name"], req.parallel_tool_calls)
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                      param="tool_choice")
+
+
+# -- the response object --------------------------------------------------------------------------
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_object(rid: str, model: str, req: ResponsesRequest, status: str, created: float) -> dict:
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+        "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
+        "metadata": req.metadata or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+        "user": req.user, "usage": None,
+    }
+
+
+class OutputBuilder:
+    """Folds message pieces into Responses output items, emitting the stream events as it goes.
+
+    An item opens when its kind of output starts (reasoning, message text, a function call) and is
+    done when another begins or the output ends; non-streamed responses use the same builder with
+    no listener, so both paths build the same items.
+    """
+
+    def __init__(self, emit: Callable[[str, dict], Awaitable[None]] | None):
+        self.emit = emit
+        self.items: list[dict] = []
+        self.open: dict | None = None
+
+    async def _event(self, kind: str, **fields: Any) -> None:
+        if self.emit is not None:
+            await self.emit(kind, fields)
+
+    async def _start(self, item: dict) -> None:
+        await self.close()
+        self.items.append(item)
+        self.open = item
+        await self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))
+        if item["type"] == "message":
+            await self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+
+    async def push(self, piece: MessagePiece, parallel: bool = True) -> None:
+        idx = lambda: len(self.items) - 1  # noqa: E731
+        if piece.reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                await self._start({"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [],
+                                   "status": "in_progress", "_text": ""})
+            self.open["_text"] += piece.reasoning
+            await self._event("response.reasoning_text.delta", item_id=self.open["id"], output_index=idx(),
+                              content_index=0, delta=piece.reasoning)
+        if piece.content:
+            if self.open is None or self.open["type"] != "message":
+                await self._start({"type": "message", "id": _new_id("msg"), "status": "in_progress",
+                                   "role": "assistant", "content": [], "_text": ""})
+            self.open["_text"] += piece.content
+            await self._event("response.output_text.delta", item_id=self.open["id"], output_index=idx(),
+                              content_index=0, delta=piece.content, logprobs=[])
+        for t in piece.tool_calls:
+            if t.index > 0 and not parallel:
+                continue
+            if t.id is not None:
+                await self._start({"type": "function_call", "id": _new_id("fc"), "call_id": t.id, "name": t.name,
+                                   "arguments": "", "status": "in_progress"})
+            if t.arguments:
+                self.open["arguments"] += t.arguments
+                await self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                  output_index=idx(), delta=t.arguments)
+
+    async def close(self, status: str = "completed") -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        i = self.items.index(item)
+        item["status"] = status
+        if item["type"] == "message":
+            text = item.pop("_text")
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            item["content"] = [part]
+            await self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                              text=text, logprobs=[])
+            await self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                              part=part)
+        elif item["type"] == "reasoning":
+            text = item.pop("_text")
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            await self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                              text=text)
+        else:
+            await self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                              arguments=item["arguments"], name=item["name"])
+        await self._event("response.output_item.done", output_index=i, item=item)
+
+    async def finish(self, status: str) -> list[dict]:
+        if not self.items or (self.open is None and all(i["type"] == "reasoning" for i in self.items)):
+            if self.open is None or self.open["type"] != "message":
+                await self._start({"type": "message", "id": _new_id("msg"), "status": "in_progress",
+                                   "role": "assistant", "content": [], "_text": ""})
+        await self.close(status)
+        return self.items
+
+
+def assistant_turn(items: list[dict]) -> dict:
+    """The output as one chat-template message, for chaining the next response onto it."""
+    text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
+    msg: dict = {"role": "assistant", "content": text}
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in items if i["type"] == "function_call"]
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+# -- store access ---------------------------------------------------------------------------------
+
+async def _store_call(coro: Awaitable) -> Any:
+    try:
+        return await coro
+    except StoreUnavailable as e:
+        raise APIError(503, f"the response store is unavailable: {e}", headers={"Retry-After": "1"}) from None
+    except ValueError as e:  # a record over the store's size limit
+        raise bad_request(str(e)) from None
+
+
+async def _load(state: GatewayState, rid: str, param: str | None = None) -> dict:
+    record = await _store_call(state.responses.get(rid))
+    if record is None:
+        raise APIError(404, f"Response with id '{rid}' not found.", param=param, code="response_not_found")
+    return record
+
+
+# -- generation -----------------------------------------------------------------------------------
+
+class Turn:
+    """One response being generated: its request, prompt, choice and the object clients see."""
+
+    def __init__(self, state: GatewayState, req: ResponsesRequest, model: str, history: list[dict]):
+        self.state, self.req, self.model = state, req, model
+        self.rid = _new_id("resp")
+        self.created = time.time()
+        self.messages = history + chat_messages(req.input)
+        tools = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+                 for t in req.tools or []] or None
+        self.use = _tool_use(state, req, tools)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        prompt = chat_prompt(state, system + self.messages, tools=tools, use=self.use, param="input")
+        max_tokens = check_prompt_ids(state, prompt.ids, req.max_output_tokens, param="input",
+                                      max_tokens_param="max_output_tokens")
+        fields = SamplingFields.model_construct(temperature=req.temperature, top_p=req.top_p)
+        self.opts = text_options(fields)
+        self.choice = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0),
+                             msg=message_parser(state, self.use, prompt.prefill))
+        self.obj = response_object(self.rid, model, req, "in_progress", self.created)
+
+    def usage(self) -> dict:
+        c = self.choice
+        n_in = len(c.prompt_ids)
+        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": c.cached_tokens},
+                "output_tokens": c.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": n_in + c.completion_tokens}
+
+    async def generate(self, builder: OutputBuilder) -> dict:
+        """Run to the end and return the final response object (completed, incomplete or failed)."""
+        c = self.choice
+        status, error = "completed", None
+        try:
+            async for _, d in run_choices(self.state, self.rid, [c], self.opts):
+                c.take(d)
+                piece = MessagePiece(content=d.text) if c.msg is None else c.msg.push(d.text)
+                if c.msg is not None and d.finish_reason is not None:
+                    tail = c.msg.finish()
+                    piece = MessagePiece(piece.reasoning + tail.reasoning, piece.content + tail.content,
+                                         piece.tool_calls + tail.tool_calls)
+                await builder.push(piece, self.use.parallel)
+            if c.msg is not None:
+                final_tool_calls(self.use, c.msg.tool_calls)
+        except (*ENGINE_ERRORS, APIError) as e:
+            err = e if isinstance(e, APIError) else engine_error(e)
+            status, error = "failed", {"code": "server_error", "message": err.message}
+        if status == "completed" and c.finish_reason == "length":
+            status = "incomplete"
+        items = await builder.finish("incomplete" if status == "incomplete" else "completed")
+        obj = {**self.obj, "status": status, "output": items, "error": error, "usage": self.usage(),
+               "completed_at": time.time() if status == "completed" else None,
+               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None}
+        return obj
+
+    def record(self, obj: dict) -> dict:
+        messages = self.messages + [assistant_turn(obj["output"])] if obj["status"] != "in_progress" else None
+        return {"status": obj["status"], "response": obj, "messages": messages}
+
+    async def run(self, builder: OutputBuilder) -> dict:
+        """Generate, watching the store for a cancel from any gateway; store the result."""
+        store = self.state.responses
+        if not self.req.store:
+            return await self.generate(builder)
+        gen = asyncio.create_task(self.generate(builder))
+        cancelled = False
+        try:
+            while not gen.done():
+                done, _ = await asyncio.wait({gen}, timeout=CANCEL_POLL_S)
+                if done:
+                    break
+                try:
+                    current = await store.get(self.rid)
+                except StoreUnavailable:
+                    continue  # keep generating; the result is written when the store is back
+                if current is not None and current.get("status") == "cancelled":
+                    cancelled = True
+                    gen.cancel()
+                    break
+        finally:
+            if not gen.done():
+                gen.cancel()
+        if cancelled:
+            await asyncio.gather(gen, return_exceptions=True)
+            log.info("response %s was cancelled through the store; generation stopped", self.rid)
+            return {**self.obj, "status": "cancelled", "usage": self.usage()}
+        obj = await gen
+        ok, current = await _store_call(store.transition(self.rid, LIVE, self.record(obj)))
+        if not ok and current is not None:  # cancelled between the last poll and the end
+            return current["response"]
+        return obj
+
+
+async def _background(turn: Turn) -> None:
+    try:
+        await turn.run(OutputBuilder(None))
+    except Exception:  # noqa: BLE001 - a background response must never take the gateway down
+        log.exception("background response %s failed", turn.rid)
+        obj = {**turn.obj, "status": "failed", "error": {"code": "server_error", "message": "internal error"}}
+        try:
+            await turn.state.responses.transition(turn.rid, LIVE, turn.record(obj))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def _stream(request: web.Request, turn: Turn) -> web.StreamResponse:
+    resp = await open_stream(request)
+    seq = 0
+
+    async def emit(kind: str, fields: dict) -> None:
+        nonlocal seq
+        await send_event(resp, {"type": kind, "sequence_number": seq, **_public(fields)}, kind)
+        seq += 1
+
+    await emit("response.created", {"response": turn.obj})
+    await emit("response.in_progress", {"response": turn.obj})
+    try:
+        obj = await turn.run(OutputBuilder(emit))
+        final = {"completed": "response.completed", "incomplete": "response.incomplete",
+                 "failed": "response.failed"}.get(obj["status"])
+        if final is None:  # cancelled through another gateway
+            await emit("error", {"code": "response_cancelled", "message": f"response {turn.rid} was cancelled",
+                                 "param": None})
+        else:
+            await emit(final, {"response": obj})
+    except APIError as e:
+        await emit("error", {"code": e.code or e.type, "message": e.message, "param": e.param})
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client went away during %s; aborted its generation", turn.rid)
+        raise
+    await resp.write_eof()
+    return resp
+
+
+def _public(fields: dict) -> dict:
+    """Event payloads without the builder's private accumulators."""
+    item = fields.get("item")
+    if isinstance(item, dict) and "_text" in item:
+        fields = {**fields, "item": {k: v for k, v in item.items() if k != "_text"}}
+    return fields
+
+
+# -- routes ---------------------------------------------------------------------------------------
+
+@routes.post("/v1/responses")
+async def create_response(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req: ResponsesRequest = parse(ResponsesRequest, _json_body(await request.read()))
+    model = check_model(state, req.model)
+    fmt = (req.text or {}).get("format") or {}
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise bad_request(f"text.format of type {fmt.get('type')!r} is not supported yet (structured output); "
+                          "use type 'text'", param="text.format")
+    if req.background and not req.store:
+        raise bad_request("background responses must be stored (store: true)", param="background")
+    if req.background and req.stream:
+        raise bad_request("streaming a background response is not supported; poll GET /v1/responses/{id}",
+                          param="stream")
+    history: list[dict] = []
+    if req.previous_response_id:
+        prev = await _load(state, req.previous_response_id, param="previous_response_id")
+        if prev.get("messages") is None:
+            raise bad_request(f"previous response {req.previous_response_id} is {prev.get('status')}; only a "
+                              "finished response can be continued", param="previous_response_id")
+        history = prev["messages"]
+    turn = Turn(state, req, model, history)
+    admit(state)
+    if req.store:
+        await _store_call(state.responses.put(turn.rid, turn.record(turn.obj)))
+    if req.background:
+        tasks = request.app.setdefault(_BACKGROUND, set()) if _BACKGROUND not in request.app else request.app[_BACKGROUND]
+        task = asyncio.create_task(_background(turn))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return web.json_response(turn.obj, dumps=dumps)
+    if req.stream:
+        return await _stream(request, turn)
+    return web.json_response(await turn.run(OutputBuilder(None)), dumps=dumps)
+
+
+def _json_body(body: bytes) -> bytes:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body  # parse() reports it
+    return json.dumps(_with_item_defaults(data)).encode() if isinstance(data, dict) else body
+
+
+@routes.get("/v1/responses/{response_id}")
+async def get_response(request: web.Request) -> web.Response:
+    record = await _load(request.app[STATE], request.match_info["response_id"])
+    return web.json_response(record["response"], dumps=dumps)
+
+
+@routes.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    rid = request.match_info["response_id"]
+    record = await _load(state, rid)
+    patch = {"status": "cancelled", "response": {**record["response"], "status": "cancelled"}, "messages": None}
+    ok, current = await _store_call(state.responses.transition(rid, LIVE, patch))
+    if not ok:
+        if current is None:
+            raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")
+        if current.get("status") == "cancelled":
+            return web.json_response(current["response"], dumps=dumps)
+        raise bad_request(f"Cannot cancel a response with status '{current.get('status')}': only queued or "
+                          "in-progress responses can be cancelled.")
+    return web.json_response(current["response"], dumps=dumps)

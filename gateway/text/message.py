@@ -1,0 +1,80 @@
+"""One assistant message out of generated text: reasoning, answer and tool calls, whole or streamed.
+
+Generated text goes through the server's reasoning parser first (``<think>…</think>`` becomes
+reasoning), then what is left through the tool-call parser (``<tool_call>…</tool_call>`` becomes
+calls). Every API family (chat completions, Anthropic Messages, Responses) shapes the same
+``MessagePiece``s into its own JSON, so the parsing is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .reasoning import ReasoningParser
+from .tool_parsers import ToolCall, ToolCallDelta, ToolParser
+
+
+@dataclass
+class MessagePiece:
+    """What one push (or the final flush) added to the message."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class MessageParser:
+    """Splits one generated message; ``prefill`` is text the server already put in the model's mouth
+    (the opening of a forced tool call), which is part of the message but was never generated."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, prefill: str = "") -> None:
+        # A forced call skips reasoning: the prompt already ends inside the call.
+        self._reasoning = reasoning.stream() if reasoning is not None and not prefill else None
+        self._tools = tools.stream() if tools is not None else None
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        if prefill and self._tools is not None:
+            self._tools.push(prefill)  # the opening of a call: held back, never content
+
+    @property
+    def active(self) -> bool:
+        return self._reasoning is not None or self._tools is not None
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self._tools.calls if self._tools is not None else []
+
+    def push(self, text: str) -> MessagePiece:
+        return self._step(text, final=False)
+
+    def finish(self) -> MessagePiece:
+        return self._step("", final=True)
+
+    def _step(self, text: str, final: bool) -> MessagePiece:
+        reasoning, content = "", text
+        if self._reasoning is not None:
+            r1, c1 = self._reasoning.push(text) if text else ("", "")
+            if final:
+                r2, c2 = self._reasoning.finish()
+                r1, c1 = r1 + r2, c1 + c2
+            reasoning, content = r1, c1
+        calls: list[ToolCallDelta] = []
+        if self._tools is not None:
+            content, calls = self._tools.push(content) if content else ("", [])
+            if final:
+                more, more_calls = self._tools.finish()
+                content += more
+                calls = calls + more_calls
+        self.reasoning.append(reasoning)
+        self.content.append(content)
+        return MessagePiece(reasoning, content, calls)
+
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def reasoning_text(self) -> str | None:
+        r = "".join(self.reasoning)
+        return r or None
