@@ -1,0 +1,126 @@
+"""Gateway cost of each generation family beside /v1/chat/completions, in one run.
+
+One gateway and one `tiny-random` engine (so the engine is cheap and the gateway's own work shows),
+C concurrent keep-alive clients, sampled requests (temperature 1.0, the OpenAI default). For every
+route: requests/s and the gateway process's CPU time per request (utime + stime from /proc over
+the run, divided by requests served). Routes are measured in interleaved rounds and the median
+round is reported, as a ratio to chat completions measured in the same rounds. Rerun with:
+
+    .venv/bin/python tests/bench/bench_routes.py --requests 400 --concurrency 16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[2]
+MESSAGE = "Summarise the plot of a short story about a lighthouse keeper who befriends a seagull."
+
+
+def payloads(model: str, tokens: int, stream: bool) -> dict[str, tuple[str, dict]]:
+    msgs = [{"role": "user", "content": MESSAGE}]
+    s = {"stream": stream}
+    return {
+        "chat": ("/v1/chat/completions", {"model": model, "messages": msgs, "max_tokens": tokens, **s}),
+        "completions": ("/v1/completions", {"model": model, "prompt": MESSAGE, "max_tokens": tokens, **s}),
+        "messages": ("/v1/messages", {"model": model, "messages": msgs, "max_tokens": tokens, "temperature": 1.0, **s}),
+        "responses": ("/v1/responses", {"model": model, "input": MESSAGE, "max_output_tokens": tokens, **s}),
+        "responses (store=false)": ("/v1/responses", {"model": model, "input": MESSAGE, "max_output_tokens": tokens,
+                                                      "store": False, **s}),
+        "generate (token ids)": ("/inference/v1/generate", {"model": model, "token_ids": list(range(100, 120)),
+                                                            "sampling_params": {"max_tokens": tokens}, "stream": stream}),
+    }
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "api-server", "--port", "0", "--count", "1",
+                             "--model", "tiny-random", "--max-num-seqs", str(max(16, args.concurrency))],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    for raw in proc.stdout:
+        m = re.search(r"at (http://\S+) ", raw.decode())
+        if m:
+            return proc, m.group(1)
+    raise RuntimeError("server did not start")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int, conc: int, pid: int
+                    ) -> tuple[float, float]:
+    """(requests/s, gateway CPU µs per request) for n requests at concurrency conc."""
+    left = n
+    failures = 0
+
+    async def worker() -> None:
+        nonlocal left, failures
+        while left > 0:
+            left -= 1
+            async with session.post(url, json=body) as r:
+                await r.read()
+                failures += r.status != 200
+
+    c0, t0 = cpu_s(pid), time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    wall, cpu = time.monotonic() - t0, cpu_s(pid) - c0
+    if failures:
+        raise RuntimeError(f"{failures} of {n} requests to {url} failed")
+    return n / wall, cpu / n * 1e6
+
+
+async def bench(base: str, args) -> dict[str, list[tuple[float, float]]]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
+        async with session.get(base + "/load") as r:
+            pid = (await r.json())["pid"]
+        async with session.get(base + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        routes = payloads(model, args.tokens, args.stream)
+        results: dict[str, list[tuple[float, float]]] = {k: [] for k in routes}
+        for name, (path, body) in routes.items():  # warm-up: tokenizer caches, store file, code paths
+            await run_route(session, base + path, body, 20, 4, pid)
+        for _ in range(args.rounds):
+            for name, (path, body) in routes.items():
+                results[name].append(await run_route(session, base + path, body, args.requests, args.concurrency, pid))
+        return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=1, help="max tokens per request")
+    p.add_argument("--stream", action="store_true", help="stream every response (SSE)")
+    args = p.parse_args()
+    proc, base = start_server(args)
+    try:
+        results = asyncio.run(bench(base, args))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    rps0 = statistics.median(r for r, _ in results["chat"])
+    cpu0 = statistics.median(c for _, c in results["chat"])
+    print(f"1 gateway, tiny-random engine, {args.requests} requests x {args.rounds} rounds, concurrency "
+          f"{args.concurrency}, max tokens {args.tokens}, {'streamed' if args.stream else 'not streamed'}, "
+          "temperature 1.0 (medians)")
+    print(f"{'route':26} {'req/s':>8} {'vs chat':>8} {'gateway CPU/req':>16} {'vs chat':>8}")
+    for name, rows in results.items():
+        rps = statistics.median(r for r, _ in rows)
+        cpu = statistics.median(c for _, c in rows)
+        print(f"{name:26} {rps:8.0f} {rps / rps0:7.2f}x {cpu:13.0f} µs {cpu / cpu0:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
