@@ -190,6 +190,8 @@ def _tool_use(state: GatewayState, req: CountTokensRequest, tools: list[dict] | 
     if tc is None:
         return tool_use(state, tools, "auto")
     mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[tc.type]
+    if mode in ("required", "function") and not tools:  # named as the client wrote it, not as common's mode
+        raise bad_request(f'tool_choice of type "{tc.type}" needs tools', param="tool_choice")
     if mode == "function" and not tc.name:
         raise bad_request('tool_choice of type "tool" needs a name', param="tool_choice")
     return tool_use(state, tools, mode, tc.name, parallel=not tc.disable_parallel_tool_use)
@@ -260,12 +262,14 @@ class BlockStream:
         self.resp = resp
         self.index = -1
         self.kind: str | None = None
+        self.opened: set[str] = set()  # kinds of block opened so far
         self.pinged = False
 
     async def _open(self, kind: str, block: dict) -> None:
         await self.close()
         self.index += 1
         self.kind = kind
+        self.opened.add(kind)
         await send_event(self.resp, {"type": "content_block_start", "index": self.index, "content_block": block},
                          "content_block_start")
         if not self.pinged:
@@ -282,6 +286,10 @@ class BlockStream:
                 await self._delta({"type": "signature_delta", "signature": ""})
             await send_event(self.resp, {"type": "content_block_stop", "index": self.index}, "content_block_stop")
             self.kind = None
+
+    async def empty_text(self) -> None:
+        """The empty text block a message without text or tool calls still has (as ``full_message``)."""
+        await self._open("text", {"type": "text", "text": ""})
 
     async def push(self, piece: MessagePiece, parallel: bool) -> None:
         if piece.reasoning:
@@ -323,6 +331,8 @@ async def stream_message(request: web.Request, state: GatewayState, rid: str, mo
                                          piece.tool_calls + tail.tool_calls)
             await blocks.push(piece, use.parallel)
         calls = final_tool_calls(use, c.msg.tool_calls) if c.msg is not None else []
+        if "text" not in blocks.opened and not calls:
+            await blocks.empty_text()
         await blocks.close()
         if not blocks.pinged:
             await send_event(resp, {"type": "ping"}, "ping")
