@@ -7,6 +7,7 @@ from aiohttp import web
 from .errors import error_middleware
 from .metrics import metrics_middleware
 from .routers import anthropic, control, core, native, openai, responses
+from .routers.common import TOKEN_TEXT, TokenText
 from .state import STATE, GatewayState
 
 # Route families, each a module with a ``routes`` table (see ARCHITECTURE.md's route map).
@@ -19,6 +20,7 @@ MAX_BODY_BYTES = 32 << 20
 def build_app(state: GatewayState, families: list[str] | None = None) -> web.Application:
     app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    app[TOKEN_TEXT] = TokenText(state)
     app.on_response_prepare.append(_close_while_draining)
     for name in families or list(ROUTE_FAMILIES):
         app.add_routes(ROUTE_FAMILIES[name].routes)

@@ -24,7 +24,7 @@ from ..engine_client import EngineRequestError, NoEngineAvailable
 from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob, generate_text
 from ..openai_schemas import SamplingFields
-from ..state import STATE, GatewayState
+from ..state import GatewayState
 from ..text.chat_template import ChatTemplateError
 from ..text.message import MessageParser
 from ..text.tool_parsers import TOOL_PARSERS, ToolCall
@@ -65,18 +65,19 @@ def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None
 
 
 def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, logprobs: int | None,
-                   choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
+                   choice: int, prompt_logprobs: int | None = None, where: str = "") -> SamplingParams:
+    """The engine's SamplingParams; ``where`` prefixes the field named in errors (e.g. ``sampling_params.``)."""
     vocab = state.tokenizer.vocab_size
     bias = []
     for k, v in (req.logit_bias or {}).items():
         if int(k) >= vocab:
-            raise bad_request(f"logit_bias token id {k} is out of range", param="logit_bias")
+            raise bad_request(f"logit_bias token id {k} is out of range", param=f"{where}logit_bias")
         bias.append((int(k), float(v)))
     stop_ids = tuple(req.stop_token_ids or ())
     if any(t >= vocab for t in stop_ids):
-        raise bad_request("stop_token_ids holds an id outside the vocabulary", param="stop_token_ids")
+        raise bad_request("stop_token_ids holds an id outside the vocabulary", param=f"{where}stop_token_ids")
     if req.min_tokens > max_tokens:
-        raise bad_request("min_tokens must not exceed max_tokens", param="min_tokens")
+        raise bad_request("min_tokens must not exceed max_tokens", param=f"{where}min_tokens")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -357,10 +358,8 @@ class TokenText:
         return hit
 
 
-_TOKEN_TEXT: web.AppKey[TokenText] = web.AppKey("zserve_token_text", TokenText)
+TOKEN_TEXT: web.AppKey[TokenText] = web.AppKey("zserve_token_text", TokenText)
 
 
 def token_text(app: web.Application) -> TokenText:
-    if _TOKEN_TEXT not in app:
-        app[_TOKEN_TEXT] = TokenText(app[STATE])
-    return app[_TOKEN_TEXT]
+    return app[TOKEN_TEXT]

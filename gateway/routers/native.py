@@ -127,6 +127,11 @@ def _logprobs(lps: list[TokenLogprob]) -> list[dict]:
              "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top or ()]} for lp in lps]
 
 
+def _prompt_logprobs(ids: list[int], lps: list[TokenLogprob] | None) -> list[dict] | None:
+    # Aligned with the prompt, as vLLM's are: its first token has no context to be scored in.
+    return None if lps is None else _logprobs([TokenLogprob(ids[0], None, None), *lps])
+
+
 def _choice(c: Choice, token_ids: list[int], lps: list | None, finish: str | None) -> dict:
     return {"index": c.index, "token_ids": token_ids, "finish_reason": finish,
             "logprobs": None if lps is None else {"content": _logprobs(lps)}}
@@ -144,26 +149,33 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ids = list(req.token_ids)
     max_tokens = check_prompt_ids(state, ids, sp.max_tokens, param="token_ids",
                                   max_tokens_param="sampling_params.max_tokens")
-    choices = [Choice(j, ids, build_sampling(state, sp, max_tokens, sp.logprobs, j, sp.prompt_logprobs))
+    choices = [Choice(j, ids, build_sampling(state, sp, max_tokens, sp.logprobs, j, sp.prompt_logprobs,
+                                               "sampling_params."))
                for j in range(sp.n)]
     rid = req.request_id or f"gen-{uuid.uuid4().hex}"
+    # The client's request_id is echoed, never used as the engine's: two requests naming the same id
+    # would otherwise share one stream in this gateway (one of them hangs) or be refused by the engine
+    # as already running (a 500).
+    engine_rid = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
     opts = TextOptions(stop=[], detokenize=False)
     admit(state)
     if not req.stream:
-        await collect(state, rid, choices, opts)
+        await collect(state, engine_rid, choices, opts)
         outs = [_choice(c, c.token_ids, c.logprobs if sp.logprobs is not None else None, c.finish_reason)
                 for c in choices]
-        prompt_lps = choices[0].prompt_logprobs
         return web.json_response({"request_id": rid, "choices": outs,
-                                  "prompt_logprobs": None if prompt_lps is None else _logprobs(prompt_lps)},
+                                  "prompt_logprobs": _prompt_logprobs(ids, choices[0].prompt_logprobs)},
                                  dumps=dumps)
     resp = await open_stream(request)
     try:
-        async for c, d in run_choices(state, rid, choices, opts):
+        async for c, d in run_choices(state, engine_rid, choices, opts):
             c.take(d)
             if d.token_ids or d.finish_reason:
                 lps = d.logprobs if sp.logprobs is not None else None
-                await send_event(resp, {"request_id": rid, "choices": [_choice(c, d.token_ids, lps, d.finish_reason)]})
+                event = {"request_id": rid, "choices": [_choice(c, d.token_ids, lps, d.finish_reason)]}
+                if c.index == 0 and d.prompt_logprobs is not None:  # the first chunk, as non-streamed has them once
+                    event["prompt_logprobs"] = _prompt_logprobs(ids, d.prompt_logprobs)
+                await send_event(resp, event)
     except (*ENGINE_ERRORS, APIError) as e:
         await send_event(resp, (e if isinstance(e, APIError) else engine_error(e)).body())
     except (ConnectionResetError, asyncio.CancelledError):

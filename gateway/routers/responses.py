@@ -16,7 +16,6 @@ generates in this gateway's event loop; the client polls ``GET``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -24,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..errors import APIError, bad_request
 from ..openai_schemas import MAX_TOOLS, SamplingFields, parse
@@ -55,7 +54,7 @@ routes = web.RouteTableDef()
 
 CANCEL_POLL_S = 0.25  # how soon a generating gateway notices a cancel made through another one
 LIVE = ("queued", "in_progress")
-_BACKGROUND: web.AppKey[set] = web.AppKey("zserve_background_responses", set)
+_background_tasks: set[asyncio.Task] = set()
 
 
 # -- request schema -------------------------------------------------------------------------------
@@ -91,8 +90,16 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-                      Field(discriminator="type")]
+def _item_type(item: Any) -> str | None:
+    # Items without "type" are messages (the SDK's EasyInputMessage).
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None)
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
 class FunctionTool(BaseModel):
@@ -124,14 +131,6 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     text: dict[str, Any] | None = None
     user: str | None = None
-
-
-def _with_item_defaults(body: dict) -> dict:
-    # Items without "type" are messages (the SDK's EasyInputMessage); pydantic's discriminator needs it.
-    items = body.get("input")
-    if isinstance(items, list):
-        body["input"] = [{**i, "type": "message"} if isinstance(i, dict) and "type" not in i else i for i in items]
-    return body
 
 
 # -- input → chat ---------------------------------------------------------------------------------
@@ -386,18 +385,34 @@ class Turn:
                     cancelled = True
                     gen.cancel()
                     break
-        finally:
+            if cancelled:
+                await asyncio.gather(gen, return_exceptions=True)
+                log.info("response %s was cancelled through the store; generation stopped", self.rid)
+                return {**self.obj, "status": "cancelled", "usage": self.usage()}
+            obj = await gen
+        except BaseException as e:
+            # The client went away (the handler is cancelled, or a stream write failed), the gateway
+            # is stopping, or a bug: nobody will write this response's result, so end its record
+            # rather than leave it in_progress until it expires.
             if not gen.done():
                 gen.cancel()
-        if cancelled:
-            await asyncio.gather(gen, return_exceptions=True)
-            log.info("response %s was cancelled through the store; generation stopped", self.rid)
-            return {**self.obj, "status": "cancelled", "usage": self.usage()}
-        obj = await gen
+            await self._abandon(e)
+            raise
         ok, current = await _store_call(store.transition(self.rid, LIVE, self.record(obj)))
         if not ok and current is not None:  # cancelled between the last poll and the end
             return current["response"]
         return obj
+
+    async def _abandon(self, e: BaseException) -> None:
+        gone = isinstance(e, (asyncio.CancelledError, ConnectionResetError))
+        obj = {**self.obj, "status": "cancelled" if gone else "failed", "usage": self.usage(),
+               "error": None if gone else {"code": "server_error", "message": "internal error"}}
+        patch = {"status": obj["status"], "response": obj, "messages": None}
+        try:  # shielded: a second cancellation must not leave the record half-decided
+            await asyncio.shield(self.state.responses.transition(self.rid, LIVE, patch))
+        except (asyncio.CancelledError, StoreUnavailable, ValueError) as err:
+            log.warning("response %s stopped (%s) but its record could not be ended: %r", self.rid,
+                        type(e).__name__, err)
 
 
 async def _background(turn: Turn) -> None:
@@ -454,7 +469,7 @@ def _public(fields: dict) -> dict:
 @routes.post("/v1/responses")
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req: ResponsesRequest = parse(ResponsesRequest, _json_body(await request.read()))
+    req: ResponsesRequest = parse(ResponsesRequest, await request.read())
     model = check_model(state, req.model)
     fmt = (req.text or {}).get("format") or {}
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
@@ -477,22 +492,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.store:
         await _store_call(state.responses.put(turn.rid, turn.record(turn.obj)))
     if req.background:
-        tasks = request.app.setdefault(_BACKGROUND, set()) if _BACKGROUND not in request.app else request.app[_BACKGROUND]
         task = asyncio.create_task(_background(turn))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        _background_tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(_background_tasks.discard)
         return web.json_response(turn.obj, dumps=dumps)
     if req.stream:
         return await _stream(request, turn)
     return web.json_response(await turn.run(OutputBuilder(None)), dumps=dumps)
-
-
-def _json_body(body: bytes) -> bytes:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body  # parse() reports it
-    return json.dumps(_with_item_defaults(data)).encode() if isinstance(data, dict) else body
 
 
 @routes.get("/v1/responses/{response_id}")
