@@ -7,9 +7,11 @@ prompt of this turn only. Its output items (reasoning, message, function_call) c
 
 Stored responses (``store``, on by default) live in the store every gateway shares
 (``gateway.store``), so a response created through one gateway process is fetched, chained and
-cancelled through any other. A stored response is written ``in_progress`` before generation
-starts; the gateway generating it polls the store and stops when another gateway marked it
-``cancelled``, and writes its result only if it was not. ``background: true`` answers at once and
+cancelled through any other. A response whose id the client learns while it is generated
+(``background``, or ``stream``: the id comes in ``response.created``) is written ``in_progress``
+before generation starts; the gateway generating it polls the store and stops when another gateway
+marked it ``cancelled``, and writes its result only if it was not. A plain request's id is known
+only with its answer, so it is written once, finished. ``background: true`` answers at once and
 generates in this gateway's event loop; the client polls ``GET``.
 """
 
@@ -328,6 +330,12 @@ class Turn:
                              msg=message_parser(state, self.use, prompt.prefill))
         self.obj = response_object(self.rid, model, req, "in_progress", self.created)
 
+    @property
+    def announced(self) -> bool:
+        """Whether the client learns the id while the response is generated (background: at once;
+        streamed: in response.created), so it is stored in_progress first and can be cancelled."""
+        return self.req.background or self.req.stream
+
     def usage(self) -> dict:
         c = self.choice
         n_in = len(c.prompt_ids)
@@ -370,6 +378,10 @@ class Turn:
         store = self.state.responses
         if not self.req.store:
             return await self.generate(builder)
+        if not self.announced:  # nobody knows the id before the answer: one write, at the end
+            obj = await self.generate(builder)
+            await _store_call(store.put(self.rid, self.record(obj)))
+            return obj
         gen = asyncio.create_task(self.generate(builder))
         cancelled = False
         try:
@@ -489,7 +501,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         history = prev["messages"]
     turn = Turn(state, req, model, history)
     admit(state)
-    if req.store:
+    if req.store and turn.announced:
         await _store_call(state.responses.put(turn.rid, turn.record(turn.obj)))
     if req.background:
         task = asyncio.create_task(_background(turn))
