@@ -1,4 +1,5 @@
-"""OpenAI Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``.
+"""OpenAI Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``.
 
 A response is a chat turn: ``input`` (a string, or message / function_call / function_call_output
 items) after the conversation of ``previous_response_id``, with ``instructions`` as the system
@@ -517,6 +518,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def get_response(request: web.Request) -> web.Response:
     record = await _load(request.app[STATE], request.match_info["response_id"])
     return web.json_response(record["response"], dumps=dumps)
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete_response(request: web.Request) -> web.Response:
+    """Forget a stored response (an in-progress one finishes, but its result is not stored)."""
+    rid = request.match_info["response_id"]
+    if not await _store_call(request.app[STATE].responses.delete(rid)):
+        raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")
+    return web.json_response({"id": rid, "object": "response", "deleted": True})
 
 
 @routes.post("/v1/responses/{response_id}/cancel")

@@ -63,6 +63,10 @@ class ResponseStore(abc.ABC):
         ``(False, current_record_or_None)``."""
 
     @abc.abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Remove ``key``'s record; whether a live (unexpired) one was there."""
+
+    @abc.abstractmethod
     async def close(self) -> None:
         """Release connections and threads; the store is unusable afterwards."""
 

@@ -97,6 +97,14 @@ redis.call('ZADD', KEYS[2], now + ttl, ARGV[4])
 return 1
 """
 
+# KEYS: 1 record, 2 created index, 3 expires index; ARGV: 1 member. Returns 1 when a live record went.
+_DELETE = """
+local n = redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return n
+"""
+
 
 def _redact(url: str) -> str:
     return re.sub(r"//[^/@]*@", "//***@", url)
@@ -124,6 +132,7 @@ class RedisStore(ResponseStore):
         self._r = aioredis.Redis(connection_pool=self._pool)
         self._put = self._r.register_script(_PUT)
         self._cas = self._r.register_script(_CAS)
+        self._delete = self._r.register_script(_DELETE)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}r:{key}"
@@ -174,6 +183,10 @@ class RedisStore(ResponseStore):
                 return True, new
             data = reply  # someone else wrote in between: decide again on what is stored now
         raise StoreUnavailable(f"response store {self.where}: transition of {key!r} lost {CAS_ATTEMPTS} races in a row")
+
+    async def delete(self, key: str) -> bool:
+        keys, args = [self._key(key), self._created, self._expires], [key]
+        return bool(await self._call("delete", lambda: self._delete(keys=keys, args=args), idempotent=True))
 
     async def close(self) -> None:
         close = getattr(self._r, "aclose", None) or self._r.close  # aclose: redis-py >= 5.0.1

@@ -161,6 +161,15 @@ class SqliteStore(ResponseStore):
 
         return self._write(body)
 
+    def _delete(self, key: str) -> bool:
+        def body() -> bool:
+            live = self._db.execute("SELECT 1 FROM responses WHERE key = ? AND expires > ?",
+                                    (key, time.time())).fetchone()
+            self._db.execute("DELETE FROM responses WHERE key = ?", (key,))
+            return live is not None
+
+        return self._write(body)
+
     def _close(self) -> None:
         self._db.close()
 
@@ -176,6 +185,9 @@ class SqliteStore(ResponseStore):
 
     async def transition(self, key: str, from_statuses: Collection[str], patch: dict) -> tuple[bool, dict | None]:
         return await self._run(self._transition, key, from_statuses, patch)
+
+    async def delete(self, key: str) -> bool:
+        return await self._run(self._delete, key)
 
     async def close(self) -> None:
         if self._closed:

@@ -235,6 +235,17 @@ def test_store_false_is_not_kept(client, gws, model) -> None:
     assert ei.value.body["param"] == "previous_response_id"
 
 
+def test_delete_through_another_gateway(gws, model) -> None:
+    a, b = gws
+    r = a.sdk.responses.create(model=model, input="Story? " + sm.STORY_TRIGGER)
+    b.sdk.responses.delete(r.id)
+    for gw in gws:
+        with pytest.raises(openai.NotFoundError):
+            gw.sdk.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        a.sdk.responses.delete(r.id)
+
+
 # -- across gateway processes ------------------------------------------------------------------------
 
 def check_chain_across(a: Gateway, b: Gateway, model: str) -> None:

@@ -178,6 +178,23 @@ def test_two_stores_see_each_others_writes(url: str) -> None:
     run(body())
 
 
+def test_delete_removes_the_record_for_every_store(url: str) -> None:
+    async def body() -> None:
+        one, two = store(url, max_items=2), store(url, max_items=2)
+        await one.put("a", {"status": "completed"})
+        assert await two.delete("a") is True
+        assert await one.get("a") is None and await one.delete("a") is False
+        assert await one.transition("a", ["completed"], {"status": "x"}) == (False, None)
+        # A deleted record no longer counts towards the size bound.
+        await one.put("b", {"status": "completed"})
+        await one.put("c", {"status": "completed"})
+        assert await two.get("b") == {"status": "completed"}
+        await one.close()
+        await two.close()
+
+    run(body())
+
+
 def test_oversize_records_are_refused(url: str) -> None:
     async def body() -> None:
         s = store(url)
