@@ -20,6 +20,7 @@ from gateway.store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
 from gateway.text.reasoning import REASONING_PARSERS
 from gateway.text.tool_parsers import TOOL_PARSERS
 from zserve.proc import set_title, setup_logging
+from zserve.registry import Registry
 
 from .sockets import ListenError
 from .supervisor import ServeConfig, StartupError, Supervisor
@@ -60,10 +61,10 @@ def main() -> None:
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
               help="A process silent for this long is hung and gets replaced.")
 @click.option("--tool-call-parser", default=None, callback=lambda ctx, p, v: _parser(v, TOOL_PARSERS, p),
-              help=f"Turn model output into tool calls: {', '.join(sorted(TOOL_PARSERS))}. Without it, requests "
+              help=f"Turn model output into tool calls: {TOOL_PARSERS.names()}. Without it, requests "
                    "with tools are refused.")
 @click.option("--reasoning-parser", default=None, callback=lambda ctx, p, v: _parser(v, REASONING_PARSERS, p),
-              help=f"Split reasoning from the answer: {', '.join(sorted(REASONING_PARSERS))}.")
+              help=f"Split reasoning from the answer: {REASONING_PARSERS.names()}.")
 @click.option("--state-url", default=None, callback=lambda ctx, p, v: _state_url(v),
               help="State every gateway shares (stored responses): redis://HOST:PORT/DB for several hosts, or "
                    "sqlite:///PATH. Default: a SQLite file in the private run directory.")
@@ -127,11 +128,13 @@ def _memory(value: str | None) -> str | None:
     return value.strip()
 
 
-def _parser(value: str | None, registry: dict, param: click.Parameter) -> str | None:
+def _parser(value: str | None, registry: Registry, param: click.Parameter) -> str | None:
     """Unknown parser names fail here, listing the valid ones, instead of in every gateway."""
-    if value is not None and value not in registry:
-        raise click.BadParameter(f"unknown parser {value!r}; choose one of: {', '.join(sorted(registry))}",
-                                 param=param)
+    if value is not None:
+        try:
+            registry.create(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param=param) from None
     return value
 
 

@@ -140,7 +140,7 @@ def tool_use(state: GatewayState, tools: list[dict] | None, mode: str, function:
         raise bad_request(f"tool_choice {mode!r} needs tools", param=param)
     if state.tool_parser is None:
         raise bad_request("tool calling is not enabled on this server: start it with --tool-call-parser NAME "
-                          f"(one of: {', '.join(sorted(TOOL_PARSERS))})", param="tools")
+                          f"(one of: {TOOL_PARSERS.names()})", param="tools")
     if mode == "function" and function not in tool_names(tools):
         raise bad_request(f"tool_choice names the function {function!r}, which is not among the tools", param=param)
     return ToolUse(mode, function, parallel)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from zserve.registry import Registry
+
 _OPEN = "<think>"
 _CLOSE = "</think>"
 
@@ -94,20 +96,13 @@ class ReasoningParser:
         raise NotImplementedError
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def _register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-    REASONING_PARSERS[cls.name] = cls
-    return cls
+REASONING_PARSERS: Registry[ReasoningParser] = Registry("reasoning parser")
+_register = REASONING_PARSERS.register
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The parser registered under ``name``; ValueError naming the valid ones otherwise."""
-    cls = REASONING_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: {', '.join(sorted(REASONING_PARSERS))}")
-    return cls()
+    return REASONING_PARSERS.create(name)
 
 
 @_register

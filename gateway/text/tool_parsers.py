@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from zserve.registry import Registry
+
 
 @dataclass
 class ToolCall:
@@ -164,20 +166,13 @@ class ToolParser:
         raise NotImplementedError
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def _register(cls: type[ToolParser]) -> type[ToolParser]:
-    TOOL_PARSERS[cls.name] = cls
-    return cls
+TOOL_PARSERS: Registry[ToolParser] = Registry("tool-call parser")
+_register = TOOL_PARSERS.register
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered under ``name``; ValueError naming the valid ones otherwise."""
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {', '.join(sorted(TOOL_PARSERS))}")
-    return cls()
+    return TOOL_PARSERS.create(name)
 
 
 # ---------------------------------------------------------------------------------------------------
