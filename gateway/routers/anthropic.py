@@ -291,7 +291,7 @@ class BlockStream:
         """The empty text block a message without text or tool calls still has (as ``full_message``)."""
         await self._open("text", {"type": "text", "text": ""})
 
-    async def push(self, piece: MessagePiece, parallel: bool) -> None:
+    async def push(self, piece: MessagePiece) -> None:
         if piece.reasoning:
             if self.kind != "thinking":
                 await self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
@@ -301,8 +301,6 @@ class BlockStream:
                 await self._open("text", {"type": "text", "text": ""})
             await self._delta({"type": "text_delta", "text": piece.content})
         for t in piece.tool_calls:
-            if t.index > 0 and not parallel:
-                continue
             if t.id is not None:
                 await self._open("tool_use", {"type": "tool_use", "id": tool_use_id(t.id), "name": t.name,
                                               "input": {}})
@@ -321,15 +319,7 @@ async def stream_message(request: web.Request, state: GatewayState, rid: str, mo
     try:
         async for _, d in run_choices(state, rid, [c], opts):
             c.take(d)
-            if c.msg is None:
-                piece = MessagePiece(content=d.text)
-            else:
-                piece = c.msg.push(d.text)
-                if d.finish_reason is not None:
-                    tail = c.msg.finish()
-                    piece = MessagePiece(piece.reasoning + tail.reasoning, piece.content + tail.content,
-                                         piece.tool_calls + tail.tool_calls)
-            await blocks.push(piece, use.parallel)
+            await blocks.push(c.piece(d))
         calls = final_tool_calls(use, c.msg.tool_calls) if c.msg is not None else []
         if "text" not in blocks.opened and not calls:
             await blocks.empty_text()

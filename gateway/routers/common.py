@@ -26,7 +26,7 @@ from ..generation import Delta, TextOptions, TokenLogprob, generate_text
 from ..openai_schemas import SamplingFields
 from ..state import GatewayState
 from ..text.chat_template import ChatTemplateError
-from ..text.message import MessageParser
+from ..text.message import MessageParser, MessagePiece
 from ..text.tool_parsers import TOOL_PARSERS, ToolCall
 
 
@@ -204,15 +204,14 @@ def _plain_text(content: Any) -> str:
 
 
 def message_parser(state: GatewayState, use: ToolUse, prefill: str = "") -> MessageParser | None:
-    parser = MessageParser(state.reasoning_parser, state.tool_parser if use.mode != "none" else None, prefill)
+    parser = MessageParser(state.reasoning_parser, state.tool_parser if use.mode != "none" else None, prefill,
+                           single_call=not use.parallel)
     return parser if parser.active else None
 
 
 def final_tool_calls(use: ToolUse, calls: list[ToolCall]) -> list[ToolCall]:
     """The calls a response carries; a forced call that the model did not produce is a server error
     (until structured output constrains it, the prefill only steers the model)."""
-    if not use.parallel:
-        calls = calls[:1]
     if use.forced:
         if not calls:
             raise APIError(500, "the model did not produce a valid tool call although tool_choice requires one",
@@ -257,6 +256,13 @@ class Choice:
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
             self.stop_str = d.stop_str
+
+    def piece(self, d: Delta) -> MessagePiece:
+        """Streamed: what this delta adds to the message (at the end, with what the parsers held back)."""
+        if self.msg is None:
+            return MessagePiece(content=d.text)
+        piece = self.msg.push(d.text)
+        return piece + self.msg.finish() if d.finish_reason is not None else piece
 
     def collect(self, d: Delta) -> None:
         """Non-streamed: keep the whole output."""

@@ -20,7 +20,6 @@ from ..generation import Delta, TextOptions, TokenLogprob
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..sse import open_stream, send_done, send_event
 from ..state import STATE, GatewayState
-from ..text.message import MessagePiece
 from ..text.tool_parsers import ToolCall, ToolCallDelta
 from .common import (
     ENGINE_ERRORS,
@@ -225,18 +224,10 @@ class ChatShape(Shape):
     def delta(self, c: Choice, d: Delta) -> dict | None:
         lp = chat_logprobs(self.tt, d.logprobs) if self.want_logprobs and d.logprobs else None
         finish = d.finish_reason
-        if c.msg is None:
-            piece = MessagePiece(content=d.text)
-        else:
-            piece = c.msg.push(d.text)
-            if finish is not None:
-                tail = c.msg.finish()
-                piece = MessagePiece(piece.reasoning + tail.reasoning, piece.content + tail.content,
-                                     piece.tool_calls + tail.tool_calls)
-                calls = final_tool_calls(self.use, c.msg.tool_calls)  # raises if a forced call is missing
-                finish = chat_finish_reason(finish, calls)
-            if not self.use.parallel:
-                piece.tool_calls = [t for t in piece.tool_calls if t.index == 0]
+        piece = c.piece(d)
+        if c.msg is not None and finish is not None:
+            calls = final_tool_calls(self.use, c.msg.tool_calls)  # raises if a forced call is missing
+            finish = chat_finish_reason(finish, calls)
         if not (piece or finish or lp):
             return None
         delta: dict = {}

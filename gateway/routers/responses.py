@@ -219,7 +219,7 @@ class OutputBuilder:
             await self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})
 
-    async def push(self, piece: MessagePiece, parallel: bool = True) -> None:
+    async def push(self, piece: MessagePiece) -> None:
         idx = lambda: len(self.items) - 1  # noqa: E731
         if piece.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
@@ -236,8 +236,6 @@ class OutputBuilder:
             await self._event("response.output_text.delta", item_id=self.open["id"], output_index=idx(),
                               content_index=0, delta=piece.content, logprobs=[])
         for t in piece.tool_calls:
-            if t.index > 0 and not parallel:
-                continue
             if t.id is not None:
                 await self._start({"type": "function_call", "id": _new_id("fc"), "call_id": t.id, "name": t.name,
                                    "arguments": "", "status": "in_progress"})
@@ -351,12 +349,7 @@ class Turn:
         try:
             async for _, d in run_choices(self.state, self.rid, [c], self.opts):
                 c.take(d)
-                piece = MessagePiece(content=d.text) if c.msg is None else c.msg.push(d.text)
-                if c.msg is not None and d.finish_reason is not None:
-                    tail = c.msg.finish()
-                    piece = MessagePiece(piece.reasoning + tail.reasoning, piece.content + tail.content,
-                                         piece.tool_calls + tail.tool_calls)
-                await builder.push(piece, self.use.parallel)
+                await builder.push(c.piece(d))
             if c.msg is not None:
                 final_tool_calls(self.use, c.msg.tool_calls)
         except (*ENGINE_ERRORS, APIError) as e:

@@ -25,15 +25,21 @@ class MessagePiece:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def __add__(self, other: MessagePiece) -> MessagePiece:
+        return MessagePiece(self.reasoning + other.reasoning, self.content + other.content,
+                            self.tool_calls + other.tool_calls)
+
 
 class MessageParser:
     """Splits one generated message; ``prefill`` is text the server already put in the model's mouth
     (the opening of a forced tool call), which is part of the message but was never generated."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, prefill: str = "") -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, prefill: str = "",
+                 single_call: bool = False) -> None:
         # A forced call skips reasoning: the prompt already ends inside the call.
         self._reasoning = reasoning.stream() if reasoning is not None and not prefill else None
         self._tools = tools.stream() if tools is not None else None
+        self.single_call = single_call  # parallel_tool_calls false: only the first call counts
         self.reasoning: list[str] = []
         self.content: list[str] = []
         if prefill and self._tools is not None:
@@ -45,7 +51,8 @@ class MessageParser:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        return self._tools.calls if self._tools is not None else []
+        calls = self._tools.calls if self._tools is not None else []
+        return calls[:1] if self.single_call else calls
 
     def push(self, text: str) -> MessagePiece:
         return self._step(text, final=False)
@@ -68,6 +75,8 @@ class MessageParser:
                 more, more_calls = self._tools.finish()
                 content += more
                 calls = calls + more_calls
+        if self.single_call:
+            calls = [t for t in calls if t.index == 0]
         self.reasoning.append(reasoning)
         self.content.append(content)
         return MessagePiece(reasoning, content, calls)
