@@ -32,42 +32,10 @@ from typing import ClassVar
 
 from zserve.registry import Registry
 
+from .streaming import Stripped, partial_tail
+
 _OPEN = "<think>"
 _CLOSE = "</think>"
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is the beginning of ``tag`` (but not all of it)."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
-class _Stripped:
-    """Passes text through so that, all joined, it is the whole text stripped of surrounding whitespace.
-
-    Leading whitespace is dropped; trailing whitespace is held until more text follows it (and
-    dropped at the end). The same helper as in ``tool_parsers``, kept apart so either module stands alone.
-    """
-
-    def __init__(self) -> None:
-        self._started = False
-        self._space: list[str] = []  # whitespace seen after the last non-space character
-
-    def add(self, text: str) -> str:
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._started = True
-        kept = text.rstrip()
-        if not kept:
-            self._space.append(text)
-            return ""
-        out = "".join(self._space) + kept
-        self._space = [text[len(kept):]] if len(kept) < len(text) else []
-        return out
 
 
 class ReasoningStream:
@@ -148,8 +116,8 @@ class _ThinkStream(ReasoningStream):
         # "inside": reasoning until </think>; "after": content to the end.
         self._state = "start" if starts_in_reasoning else "before"
         self._held = ""  # a tail that may be the start of the tag looked for (at most a tag's length)
-        self._reasoning = _Stripped()
-        self._content = _Stripped()
+        self._reasoning = Stripped()
+        self._content = Stripped()
 
     def push(self, text: str) -> tuple[str, str]:
         reasoning: list[str] = []
@@ -177,7 +145,7 @@ class _ThinkStream(ReasoningStream):
             sink = self._content if self._state == "before" else self._reasoning
             found = window.find(tag)
             if found < 0:
-                keep = _partial_tail(window, tag)
+                keep = partial_tail(window, tag)
                 out.append(sink.add(window[: len(window) - keep]))
                 self._held = window[len(window) - keep:]
                 break

@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 
 from zserve.registry import Registry
 
+from .streaming import Stripped, partial_tail
+
 
 @dataclass
 class ToolCall:
@@ -89,40 +91,6 @@ def _call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
         ToolCallDelta(index=index, id=call.id, name=call.name, arguments=""),
         ToolCallDelta(index=index, id=None, name=None, arguments=call.arguments),
     ]
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is the beginning of ``tag`` (but not all of it)."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
-class _Stripped:
-    """Passes content through so that, all joined, it is the whole text stripped of surrounding whitespace.
-
-    Leading whitespace is dropped; trailing whitespace is held until more text follows it (at the
-    end it is dropped), so the stream emits exactly what ``str.strip`` of everything would keep.
-    """
-
-    def __init__(self) -> None:
-        self._started = False
-        self._space: list[str] = []  # whitespace seen after the last non-space character
-
-    def add(self, text: str) -> str:
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._started = True
-        kept = text.rstrip()
-        if not kept:
-            self._space.append(text)
-            return ""
-        out = "".join(self._space) + kept
-        self._space = [text[len(kept):]] if len(kept) < len(text) else []
-        return out
 
 
 class ToolStream:
@@ -222,7 +190,7 @@ class HermesToolParser(ToolParser):
 class _HermesStream(ToolStream):
     def __init__(self) -> None:
         super().__init__()
-        self._content = _Stripped()
+        self._content = Stripped()
         self._held = ""  # outside a call: a tail that may be the start of <tool_call>
         self._body: list[str] | None = None  # inside a call: its text so far (None: outside)
         self._tail = ""  # inside a call: the body's last characters, where </tool_call> may have begun
@@ -235,7 +203,7 @@ class _HermesStream(ToolStream):
                 window = self._held + text
                 start = window.find(_OPEN)
                 if start < 0:
-                    keep = _partial_tail(window, _OPEN)
+                    keep = partial_tail(window, _OPEN)
                     content.append(self._content.add(window[: len(window) - keep]))
                     self._held = window[len(window) - keep :]
                     break
@@ -323,7 +291,7 @@ class _JsonStream(ToolStream):
     def __init__(self, parser: JsonToolParser) -> None:
         super().__init__()
         self._parser = parser
-        self._content = _Stripped()
+        self._content = Stripped()
         self._held: list[str] = []
         self._head = ""  # the held text without leading whitespace, while undecided (a few chars)
         self._mode = "undecided"  # -> "hold" (may be JSON) or "content"
