@@ -16,9 +16,13 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def send_event(resp: web.StreamResponse, payload: dict, event: str | None = None) -> None:
+def encode_event(payload: dict, event: str | None = None) -> bytes:
     head = f"event: {event}\n".encode() if event else b""
-    await resp.write(head + b"data: " + orjson.dumps(payload) + b"\n\n")
+    return head + b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def send_event(resp: web.StreamResponse, payload: dict, event: str | None = None) -> None:
+    await resp.write(encode_event(payload, event))
 
 
 async def send_done(resp: web.StreamResponse) -> None:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..errors import APIError, bad_request
 from ..openai_schemas import MAX_TOOLS, SamplingFields, parse
-from ..sse import open_stream, send_event
+from ..sse import encode_event, open_stream
 from ..state import STATE, GatewayState
 from ..store import StoreUnavailable
 from ..text.message import MessagePiece
@@ -436,25 +436,31 @@ async def _background(turn: Turn) -> None:
 async def _stream(request: web.Request, turn: Turn) -> web.StreamResponse:
     resp = await open_stream(request)
     seq = 0
+    pending: list[bytes] = []
 
-    async def emit(kind: str, fields: dict) -> None:
+    async def emit(kind: str, fields: dict, flush: bool = False) -> None:
+        # Events that frame the text (item added, part added, done events) travel in one write with
+        # the next delta or the end: a third fewer writes per stream, and no delta waits for them.
         nonlocal seq
-        await send_event(resp, {"type": kind, "sequence_number": seq, **_public(fields)}, kind)
+        pending.append(encode_event({"type": kind, "sequence_number": seq, **_public(fields)}, kind))
         seq += 1
+        if flush or kind.endswith(".delta"):
+            await resp.write(b"".join(pending))
+            pending.clear()
 
     await emit("response.created", {"response": turn.obj})
-    await emit("response.in_progress", {"response": turn.obj})
+    await emit("response.in_progress", {"response": turn.obj}, flush=True)
     try:
         obj = await turn.run(OutputBuilder(emit))
         final = {"completed": "response.completed", "incomplete": "response.incomplete",
                  "failed": "response.failed"}.get(obj["status"])
         if final is None:  # cancelled through another gateway
             await emit("error", {"code": "response_cancelled", "message": f"response {turn.rid} was cancelled",
-                                 "param": None})
+                                 "param": None}, flush=True)
         else:
-            await emit(final, {"response": obj})
+            await emit(final, {"response": obj}, flush=True)
     except APIError as e:
-        await emit("error", {"code": e.code or e.type, "message": e.message, "param": e.param})
+        await emit("error", {"code": e.code or e.type, "message": e.message, "param": e.param}, flush=True)
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("client went away during %s; aborted its generation", turn.rid)
         raise
