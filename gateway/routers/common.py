@@ -25,7 +25,7 @@ from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob, generate_text
 from ..openai_schemas import SamplingFields
 from ..state import GatewayState
-from ..text.chat_template import ChatTemplateError
+from ..text.chat_template import ChatTemplateError, content_text
 from ..text.message import MessageParser, MessagePiece
 from ..text.tool_parsers import TOOL_PARSERS, ToolCall
 
@@ -176,13 +176,19 @@ def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] 
     if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
         raise bad_request("continue_final_message needs an assistant message last", param="continue_final_message")
     try:
+        final = content_text(messages[-1].get("content")) or "" if continue_final_message else ""
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param=param) from None
+    if continue_final_message and not final:
+        # Nothing to continue: the same prompt as a new assistant turn.
+        messages, add_generation_prompt, continue_final_message = messages[:-1], True, False
+    try:
         text = state.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                           **(template_kwargs or {}))
     except ChatTemplateError as e:
         raise bad_request(str(e), param=param) from None
     if continue_final_message:
-        final = _plain_text(messages[-1].get("content"))
-        cut = text.rfind(final) if final else -1
+        cut = text.rfind(final)
         if cut < 0:
             raise bad_request("the chat template does not render the final message's text, so it cannot be "
                               "continued", param="continue_final_message")
@@ -193,14 +199,6 @@ def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] 
         prefill = state.tool_parser.prefill(use.function)
         text += prefill
     return ChatPrompt(state.tokenizer.encode(text), text, prefill)
-
-
-def _plain_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
 
 
 def message_parser(state: GatewayState, use: ToolUse, prefill: str = "") -> MessageParser | None:

@@ -110,7 +110,7 @@ def _plain(value: Any, where: str) -> Any:
     raise ChatTemplateError(f"{where}: unsupported value of type {type(value).__name__}")
 
 
-def _content_text(content: Any, where: str) -> str | None:
+def content_text(content: Any, where: str = "content") -> str | None:
     """A message's content as one string: OpenAI text parts joined by newlines (as vLLM does).
 
     SmolLM2's template concatenates ``message['content']`` as a string, so parts must be flattened
@@ -171,7 +171,7 @@ def _normalise_messages(messages: Any) -> list[dict[str, Any]]:
         plain = _plain(message, where)
         # Templates index message['content'] and concatenate it: an assistant turn that only calls
         # tools (content null or absent) renders as "" rather than failing.
-        plain["content"] = _content_text(plain.get("content"), f"{where}.content") or ""
+        plain["content"] = content_text(plain.get("content"), f"{where}.content") or ""
         if "tool_calls" in plain:
             plain["tool_calls"] = _template_tool_calls(plain["tool_calls"], f"{where}.tool_calls")
         out.append(plain)

@@ -161,6 +161,10 @@ def test_continue_final_message(chat):
     with pytest.raises(openai.BadRequestError) as ei:
         chat(messages=messages, extra_body={"continue_final_message": True, "add_generation_prompt": True})
     assert ei.value.body["param"] == "continue_final_message"
+    # An empty final assistant message has nothing to continue: it is a new assistant turn.
+    empty = [{"role": "user", "content": "Tell me a story. " + sm.STORY_TRIGGER}, {"role": "assistant", "content": ""}]
+    r = chat(messages=empty, extra_body={"continue_final_message": True}).choices[0]
+    assert r.message.content == sm.EXPECTED_STORY.strip()
 
 
 def test_continuous_usage_stats_on_every_chunk(chat):
