@@ -26,6 +26,7 @@ from ..text.message import MessagePiece
 from ..text.tool_parsers import ToolCall
 from .common import (
     ENGINE_ERRORS,
+    NO_TOOLS,
     ChatPrompt,
     Choice,
     ToolUse,
@@ -197,10 +198,11 @@ def _tool_use(state: GatewayState, req: CountTokensRequest, tools: list[dict] | 
     return tool_use(state, tools, mode, tc.name, parallel=not tc.disable_parallel_tool_use)
 
 
-def _prompt(state: GatewayState, req: CountTokensRequest) -> tuple[ChatPrompt, ToolUse]:
+def _prompt(state: GatewayState, req: CountTokensRequest, counting: bool = False) -> tuple[ChatPrompt, ToolUse]:
     check_model(state, req.model)
     tools = _tools(req)
-    use = _tool_use(state, req, tools)
+    # Counting renders the tools whether or not this server can parse calls (nothing is generated).
+    use = NO_TOOLS if counting and state.tool_parser is None else _tool_use(state, req, tools)
     messages = chat_messages(req)
     prefill = req.messages[-1].role == "assistant"  # Anthropic's prefill: continue the assistant's text
     if prefill and messages[-1].get("tool_calls"):
@@ -365,5 +367,5 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: CountTokensRequest = parse(CountTokensRequest, await request.read())
-    prompt, _ = _prompt(state, req)
+    prompt, _ = _prompt(state, req, counting=True)
     return web.json_response({"input_tokens": len(prompt.ids)})

@@ -149,13 +149,19 @@ def test_stream_sends_every_event_in_order_and_matches_the_message(smol):
 
 
 @slow
-def test_tools_without_a_tool_call_parser_are_refused(smol):
+def test_tools_without_a_tool_call_parser_are_refused(smol, smollm_server):
     with pytest.raises(anthropic.BadRequestError) as ei:
         smol.messages.create(model=DEFAULT_CHAT_MODEL, max_tokens=8, tools=[WEATHER_TOOL],
                              messages=[{"role": "user", "content": QUESTION}])
     assert ei.value.body["type"] == "error"
     assert ei.value.body["error"]["type"] == "invalid_request_error"
     assert "--tool-call-parser" in ei.value.body["error"]["message"]
+    # Counting needs no parser: the prompt is rendered with the tools, as /tokenize renders it.
+    counted = smol.messages.count_tokens(model=DEFAULT_CHAT_MODEL, tools=[WEATHER_TOOL],
+                                         messages=[{"role": "user", "content": QUESTION}]).input_tokens
+    tokenized = httpx.post(smollm_server.url + "/tokenize", timeout=30, json={
+        "messages": [{"role": "user", "content": QUESTION}], "tools": [sm.WEATHER_TOOL]}).json()
+    assert counted == tokenized["count"]
 
 
 # -- scripted model: tools, thinking, prefill -----------------------------------------------------
