@@ -86,6 +86,16 @@ def test_system_prompt_as_string_or_text_blocks_and_usage_matching_count_tokens(
 
 
 @slow
+def test_the_same_prompt_gives_the_same_answer_as_chat_completions(smol, smollm_server):
+    messages = [{"role": "user", "content": QUESTION}]
+    msg = smol.messages.create(model=DEFAULT_CHAT_MODEL, max_tokens=20, messages=messages, extra_body=GREEDY)
+    chat = httpx.post(smollm_server.url + "/v1/chat/completions", timeout=120, json={
+        "model": DEFAULT_CHAT_MODEL, "messages": messages, "max_tokens": 20, "temperature": 0}).json()
+    assert msg.content[0].text == chat["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    assert msg.usage.output_tokens == chat["usage"]["completion_tokens"]
+
+
+@slow
 def test_multi_turn_with_block_content(smol):
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "I am planning a trip to Europe."}]},
