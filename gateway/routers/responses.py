@@ -1,5 +1,5 @@
 """OpenAI Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
-``POST /v1/responses/{id}/cancel``.
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``.
 
 A response is a chat turn: ``input`` (a string, or message / function_call / function_call_output
 items) after the conversation of ``previous_response_id``, with ``instructions`` as the system
@@ -164,6 +164,25 @@ def chat_messages(items: str | list) -> list[dict]:
     return out
 
 
+def input_items(items: str | list) -> list[dict]:
+    """This turn's input as the API lists it (``GET /v1/responses/{id}/input_items``), each with an id."""
+    if isinstance(items, str):
+        items = [MessageItem(role="user", content=items)]
+    out: list[dict] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            content = [{"type": "input_text", "text": item.content}] if isinstance(item.content, str) else item.content
+            out.append({"type": "message", "id": _new_id("msg"), "role": item.role, "status": "completed",
+                        "content": content})
+        elif isinstance(item, FunctionCallItem):
+            out.append({"type": "function_call", "id": _new_id("fc"), "call_id": item.call_id, "name": item.name,
+                        "arguments": item.arguments, "status": "completed"})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"type": "function_call_output", "id": _new_id("fco"), "call_id": item.call_id,
+                        "output": item.output, "status": "completed"})
+    return out
+
+
 def _tool_use(state: GatewayState, req: ResponsesRequest, tools: list[dict] | None) -> ToolUse:
     tc = req.tool_choice
     if tc is None or tc in ("none", "auto", "required"):
@@ -316,6 +335,7 @@ class Turn:
         self.rid = _new_id("resp")
         self.created = time.time()
         self.messages = history + chat_messages(req.input)
+        self.input_items = input_items(req.input)
         tools = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
                  for t in req.tools or []] or None
         self.use = _tool_use(state, req, tools)
@@ -364,8 +384,11 @@ class Turn:
         return obj
 
     def record(self, obj: dict) -> dict:
-        messages = self.messages + [assistant_turn(obj["output"])] if obj["status"] != "in_progress" else None
-        return {"status": obj["status"], "response": obj, "messages": messages}
+        """What the store keeps: the object, this turn's input items, and (once it can be continued:
+        completed, or cut by max_output_tokens) the conversation a next turn chains onto."""
+        done = obj["status"] in ("completed", "incomplete")
+        messages = self.messages + [assistant_turn(obj["output"])] if done else None
+        return {"status": obj["status"], "response": obj, "messages": messages, "input_items": self.input_items}
 
     async def run(self, builder: OutputBuilder) -> dict:
         """Generate, watching the store for a cancel from any gateway; store the result."""
@@ -517,6 +540,33 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def get_response(request: web.Request) -> web.Response:
     record = await _load(request.app[STATE], request.match_info["response_id"])
     return web.json_response(record["response"], dumps=dumps)
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(request: web.Request) -> web.Response:
+    """A stored response's input items, paged as OpenAI pages them (``order``, ``limit``, ``after``)."""
+    q = request.query
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be an integer from 1 to 100", param="limit")
+    items = list((await _load(request.app[STATE], request.match_info["response_id"])).get("input_items") or [])
+    if order == "desc":
+        items.reverse()
+    if "after" in q:
+        ids = [i["id"] for i in items]
+        if q["after"] not in ids:
+            raise bad_request(f"no input item {q['after']!r} in this response", param="after")
+        items = items[ids.index(q["after"]) + 1:]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit},
+                             dumps=dumps)
 
 
 @routes.delete("/v1/responses/{response_id}")

@@ -224,6 +224,29 @@ def test_function_call_output_round_trip(client, gws, model) -> None:
     assert r3.usage.input_tokens == r2.usage.input_tokens
 
 
+def test_input_items_are_listed_from_any_gateway(gws, model) -> None:
+    a, b = gws
+    question = {"role": "user", "content": "What is the weather in Paris? " + sm.WEATHER_TRIGGER}
+    r1 = a.sdk.responses.create(model=model, input=[question], tools=[WEATHER_FUNCTION])
+    (call,) = r1.output
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny " + sm.TOOL_RESULT_TRIGGER}
+    r2 = a.sdk.responses.create(model=model, input=[question, *r1.output, result], tools=[WEATHER_FUNCTION])
+    listed = b.sdk.responses.input_items.list(r2.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "function_call", "function_call_output"]
+    assert listed.data[0].content[0].text == question["content"]
+    assert (listed.data[1].call_id, listed.data[1].name) == (call.call_id, call.name)
+    assert listed.data[2].output == result["output"]
+    newest_first = b.sdk.responses.input_items.list(r2.id)  # OpenAI's default order: desc
+    assert [i.id for i in newest_first.data] == [i.id for i in reversed(listed.data)]
+    page = b.http.get(f"/v1/responses/{r2.id}/input_items", params={"order": "asc", "limit": 1,
+                                                                    "after": listed.data[0].id}).json()
+    assert [i["id"] for i in page["data"]] == [listed.data[1].id] and page["has_more"] is True
+    assert b.http.get(f"/v1/responses/{r2.id}/input_items", params={"limit": 0}).status_code == 400
+    text_input = a.sdk.responses.create(model=model, input="Story? " + sm.STORY_TRIGGER)
+    (only,) = b.sdk.responses.input_items.list(text_input.id).data
+    assert (only.role, only.content[0].text) == ("user", "Story? " + sm.STORY_TRIGGER)
+
+
 def test_store_false_is_not_kept(client, gws, model) -> None:
     r = client.responses.create(model=model, input="Story? " + sm.STORY_TRIGGER, store=False)
     assert r.status == "completed" and r.store is False and r.output_text == sm.EXPECTED_STORY.strip()
