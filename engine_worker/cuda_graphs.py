@@ -8,9 +8,9 @@ possible context) and lengths. A step of B sequences uses the graph of the small
 size >= B; the padding rows point at a scratch KV block that the block manager never hands out,
 so their writes touch nothing real. Only decode-only steps replay; prefills run eagerly.
 
-Attention inside the graph is the Triton paged kernel (``triton_attention``), whose launch
-shapes depend only on the batch size. ``DecodeGraphs`` is built by the runner when the cache uses
-that kernel and ``--enforce-eager`` is off; after capturing, it replays one step against the
+Attention inside the graph is a paged backend's kernel (``AttentionBackend.paged``: Triton on
+CUDA, ``attention/triton.py``), whose launch shapes depend only on the batch size. ``DecodeGraphs``
+is built by the runner when its backend is paged and ``--enforce-eager`` is off; after capturing, it replays one step against the
 eager forward pass and disables itself on any difference, so an untested GPU/driver/torch
 combination falls back to eager instead of serving wrong tokens.
 
@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from engine_worker.kv_cache import PagedKVCache, StepLayout
+from engine_worker.attention import AttentionBackend, StepLayout
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,11 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Static buffers and one graph (or, on a CPU, one emulated replay) per batch size."""
 
-    def __init__(self, model, kv: PagedKVCache, max_batch: int, max_blocks_per_seq: int, scratch_block: int):
+    def __init__(self, model, attention: AttentionBackend, max_batch: int, max_blocks_per_seq: int,
+                 scratch_block: int):
         self.model = model
-        self.kv = kv
+        self.attention = attention
+        kv = attention.cache
         self.device = kv.device
         self.sizes = capture_sizes(max_batch)
         self.block_size = kv.block_size
@@ -65,12 +67,11 @@ class DecodeGraphs:
     def _layout(self, bs: int) -> StepLayout:
         rows = list(range(bs))
         return StepLayout(order=rows, first_token_index=rows, last_token_index=rows, positions=self.positions[:bs],
-                          slot_mapping=self.slots[:bs], num_decode=bs, decode_len=0, decode_view=None,
-                          decode_gather=None, decode_mask=None, prefills=[], decode_tables=self.tables[:bs],
+                          slot_mapping=self.slots[:bs], num_decode=bs, prefills=[], decode_tables=self.tables[:bs],
                           decode_lens=self.lens[:bs])
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.ids[:bs], self._layout(bs), self.kv)
+        return self.model(self.ids[:bs], self._layout(bs), self.attention)
 
     @torch.inference_mode()
     def capture(self) -> None:

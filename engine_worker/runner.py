@@ -8,7 +8,8 @@ them all together.
 
 The runner owns the paged KV cache and sizes it (``kv_cache_bytes`` or enough for
 ``max_num_seqs`` full-length requests); the ``BlockManager`` that hands out its blocks lives here
-too so that every user (scheduler, stats) sees one pool.
+too so that every user (scheduler, stats) sees one pool. The attention backend that reads the
+cache is chosen once, here (``attention.select_backend``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_worker.attention import AttentionBackend, SeqLayout, select_backend
 from engine_worker.block_manager import BlockManager
 from engine_worker.cuda_graphs import DecodeGraphs
-from engine_worker.kv_cache import PagedKVCache, SeqLayout
+from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import LoadedModel
 from engine_worker.sampler import PromptLogprobs, SampleOut, Sampler
 from protocol.messages import SamplingParams
@@ -54,9 +56,12 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_bytes: int | None = None,
-                 num_blocks: int | None = None, enable_prefix_caching: bool = True, cuda_graphs: bool | None = None):
-        """``cuda_graphs``: capture decode steps (default: on CUDA when the Triton kernel passed its
-        check). ``True`` on a CPU runs the graph path in emulation, for tests."""
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
+                 attention: str | None = None):
+        """``cuda_graphs``: capture decode steps (default: on CUDA when the attention backend reads
+        the pool through block tables, i.e. Triton). ``True`` on a CPU runs the graph path in
+        emulation, for tests. ``attention``: a backend name of ``attention.BACKENDS`` instead of
+        the best available one (tests, benchmarks)."""
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {cfg.max_position_embeddings}")
@@ -100,20 +105,21 @@ class ModelRunner:
         want_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         # With graphs, one block more than the block manager knows: padding rows write there.
         self.kv = PagedKVCache(cfg.num_layers, num_blocks + int(want_graphs), block_size, cfg.num_kv_heads,
-                               cfg.head_dim, dtype, device, num_heads=cfg.num_heads, sliding_window=cfg.sliding_window)
-        # Native CPU kernels (decode attention, norms, RoPE, SwiGLU) whenever they built here.
-        model.use_native_kernels(self.kv.use_native)
+                               cfg.head_dim, dtype, device)
+        self.attention: AttentionBackend = select_backend(self.kv, cfg.num_heads, cfg.sliding_window, attention)
+        # Native CPU kernels (norms, RoPE, SwiGLU) go with the native decode attention.
+        model.use_native_kernels(self.attention.native_kernels)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache_bytes = num_blocks * per_block
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, device)
         self.graphs: DecodeGraphs | None = None
-        if want_graphs and (self.kv.use_triton or self.kv.use_native):
+        if want_graphs and self.attention.paged:
             self.graphs = self._capture_graphs(-(-max_model_len // block_size), scratch_block=num_blocks)
 
     def _capture_graphs(self, max_blocks: int, scratch_block: int) -> DecodeGraphs | None:
         """Capture decode graphs, then replay one step against the eager forward pass; None (and
         eager decoding) on any error or difference."""
-        graphs = DecodeGraphs(self.model, self.kv, self.max_num_seqs, max_blocks, scratch_block)
+        graphs = DecodeGraphs(self.model, self.attention, self.max_num_seqs, max_blocks, scratch_block)
         try:
             graphs.capture()
             # Rows 0..n-1 at positions 0..n-1 of the scratch block: a real decode step, with no
@@ -122,10 +128,10 @@ class ModelRunner:
             ids = [(17 * i + 5) % self.vocab_size for i in range(n)]
             seqs = [SeqLayout([scratch_block], i, 1) for i in range(n)]
             with torch.inference_mode():
-                layout = self.kv.plan(seqs)
+                layout = self.attention.plan(seqs)
                 got = graphs.run(ids, layout.positions, layout.slot_mapping, layout.decode_tables,
                                  layout.decode_lens).clone()
-                want = self.model(torch.tensor(ids, device=self.device), layout, self.kv)
+                want = self.model(torch.tensor(ids, device=self.device), layout, self.attention)
             err = (got.float() - want.float()).abs().max().item()
             if not err <= 1e-3 * max(1.0, want.float().abs().max().item()):
                 raise RuntimeError(f"graph replay differs from eager by {err:.3g}")
@@ -140,13 +146,20 @@ class ModelRunner:
     @property
     def attention_backend(self) -> str:
         """How decode attention runs here, for logs: native CPU kernels, Triton, FlexAttention, or torch."""
-        if self.kv.use_native:
-            return "native CPU kernels"
-        if self.kv.use_triton:
-            return "Triton paged kernel" + (", CUDA graphs" if self.graphs is not None else "")
-        if self.kv.use_flex:
-            return "FlexAttention over the paged pool"
-        return "torch (gathered keys)"
+        graphs = self.graphs is not None and not self.graphs.emulated
+        return self.attention.description + (", CUDA graphs" if graphs else "")
+
+    def use_attention(self, name: str) -> None:
+        """Switch to the attention backend ``name`` (benchmarks comparing paths on one runner). The
+        decode graphs were captured with the old one: they are dropped."""
+        if name == self.attention.name:
+            return
+        cfg = self.model.config
+        self.attention = select_backend(self.kv, cfg.num_heads, cfg.sliding_window, name)
+        self.model.use_native_kernels(self.attention.native_kernels)
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     @property
     def num_blocks(self) -> int:
@@ -177,7 +190,7 @@ class ModelRunner:
             if s.start_pos + len(s.new_token_ids) > self.max_model_len:
                 raise ValueError(f"{s.start_pos} cached + {len(s.new_token_ids)} new tokens exceed "
                                  f"max_model_len={self.max_model_len}")
-        layout = self.kv.plan([SeqLayout(s.block_table, s.start_pos, len(s.new_token_ids)) for s in seqs])
+        layout = self.attention.plan([SeqLayout(s.block_table, s.start_pos, len(s.new_token_ids)) for s in seqs])
         flat: list[int] = []
         for i in layout.order:
             flat.extend(seqs[i].new_token_ids)
@@ -189,7 +202,7 @@ class ModelRunner:
             hidden = self.graphs.run(flat, layout.positions, layout.slot_mapping, layout.decode_tables,
                                      layout.decode_lens)
         else:
-            hidden = self.model(ids.to(self.device), layout, self.kv)
+            hidden = self.model(ids.to(self.device), layout, self.attention)
 
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         with_prompt = [i for i, s in enumerate(seqs) if s.prompt_logprobs_rows > 0]

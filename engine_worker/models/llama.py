@@ -7,7 +7,8 @@ differences are fields of ``LlamaConfig``.
 
 The model works on one *flattened* batch per step: all tokens of all sequences (prefill chunks
 and decodes mixed) go through each linear layer together as ``[num_tokens, hidden]``; only
-attention looks at sequence boundaries, and that is the KV cache's job (``kv_cache.attend``).
+attention looks at sequence boundaries, and that is the attention backend's job
+(``engine_worker.attention``: ``write_kv`` and ``attend`` over the paged KV cache).
 
 For speed on CPUs the Q/K/V projections are fused into one matrix and gate/up into another: one
 large matmul per step instead of three (or two) smaller ones, and fewer Python-level calls.
@@ -24,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.kv_cache import PagedKVCache, StepLayout
 from engine_worker import cpu_kernels
+from engine_worker.attention import AttentionBackend, StepLayout
 from engine_worker.models.layers import Linear, RMSNorm, RotaryEmbedding, new_weight, apply_rope, onednn_packing_available
 from engine_worker.models.moe import SparseMoE
 
@@ -77,24 +78,26 @@ class LlamaAttention(nn.Module):
         self.native = False
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: PagedKVCache, layout: StepLayout,
-        rope: RotaryEmbedding,
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, attn: AttentionBackend,
+        layout: StepLayout, rope: RotaryEmbedding,
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         qk_heads = self.n_heads + self.n_kv
         if self.native:
             # One native pass: rotate q and k in place, store k and v in the paged cache.
-            cpu_kernels.rope_and_store(qkv, layout.positions, *rope.float_tables(), kv.layer_views[self.layer][0],
-                                       layout.slot_mapping, self.n_heads, self.n_kv, self.head_dim)
+            cpu_kernels.rope_and_store(qkv, layout.positions, *rope.float_tables(),
+                                       attn.cache.layer_views[self.layer][0], layout.slot_mapping, self.n_heads,
+                                       self.n_kv, self.head_dim)
             heads = qkv.view(n, qk_heads + self.n_kv, self.head_dim)
             q, k, v = heads[:, : self.n_heads], heads[:, self.n_heads : qk_heads], heads[:, qk_heads:]
-            return self.o_proj(kv.attend(self.layer, q, k, v, layout, stored=True))
+            return self.o_proj(attn.attend(self.layer, q, k, v, layout))
         # Rotate q and k together: one set of elementwise kernels instead of two.
         qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(n, qk_heads, self.head_dim), cos, signed_sin)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(n, self.n_kv, self.head_dim)
-        return self.o_proj(kv.attend(self.layer, q, k, v, layout))
+        attn.write_kv(self.layer, k, v, layout)
+        return self.o_proj(attn.attend(self.layer, q, k, v, layout))
 
 
 class LlamaMLP(nn.Module):
@@ -127,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor,
-        kv: PagedKVCache, layout: StepLayout, rope: RotaryEmbedding,
+        attn: AttentionBackend, layout: StepLayout, rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``: their sum is the layer's output. Keeping them
         apart lets the next layer fuse the add into its first norm (``RMSNorm.add_forward``)."""
@@ -135,7 +138,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, signed_sin, kv, layout, rope)
+        h = self.self_attn(h, cos, signed_sin, attn, layout, rope)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -159,21 +162,23 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_kernels(self, on: bool) -> None:
         """Run norms, RoPE + KV store and the SwiGLU activation as native CPU kernels
-        (``engine_worker.cpu_kernels``); the runner turns this on with the native decode attention."""
+        (``engine_worker.cpu_kernels``); the runner turns this on when its attention backend says
+        so (``AttentionBackend.native_kernels``)."""
         self.native = on
         for m in self.modules():
             if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP)):
                 m.native = on
 
-    def forward(self, input_ids: torch.Tensor, layout: StepLayout, kv: PagedKVCache) -> torch.Tensor:
-        """Hidden states ``[N, hidden]`` (before the final norm) for the step's flat token batch."""
+    def forward(self, input_ids: torch.Tensor, layout: StepLayout, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states ``[N, hidden]`` (before the final norm) for the step's flat token batch,
+        laid out by ``attn.plan``."""
         x = F.embedding(input_ids, self.embed_weight)
         cos = signed_sin = None
         if not self.native:
             cos, signed_sin = self.rope(layout.positions, self.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, signed_sin, kv, layout, self.rope)
+            x, residual = layer(x, residual, cos, signed_sin, attn, layout, self.rope)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

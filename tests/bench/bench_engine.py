@@ -155,8 +155,7 @@ def _hf_batch(model, work) -> tuple[int, list[float]]:
 
 def set_native(runner: ModelRunner, on: bool) -> None:
     """Switch the native CPU kernels (decode attention and the fused ops) on or off."""
-    runner.kv.use_native = on
-    runner.model.use_native_kernels(on)
+    runner.use_attention("native" if on else "gather")
 
 
 def summarise(tokens: int, wall: float, ttft: list[float], itl: list[float], preemptions: int) -> dict:
@@ -286,7 +285,7 @@ def main() -> None:
             timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
             z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings, in_flight=c if sustained else None)
             h = run_hf(hf, work, dtype, batch=c) if hf is not None else None
-            if args.torch_path and runner.kv.use_native:
+            if args.torch_path and runner.attention.name == "native":
                 set_native(runner, False)
                 z["torch_path_tok_s"] = run_zserve(runner, work, max_c, args.max_num_batched_tokens,
                                                    in_flight=c if sustained else None)["tok_s"]

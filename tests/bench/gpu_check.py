@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import make_workload, run_zserve, set_native  # noqa: E402
+from bench_engine import make_workload, run_zserve  # noqa: E402
 
 from engine_worker.device import resolve_dtype, select_device  # noqa: E402
 from engine_worker.loader import load_model  # noqa: E402
@@ -34,12 +34,8 @@ from zserve.catalog import resolve  # noqa: E402
 
 def engine(loaded, device, dtype, max_seqs: int, variant: str) -> ModelRunner:
     """variant: "gather" (torch path), "triton" (eager), "graphs" (Triton + CUDA graphs)."""
-    runner = ModelRunner(loaded, device, dtype, max_num_seqs=max_seqs, max_model_len=1024,
-                         cuda_graphs=variant == "graphs")
-    if variant == "gather":
-        set_native(runner, False)
-        runner.kv.use_triton = runner.kv.use_flex = False
-    return runner
+    return ModelRunner(loaded, device, dtype, max_num_seqs=max_seqs, max_model_len=1024,
+                       cuda_graphs=variant == "graphs", attention="gather" if variant == "gather" else None)
 
 
 def greedy_tokens(runner: ModelRunner, work) -> list[list[int]]:
@@ -71,7 +67,7 @@ def main() -> int:
         if variant == "graphs" and runner.graphs is None:
             print("  FAIL: CUDA graphs were not enabled (see the warning above)")
             failed = True
-        if variant != "gather" and device.type == "cuda" and not runner.kv.use_triton:
+        if variant != "gather" and device.type == "cuda" and runner.attention.name != "triton":
             print("  FAIL: the Triton kernel failed its self-check")
             failed = True
         runs[variant] = greedy_tokens(runner, work)

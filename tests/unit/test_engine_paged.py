@@ -211,7 +211,7 @@ def test_engine_counters_for_stats(loaded):
 
 def _reference_decode(cache, layer, q, seqs, window=None):
     """Decode attention written out per row and head in float64, from the block tables."""
-    from engine_worker.kv_cache import reference_decode_attention
+    from engine_worker.attention.reference import reference_decode_attention
 
     return reference_decode_attention(q, cache.kv[layer], [s.block_table for s in seqs],
                                       [s.start_pos + 1 for s in seqs], cache.block_size, window)
@@ -230,7 +230,11 @@ def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_
     a float64 reference: shared prefix blocks, partial last blocks, rows of very different lengths,
     grouped-query heads, the step's own new key written first, and a sliding window (Mistral)."""
     from engine_worker import cpu_kernels
-    from engine_worker.kv_cache import PagedKVCache, SeqLayout, flex_decode, flex_decode_mask
+    from engine_worker.attention import SeqLayout, select_backend
+    from engine_worker.attention.flex import flex_decode, flex_decode_mask
+    from engine_worker.attention.gather import GatherBackend
+    from engine_worker.attention.native import NativeBackend
+    from engine_worker.kv_cache import PagedKVCache
 
     if path.startswith("native") and not cpu_kernels.available():
         pytest.skip("native CPU kernels did not build here (no compiler)")
@@ -240,21 +244,21 @@ def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_
         flex = pytest.importorskip("torch.nn.attention.flex_attention")
     g = torch.Generator().manual_seed(head_dim)
     kv, heads, bs, nb = 2, 6, 4, 40
-    cache = PagedKVCache(2, nb, bs, kv, head_dim, dtype, CPU, num_heads=heads, sliding_window=window)
+    cache = PagedKVCache(2, nb, bs, kv, head_dim, dtype, CPU)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
-    assert cache.use_native == cpu_kernels.available()
+    # The CPU picks the native kernel whenever it built, else the gather path; never flex.
+    assert select_backend(cache, heads, window).name == ("native" if cpu_kernels.available() else "gather")
     # Rows 0 and 1 share block 5 (a cached prefix); lengths 1 to 99 keys; the last rows long
     # enough for several 16/32-key chunks of the online softmax.
     seqs = [SeqLayout([5, 2, 9], 9, 1), SeqLayout([5, 7], 5, 1), SeqLayout([0, 1, 3, 4], 13, 1),
             SeqLayout([30], 0, 1), SeqLayout(list(range(10, 35)), 98, 1), SeqLayout([39, 38, 37, 36, 6], 17, 1)]
-    cache.use_native = path.startswith("native")
-    layout = cache.plan(seqs)
-    assert layout.flex is None  # the CPU never plans flex
+    backend = (NativeBackend if path.startswith("native") else GatherBackend)(cache, heads, window)
+    layout = backend.plan(seqs)
     q = torch.randn(len(seqs), heads, head_dim, generator=g).to(dtype)
     k_new = torch.randn(len(seqs), kv, head_dim, generator=g).to(dtype)
     v_new = torch.randn(len(seqs), kv, head_dim, generator=g).to(dtype)
+    backend.write_kv(1, k_new, v_new, layout)  # the new keys first
     if path == "flex":
-        cache.attend(1, q, k_new, v_new, layout)  # stores the new keys
         mask = flex_decode_mask(nb, bs, seqs, [s.start_pos + 1 for s in seqs], CPU)
         import warnings
 
@@ -264,7 +268,7 @@ def test_every_decode_attention_path_reads_what_the_block_tables_say(path, head_
     else:
         cpu_kernels.set_portable_only(path == "native-portable")
         try:
-            got = cache.attend(1, q, k_new, v_new, layout)
+            got = backend.attend(1, q, k_new, v_new, layout)
         finally:
             cpu_kernels.set_portable_only(False)
     assert got.dtype == dtype and got.shape == (len(seqs), heads * head_dim)
@@ -303,25 +307,24 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: it fixes the 
 import torch
 sys.path.insert(0, "tests/unit")
 from test_engine_paged import _reference_decode
-from engine_worker import triton_attention
-from engine_worker.kv_cache import PagedKVCache, SeqLayout
+from engine_worker.attention import SeqLayout, triton
+from engine_worker.kv_cache import PagedKVCache
 
 worst = 0.0
 for head_dim in (16, 64, 128):
     for window in (None, 7):
         g = torch.Generator().manual_seed(head_dim)
-        cache = PagedKVCache(2, 40, 4, 2, head_dim, torch.float32, torch.device("cpu"), num_heads=6,
-                             sliding_window=window)
+        cache = PagedKVCache(2, 40, 4, 2, head_dim, torch.float32, torch.device("cpu"))
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
-        cache.use_native, cache.use_triton = False, True  # plan the int32 tables the kernel reads
+        backend = triton.TritonBackend(cache, 6, window)  # plans the int32 tables the kernel reads
         seqs = [SeqLayout([5, 2, 9], 9, 1), SeqLayout([5, 7], 5, 1), SeqLayout([30], 0, 1),
                 SeqLayout(list(range(10, 35)), 98, 1), SeqLayout([39, 38, 37, 36, 6], 17, 1)]
-        layout = cache.plan(seqs)
+        layout = backend.plan(seqs)
         q = torch.randn(len(seqs), 6, head_dim, generator=g)
-        got = triton_attention.decode_attention(q, cache.kv[1], layout.decode_tables, layout.decode_lens, 4,
-                                                head_dim ** -0.5, window)
+        got = triton.decode_attention(q, cache.kv[1], layout.decode_tables, layout.decode_lens, 4,
+                                      head_dim ** -0.5, window)
         worst = max(worst, (got.double() - _reference_decode(cache, 1, q, seqs, window)).abs().max().item())
-ok = triton_attention.self_check(torch.device("cpu"), torch.float32, 6, 2, 64, 16, None)
+ok = triton.self_check(torch.device("cpu"), torch.float32, 6, 2, 64, 16, None)
 print(worst, ok)
 """
 
@@ -373,9 +376,11 @@ def test_decode_graphs_in_cpu_emulation_give_the_eager_tokens_and_never_hand_out
 
 
 def test_a_block_id_outside_the_pool_is_refused_before_any_kernel_reads_it():
-    from engine_worker.kv_cache import PagedKVCache, SeqLayout
+    from engine_worker.attention import BACKENDS, SeqLayout
+    from engine_worker.kv_cache import PagedKVCache
 
-    cache = PagedKVCache(1, 8, 4, 2, 16, torch.float32, CPU, num_heads=4)
-    for table in ([3, 8], [-1, 2]):
-        with pytest.raises(ValueError, match="outside the pool"):
-            cache.plan([SeqLayout(table, 5, 1)])
+    cache = PagedKVCache(1, 8, 4, 2, 16, torch.float32, CPU)
+    for backend in BACKENDS.values():  # planning needs no kernel: every backend's plan checks
+        for table in ([3, 8], [-1, 2]):
+            with pytest.raises(ValueError, match="outside the pool"):
+                backend(cache, 4).plan([SeqLayout(table, 5, 1)])

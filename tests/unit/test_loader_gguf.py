@@ -114,15 +114,18 @@ def test_gguf_computes_what_the_same_weights_from_a_hf_directory_compute(tmp_pat
 
 
 def _logits(path: Path) -> torch.Tensor:
-    from engine_worker.kv_cache import PagedKVCache, SeqLayout
+    from engine_worker.attention import SeqLayout, select_backend
+    from engine_worker.kv_cache import PagedKVCache
 
     from .test_models_hf import PROMPT
 
     lm = load_model(ModelSource(path.stem, "gguf", str(path), str(path)), torch.float32, torch.device("cpu"))
     cfg = lm.config
-    kv = PagedKVCache(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    attn = select_backend(PagedKVCache(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                                       torch.device("cpu")))
     with torch.inference_mode():
-        return lm.model.compute_logits(lm.model(torch.tensor(PROMPT), kv.plan([SeqLayout([0, 1], 0, len(PROMPT))]), kv))
+        return lm.model.compute_logits(lm.model(torch.tensor(PROMPT), attn.plan([SeqLayout([0, 1], 0, len(PROMPT))]),
+                                                attn))
 
 
 def test_unknown_gguf_architecture_is_refused(tmp_path):

@@ -102,9 +102,11 @@ def test_each_prompt_alone_matches_transformers(loaded, reference):
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_all_prompts_together_match_transformers(loaded, reference, budget, prefix_caching):
     ref_tokens, _ = reference
-    runner = make_runner(loaded, enable_prefix_caching=prefix_caching)
-    if prefix_caching:  # small decode batches use SDPA; here the matmul path large batches take
-        runner.kv.sdpa_max_decode_batch = 0
+    # With the prefix cache: the gather backend and the matmul path its large decode batches take
+    # (small ones use SDPA). Without: the default backend (native CPU kernels where they build).
+    runner = make_runner(loaded, enable_prefix_caching=prefix_caching, attention="gather" if prefix_caching else None)
+    if prefix_caching:
+        runner.attention.sdpa_max_decode_batch = 0
     outs, sched = run(runner, PROMPTS + PROMPTS[:1], budget)  # FRANCE twice: the copy shares its blocks
     for i, o in enumerate(outs):
         assert toks(o) == ref_tokens[i % len(PROMPTS)], f"prompt {i}"

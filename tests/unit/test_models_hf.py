@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_worker.kv_cache import PagedKVCache, SeqLayout
+from engine_worker.attention import SeqLayout, select_backend
+from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
 from engine_worker.scheduler import Scheduler, Sequence, run_until_done
@@ -106,19 +107,18 @@ def source(root: Path) -> ModelSource:
 def our_logits(root: Path) -> torch.Tensor:
     lm = load_model(source(root), torch.float32, CPU)
     cfg = lm.config
-    kv = PagedKVCache(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU,
-                      sliding_window=cfg.sliding_window)
-    layout = kv.plan([SeqLayout([0, 1], 0, len(PROMPT))])
+    kv = PagedKVCache(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
+    attn = select_backend(kv, cfg.num_heads, cfg.sliding_window)
+    layout = attn.plan([SeqLayout([0, 1], 0, len(PROMPT))])
     with torch.inference_mode():
-        return lm.model.compute_logits(lm.model(torch.tensor(PROMPT), layout, kv))
+        return lm.model.compute_logits(lm.model(torch.tensor(PROMPT), layout, attn))
 
 
 def our_greedy(root: Path, n: int, native: bool = True) -> list[int]:
     lm = load_model(source(root), torch.float32, CPU)
-    runner = ModelRunner(lm, CPU, torch.float32, max_num_seqs=2, max_model_len=64, num_blocks=16, block_size=4)
-    if not native:  # the torch path (no compiler here, or CUDA)
-        runner.kv.use_native = False
-        runner.model.use_native_kernels(False)
+    # native=False: the torch path (no compiler here, or CUDA)
+    runner = ModelRunner(lm, CPU, torch.float32, max_num_seqs=2, max_model_len=64, num_blocks=16, block_size=4,
+                         attention=None if native else "gather")
     sched = Scheduler(runner, 2, 5)  # chunked prefill over the paged cache
     # min_tokens masks EOS as transformers' min_new_tokens does
     sched.add(Sequence("r", b"t", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)))

@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
-from engine_worker.kv_cache import PagedKVCache, SeqLayout
+from engine_worker import cpu_kernels
+from engine_worker.attention import SeqLayout, select_backend
+from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
 from engine_worker.scheduler import Scheduler, Sequence, run_until_done
@@ -28,6 +30,13 @@ PROMPTS = [
     [1604],
     [3987, 46477, 24, 94, 727, 472, 585, 304, 2067, 216, 34, 42, 448],
 ]
+
+
+# The attention backends a CPU can run; tests that compare two code paths pick one explicitly, so
+# that the paths they mean to compare are the ones that run.
+CPU_BACKENDS = [pytest.param("native", marks=pytest.mark.skipif(not cpu_kernels.available(),
+                                                                  reason="native CPU kernels did not build here")),
+                "gather"]
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +118,21 @@ def test_mixed_batch_matches_each_sequence_alone(loaded):
         assert_same_steps(got, want, f"prompt {i}")
 
 
-def test_large_decode_batches_attend_like_small_ones(loaded):
-    """Beyond SDPA_MAX_DECODE_BATCH decoders, attention takes the batched-matmul path."""
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_large_decode_batches_attend_like_small_ones(loaded, backend):
+    """A batch of 12 decoders computes what batches of 4 do. On the gather backend that compares
+    two code paths: beyond SDPA_MAX_DECODE_BATCH decoders, attention takes the batched-matmul path."""
     prompts = [PROMPTS[i % len(PROMPTS)][: 1 + i] + [7 + i] for i in range(12)]
-    small = generate(make_runner(loaded, max_num_seqs=12, num_blocks=96), prompts[:4] + prompts[4:8], budget=512)
-    runner = make_runner(loaded, max_num_seqs=12, num_blocks=96)
-    assert runner.kv.sdpa_max_decode_batch < 12
+    small = generate(make_runner(loaded, max_num_seqs=12, num_blocks=96, attention=backend),
+                     prompts[:4] + prompts[4:8], budget=512)
+    runner = make_runner(loaded, max_num_seqs=12, num_blocks=96, attention=backend)
+    assert runner.attention.name == backend
+    if backend == "gather":
+        assert runner.attention.sdpa_max_decode_batch < 12
     large = generate(runner, prompts)
     for i in range(8):
         assert_same_steps(large[i], small[i], f"prompt {i}")
-    alone = generate(make_runner(loaded), prompts[11:])[0]
+    alone = generate(make_runner(loaded, attention=backend), prompts[11:])[0]
     assert_same_steps(large[11], alone)
 
 
@@ -129,16 +143,31 @@ def test_chunked_prefill_equals_whole_prefill(loaded):
         assert_same_steps(generate(make_runner(loaded), [prompt], budget=budget)[0], whole, f"budget {budget}")
 
 
-def test_scattered_blocks_read_like_consecutive_ones(loaded):
-    """A request whose blocks are not consecutive in the pool (the gather path) computes what a
-    lone request on consecutive blocks (the view path) computes."""
-    want = generate(make_runner(loaded), [PROMPTS[1]])[0]
-    runner = make_runner(loaded, enable_prefix_caching=False)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_scattered_blocks_read_like_consecutive_ones(loaded, backend):
+    """A request whose blocks are not consecutive in the pool computes what a lone request on
+    consecutive blocks computes: on the gather backend, the gather path against the view path."""
+    def spy_on_plans(runner: ModelRunner) -> list[bool]:
+        """Per decode step on the gather backend: whether it read a view (True) or gathered."""
+        views: list[bool] = []
+        if backend == "gather":
+            original = runner.attention.gather_plan
+            runner.attention.gather_plan = lambda seqs: views.append(original(seqs).view is not None) or original(seqs)
+        return views
+
+    consecutive = make_runner(loaded, attention=backend)
+    want_views = spy_on_plans(consecutive)
+    want = generate(consecutive, [PROMPTS[1]])[0]
+    runner = make_runner(loaded, enable_prefix_caching=False, attention=backend)
+    assert runner.attention.name == backend
+    got_views = spy_on_plans(runner)
     bm = runner.block_manager
     hold = bm.allocate(10)
     bm.free(hold[::2])  # free blocks 0, 2, 4, ...: the request gets every other block
     got = generate(runner, [PROMPTS[1]])[0]
     assert_same_steps(got, want)
+    if backend == "gather":  # the two paths this test compares did run (a lone first block is a view too)
+        assert want_views and all(want_views) and False in got_views
 
 
 def test_seeded_sampling_repeats_and_differs_by_seed(loaded):
@@ -151,10 +180,10 @@ def test_seeded_sampling_repeats_and_differs_by_seed(loaded):
 
 def _prefill_logits(lm, prompt: list[int]) -> torch.Tensor:
     cfg = lm.config
-    kv = PagedKVCache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
-    layout = kv.plan([SeqLayout([0, 1], 0, len(prompt))])
+    attn = select_backend(PagedKVCache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU))
+    layout = attn.plan([SeqLayout([0, 1], 0, len(prompt))])
     with torch.inference_mode():
-        return lm.model.compute_logits(lm.model(torch.tensor(prompt), layout, kv))
+        return lm.model.compute_logits(lm.model(torch.tensor(prompt), layout, attn))
 
 
 def test_packed_cpu_weights_compute_what_plain_weights_do():

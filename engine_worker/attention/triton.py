@@ -1,4 +1,4 @@
-"""Paged decode attention for CUDA in Triton: the GPU twin of ``cpu_kernels.decode_attention``.
+"""Decode attention on CUDA with a paged Triton kernel: the GPU twin of the native CPU kernel.
 
 One program per (sequence, KV head) reads that row's keys and values in place through its block
 table, in chunks of ``BLOCK_N`` keys with an online softmax, for the G query heads that share
@@ -8,7 +8,8 @@ FlexAttention path (a block mask rebuilt on the host every step) cannot.
 
 Triton ships with torch's CUDA builds. The same kernel runs on CPU tensors under Triton's
 interpreter (``TRITON_INTERPRET=1``), which is how the tests check it on machines without a GPU;
-on a GPU, ``self_check`` compares it once with the gather path before the engine trusts it.
+on a GPU, ``self_check`` compares it once with ``reference_decode_attention`` before the engine
+trusts it (``TritonBackend.unavailable``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ import logging
 
 import torch
 
+from engine_worker.attention.base import PagedKernelBackend
+from engine_worker.attention.layout import StepLayout
+from engine_worker.attention.reference import reference_decode_attention
+from engine_worker.kv_cache import PagedKVCache
+
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "decode_attention", "self_check"]
+__all__ = ["TritonBackend", "available", "decode_attention", "self_check"]
 
 
 @functools.cache
@@ -111,8 +117,6 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
                block_size: int, window: int | None) -> bool:
     """Run the kernel once on random data against plain torch; False (and a warning) on any
     error or mismatch, so that a GPU/Triton combination nobody tested falls back, not corrupts."""
-    from engine_worker.kv_cache import reference_decode_attention  # (kv_cache imports this module)
-
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
         nb, lens_list = 12, [1, 7, 40]
@@ -132,3 +136,23 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
         log.warning("Triton decode attention failed its self-check (%s): not used", e)
         return False
 
+
+
+class TritonBackend(PagedKernelBackend):
+    name = "triton"
+    description = "Triton paged kernel"
+
+    @classmethod
+    def unavailable(cls, cache: PagedKVCache, num_heads: int, window: int | None) -> str | None:
+        if cache.device.type != "cuda":
+            return "not a CUDA device"
+        if not available():
+            return "Triton does not import"
+        if not self_check(cache.device, cache.dtype, num_heads, cache.num_kv_heads, cache.head_dim,
+                          cache.block_size, window):
+            return "failed its self-check (see above)"
+        return None
+
+    def _decode(self, layer: int, q: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        return decode_attention(q, self.cache.layer_views[layer][0], layout.decode_tables, layout.decode_lens,
+                                self.cache.block_size, q.shape[-1] ** -0.5, self.window)
