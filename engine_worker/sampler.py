@@ -96,6 +96,10 @@ class Sampler:
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
+    def seed_shared(self, seed: int) -> None:
+        """Make unseeded requests reproducible (``--seed``): the shared generator starts from ``seed``."""
+        self._shared.manual_seed(seed)
+
     def make_generator(self, seed: int) -> torch.Generator:
         """A fresh generator for a seeded request: the same seed always gives the same draws."""
         g = torch.Generator(device=self.device)

@@ -34,8 +34,11 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_DRAINING
+from protocol.control import Heartbeat, Ready
 from zserve.catalog import ModelSource
-from zserve.proc import StatusPipe, die_with_parent, ignore_terminal_signals, set_title, setup_logging
+from zserve.config import EngineConfig
+from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 
 from .scheduler import Scheduler, Sequence
 
@@ -78,7 +81,7 @@ class EngineServer:
             if e.request_id is not None:
                 self.send(client, StepOutputs(self.rank, (RequestOutput(e.request_id, (), "error", error=f"bad request frame: {e}"),)))
             else:
-                self.send(client, ErrorMessage("bad_frame", str(e)[:4000]))
+                self.send(client, ErrorMessage(ERR_BAD_FRAME, str(e)[:4000]))
             return
         self.clients[client] = time.monotonic()
         if isinstance(msg, AddRequest):
@@ -96,7 +99,7 @@ class EngineServer:
 
     def add(self, client: bytes, msg: AddRequest) -> None:
         if self.draining:  # hand it back: the gateway sends it to another engine
-            self.send(client, ErrorMessage("engine_draining", f"engine {self.rank} is draining", msg.request_id))
+            self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} is draining", msg.request_id))
             return
         vocab = self.runner.vocab_size
         bad = next((t for t in msg.prompt_token_ids if t >= vocab), None)
@@ -200,8 +203,9 @@ def _heartbeat(server: EngineServer, status: StatusPipe, interval: float) -> Non
     while True:
         if server.alive():
             s = server.scheduler
-            status.send("heartbeat", running=len(s.running), waiting=len(s.waiting),
-                        kv_used=round(float(server.runner.kv_used), 4), draining=server.draining)
+            status.send(Heartbeat(running=len(s.running), waiting=len(s.waiting),
+                                  kv_used=min(1.0, max(0.0, round(float(server.runner.kv_used), 4))),
+                                  draining=server.draining))
         time.sleep(interval)
 
 
@@ -217,25 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc:///run/zserve/engine-0.sock")
     p.add_argument("--model-source", required=True, help="JSON from zserve.catalog.ModelSource.to_json()")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--device", type=int, default=None, help="CUDA device index (None: the default choice)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one step (decodes + prompt chunks)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache size: bytes (2GiB, 512MB, 1073741824) or a fraction of free device memory "
-                        "(0.3); default: max-num-seqs full-length requests, at most 25%% of free memory")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of shared prompt prefixes across requests")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--config", default=None, help="JSON from zserve.config.EngineConfig.to_json() (default: defaults)")
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
     p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor (unused by engines)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     a = p.parse_args(argv)
+    try:
+        cfg = EngineConfig.from_json(a.config) if a.config else EngineConfig()
+    except (ValueError, TypeError) as e:
+        p.error(f"--config: {e}")
 
     die_with_parent(a.parent_pid)
     ignore_terminal_signals()
@@ -248,24 +244,28 @@ def main(argv: list[str] | None = None) -> None:
 
     source = ModelSource.from_json(orjson.loads(a.model_source))
     device = select_device(a.device)
-    dtype = resolve_dtype(a.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cpu":
-        configure_cpu_threads(a.threads)
+        configure_cpu_threads(cfg.threads)
     t0 = time.monotonic()
     loaded = load_model(source, dtype, device, progress=_progress)
-    max_model_len = min(a.max_model_len, loaded.config.max_position_embeddings)
-    kv_bytes = parse_memory(a.kv_cache_memory, device) if a.kv_cache_memory is not None else None
-    runner = ModelRunner(loaded, device, dtype, a.max_num_seqs, max_model_len, block_size=a.block_size,
-                         kv_cache_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching,
-                         cuda_graphs=False if a.enforce_eager else None)
-    log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s; attention: %s", a.rank,
-             runner.num_blocks, a.block_size, runner.kv_cache_bytes / (1 << 20),
-             "on" if a.enable_prefix_caching else "off", runner.attention_backend)
-    scheduler = Scheduler(runner, a.max_num_seqs, max(a.max_num_batched_tokens, a.max_num_seqs))
+    max_model_len = min(cfg.max_model_len, loaded.config.max_position_embeddings)
+    status = StatusPipe(a.status_fd)
+    with boot_phase(status, f"engine {a.rank}"):  # e.g. a KV cache too small for one request: exit EXIT_BOOT_ERROR
+        kv_bytes = parse_memory(cfg.kv_cache_memory, device) if cfg.kv_cache_memory is not None else None
+        runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs, max_model_len, block_size=cfg.block_size,
+                             kv_cache_bytes=kv_bytes, enable_prefix_caching=cfg.enable_prefix_caching,
+                             cuda_graphs=False if cfg.enforce_eager else None)
+    if cfg.seed is not None:
+        runner.sampler.seed_shared(cfg.seed + a.rank)
+    log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s", a.rank,
+             runner.num_blocks, cfg.block_size, runner.kv_cache_bytes / (1 << 20),
+             "on" if cfg.enable_prefix_caching else "off")
+    scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
     hello = EngineHello(
         rank=a.rank,
         model_id=source.model_id,
-        max_num_seqs=a.max_num_seqs,
+        max_num_seqs=cfg.max_num_seqs,
         max_model_len=max_model_len,
         vocab_size=runner.vocab_size,
         eos_token_ids=tuple(runner.eos_token_ids),
@@ -276,9 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
     log.info("engine %d ready: %s on %s (%s) in %.1fs, endpoint %s", a.rank, source.model_id, device, hello.dtype,
              time.monotonic() - t0, a.endpoint)
-    status = StatusPipe(a.status_fd)
     signal.signal(signal.SIGTERM, server.start_draining)
     threading.Thread(target=_heartbeat, args=(server, status, a.heartbeat_interval), daemon=True,
                      name="heartbeat").start()
-    status.send("ready", rank=a.rank, endpoint=a.endpoint, device=hello.device, dtype=hello.dtype)
+    status.send(Ready(index=a.rank, endpoint=a.endpoint, device=hello.device, dtype=hello.dtype))
     server.serve_forever()

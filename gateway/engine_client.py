@@ -40,11 +40,12 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.constants import ERR_ENGINE_DRAINING
 from zserve.cluster import ClusterState
 
 log = logging.getLogger("zserve.gateway.engines")
 
-DRAINING = "engine_draining"
+DRAINING = ERR_ENGINE_DRAINING
 MAX_HANDBACKS = 8
 DISCONNECT_GRACE = 0.2  # seconds; well inside the 1 s in which a dead engine's requests must end
 

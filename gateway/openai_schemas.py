@@ -11,12 +11,13 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from protocol.constants import MAX_LOGIT_BIAS
+
 from .errors import bad_request
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_LEN = 1024
-MAX_LOGIT_BIAS = 1024
 
 
 class StreamOptions(BaseModel):

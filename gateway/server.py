@@ -21,20 +21,22 @@ import orjson
 import uvloop
 from aiohttp import web
 
+from protocol import ProtocolError
+from protocol.constants import EXIT_CUT_OFF
+from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready, decode_line
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
 from zserve.proc import StatusPipe, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 
 from .app import build_app
+from .config import GatewayConfig
 from .engine_client import EngineClient
 from .state import GatewayState, load_text
-from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, open_store
+from .store import open_store
 from .text.reasoning import get_reasoning_parser
 from .text.tool_parsers import get_tool_parser
 
 log = logging.getLogger("zserve.gateway")
-
-EXIT_CUT_OFF = 3
 
 
 class ControlReader:
@@ -42,7 +44,7 @@ class ControlReader:
 
     def __init__(self, fd: int, state_cb):
         self.fd = fd
-        self.buf = b""
+        self.lines = LineBuffer()
         self.cb = state_cb
         self.queue: asyncio.Queue[ClusterState] = asyncio.Queue()
 
@@ -54,15 +56,19 @@ class ControlReader:
         if not data:  # the supervisor is gone; PDEATHSIG will end us
             asyncio.get_running_loop().remove_reader(self.fd)
             return
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
+        try:
+            lines = self.lines.feed(data)
+        except ProtocolError as e:
+            log.warning("dropped a control line from the supervisor: %s", e)
+            return
         for line in lines:
             try:
-                msg = orjson.loads(line)
-                if msg.get("event") == "cluster":
-                    self.queue.put_nowait(ClusterState.from_json(msg["state"]))
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                log.warning("unreadable control line from the supervisor: %s", e)
+                msg = decode_line(line, PIPE_COMMANDS)
+            except ProtocolError as e:
+                log.warning("dropped an unreadable control line from the supervisor: %s", e)
+                continue
+            if isinstance(msg, ClusterUpdate):
+                self.queue.put_nowait(msg.state)
 
     async def run(self) -> None:
         while True:
@@ -75,18 +81,19 @@ async def serve(a: argparse.Namespace) -> int:
     source = ModelSource.from_json(orjson.loads(a.model_source))
     tokenizer, template = await loop.run_in_executor(None, load_text, source, a.cache_dir)
     engines = EngineClient(a.engine or [], client_id=f"gw{a.index}-{os.getpid()}")
-    names = a.served_model_name or [source.model_id]
+    cfg: GatewayConfig = a.config
+    names = list(cfg.served_model_names) or [source.model_id]
     state = GatewayState(a.index, source, names, tokenizer, template, engines, control_socket=a.control_socket,
-                         tool_parser=get_tool_parser(a.tool_call_parser) if a.tool_call_parser else None,
-                         reasoning_parser=get_reasoning_parser(a.reasoning_parser) if a.reasoning_parser else None,
-                         responses=open_store(a.state_url, a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
-                                              ttl_s=a.responses_ttl, max_items=a.responses_max_items))
+                         tool_parser=get_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None,
+                         reasoning_parser=get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None,
+                         responses=open_store(cfg.state_url, a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
+                                              ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items))
     tasks: list[asyncio.Task] = []
 
     async def apply(cluster: ClusterState) -> None:
         await engines.apply_cluster(cluster)
         state.cluster = cluster
-        status.send("ack", version=cluster.version)
+        status.send(Ack(cluster.version))
 
     if a.control_fd is not None:
         reader = ControlReader(a.control_fd, apply)
@@ -98,7 +105,7 @@ async def serve(a: argparse.Namespace) -> int:
 
     async def heartbeat() -> None:
         while True:
-            status.send("heartbeat", in_flight=engines.in_flight, draining=state.draining)
+            status.send(Heartbeat(in_flight=engines.in_flight, draining=state.draining))
             await asyncio.sleep(a.heartbeat_interval)
 
     tasks.append(asyncio.create_task(heartbeat()))
@@ -110,7 +117,7 @@ async def serve(a: argparse.Namespace) -> int:
     site = web.SockSite(runner, sock)
     await site.start()
     log.info("gateway %d serving on %s", a.index, sock.getsockname())
-    status.send("ready", index=a.index)
+    status.send(Ready(index=a.index))
 
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True, help="inherited listening socket")
     p.add_argument("--engine", action="append", default=None, help="engine endpoint, when not told by a supervisor")
     p.add_argument("--model-source", required=True)
-    p.add_argument("--served-model-name", action="append", default=None)
+    p.add_argument("--config", default=None, help="JSON from gateway.config.GatewayConfig.to_json() (default: defaults)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--engine-timeout", type=float, default=600.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -160,13 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
     p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor")
-    p.add_argument("--tool-call-parser", default=None)
-    p.add_argument("--reasoning-parser", default=None)
-    p.add_argument("--state-url", default=None, help="shared state (stored responses): sqlite:///PATH or redis://")
     p.add_argument("--responses-db", default=None, help="the SQLite file every gateway of this host shares")
-    p.add_argument("--responses-ttl", type=float, default=DEFAULT_TTL_S)
-    p.add_argument("--responses-max-items", type=int, default=DEFAULT_MAX_ITEMS)
     a = p.parse_args(argv)
+    try:
+        a.config = GatewayConfig.from_json(a.config) if a.config else GatewayConfig()
+    except (ValueError, TypeError) as e:
+        p.error(f"--config: {e}")
     die_with_parent(a.parent_pid)
     ignore_terminal_signals()
     set_title(f"zserve: gateway {a.index}")

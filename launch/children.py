@@ -3,7 +3,9 @@
 A *slot* is a position in a tier (gateway 1, engine 0): it outlives the processes that fill it,
 and remembers their failures so restarts back off and a crash loop is noticed. Each child has
 two pipes: *status* (child → supervisor: ready, heartbeats, acks; EOF = the child is gone) and
-*control* (supervisor → child: the cluster state).
+*control* (supervisor → child: the cluster state), each carrying the typed lines of
+``protocol.control``. Children run with ``faulthandler`` on, so the SIGABRT a hung child gets
+before SIGKILL leaves every thread's traceback in the log.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import orjson
+from protocol.control import ControlMessage, Heartbeat, LineBuffer, encode_line
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -72,9 +74,11 @@ class Child:
     draining: bool = False
     drain_started: float | None = None
     killed_hung: bool = False
+    aborted_at: float | None = None  # when a hung child got SIGABRT (SIGKILL follows after a grace period)
     acked_version: int = -1
-    info: dict = field(default_factory=dict)  # the last heartbeat's payload (load, in-flight)
-    buf: bytes = b""
+    load: Heartbeat | None = None  # the last heartbeat (load, in-flight)
+    boot_error: str | None = None  # why it cannot start, from its BootFailed message
+    lines: LineBuffer = field(default_factory=LineBuffer)
 
     @property
     def tier(self) -> str:
@@ -108,12 +112,12 @@ class Child:
             return "draining"
         return "ready" if self.ready else "starting"
 
-    def send(self, msg: dict) -> bool:
+    def send(self, msg: ControlMessage) -> bool:
         """Write one control line; False if the child can no longer read it."""
         if self.control_fd < 0:
             return False
         try:
-            os.write(self.control_fd, orjson.dumps(msg) + b"\n")
+            os.write(self.control_fd, encode_line(msg))
             return True
         except (BlockingIOError, BrokenPipeError, OSError):
             return False
@@ -142,7 +146,7 @@ def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = 
     cmd = [sys.executable, "-m", module, *args, "--status-fd", str(status_w), "--control-fd", str(control_r),
            "--parent-pid", str(os.getpid())]
     proc = subprocess.Popen(cmd, pass_fds=(status_w, control_r, *pass_fds), start_new_session=True,
-                            preexec_fn=_child_setup, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            preexec_fn=_child_setup, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
                             stdin=subprocess.DEVNULL)
     os.close(status_w)
     os.close(control_r)

@@ -6,24 +6,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import re
 import sys
 import time
+from typing import TypeVar
 
 import click
 
+from protocol import ProtocolError
+from protocol.control import (
+    ControlMessage,
+    ErrorReply,
+    ScaleCommand,
+    ScaleReply,
+    StatusCommand,
+    StatusReply,
+    StopCommand,
+    StopReply,
+)
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, resolve
-from gateway.store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
+from gateway.config import GatewayConfig
 from gateway.text.reasoning import REASONING_PARSERS
 from gateway.text.tool_parsers import TOOL_PARSERS
 from zserve.proc import set_title, setup_logging
-from zserve.registry import Registry
+from zserve.config import DTYPES, EngineConfig
 
 from .sockets import ListenError
 from .supervisor import ServeConfig, StartupError, Supervisor
+
+T = TypeVar("T")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,55 +45,65 @@ def main() -> None:
     """zserve: serve language models over OpenAI-compatible HTTP."""
 
 
+_ENGINE = EngineConfig()  # the defaults shown in --help come from the configuration itself
+_GATEWAY = GatewayConfig()
+
+
 @main.command("api-server")
 @click.option("--count", type=click.IntRange(1, 256), default=1, show_default=True, help="Gateway (HTTP) processes.")
 @click.option("--engines", type=click.IntRange(1, 64), default=1, show_default=True, help="Engine worker processes.")
 @click.option("--model", default=DEFAULT_CHAT_MODEL, show_default=True,
               help="Model id from the catalog, 'tiny-random', a .gguf file or an HF directory.")
-@click.option("--served-model-name", multiple=True, help="Name(s) clients use for the model (default: the model id).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(1, 4096), default=32, show_default=True,
-              help="Sequences an engine runs at once.")
-@click.option("--max-model-len", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
-              help="Context length (prompt + output) per sequence.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(1, 1 << 20), default=512, show_default=True,
-              help="Token budget of one engine step (chunked prefill).")
-@click.option("--block-size", type=click.IntRange(1, 1024), default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--kv-cache-memory", default=None, callback=lambda ctx, p, v: _memory(v),
-              help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3).")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
-              help="Reuse KV blocks of shared prompt prefixes across requests.")
-@click.option("--enforce-eager", is_flag=True, default=False,
-              help="CUDA: never capture decode steps as CUDA graphs (they are on by default).")
-@click.option("--engine-threads", type=click.IntRange(1, 1024), default=None, help="CPU threads per engine.")
 @click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
               help="Seconds a process may take to become ready.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
               help="Seconds in-flight requests may take to finish on SIGTERM or scale-down.")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
               help="A process silent for this long is hung and gets replaced.")
-@click.option("--tool-call-parser", default=None, callback=lambda ctx, p, v: _parser(v, TOOL_PARSERS, p),
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+# -- engine tier: each option is a field of zserve.config.EngineConfig (named after it) --------------
+@click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True)
+@click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
+              help="Sequences an engine runs at once.")
+@click.option("--max-model-len", type=int, default=_ENGINE.max_model_len, show_default=True,
+              help="Context length (prompt + output) per sequence.")
+@click.option("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens, show_default=True,
+              help="Token budget of one engine step (chunked prefill).")
+@click.option("--block-size", type=int, default=_ENGINE.block_size, show_default=True, help="Tokens per KV block.")
+@click.option("--kv-cache-memory", default=_ENGINE.kv_cache_memory,
+              help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=_ENGINE.enable_prefix_caching,
+              show_default=True, help="Reuse KV blocks of shared prompt prefixes across requests.")
+@click.option("--enforce-eager", is_flag=True, default=_ENGINE.enforce_eager,
+              help="CUDA: never capture decode steps as CUDA graphs (they are on by default).")
+@click.option("--threads", "--engine-threads", type=int, default=_ENGINE.threads,
+              help="CPU threads per engine (default: the cores divided among the engines).")
+@click.option("--seed", type=int, default=_ENGINE.seed,
+              help="Seed of the generator unseeded requests sample from (engine rank r uses seed + r), so a run "
+                   "can be repeated; default: a fresh seed from the OS.")
+# -- gateway tier: each option is a field of gateway.config.GatewayConfig ----------------------------
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="Name(s) clients use for the model (default: the model id).")
+@click.option("--tool-call-parser", default=_GATEWAY.tool_call_parser,
               help=f"Turn model output into tool calls: {TOOL_PARSERS.names()}. Without it, requests "
                    "with tools are refused.")
-@click.option("--reasoning-parser", default=None, callback=lambda ctx, p, v: _parser(v, REASONING_PARSERS, p),
+@click.option("--reasoning-parser", default=_GATEWAY.reasoning_parser,
               help=f"Split reasoning from the answer: {REASONING_PARSERS.names()}.")
-@click.option("--state-url", default=None, callback=lambda ctx, p, v: _state_url(v),
+@click.option("--state-url", default=_GATEWAY.state_url,
               help="State every gateway shares (stored responses): redis://HOST:PORT/DB for several hosts, or "
                    "sqlite:///PATH. Default: a SQLite file in the private run directory.")
-@click.option("--responses-ttl", type=click.FloatRange(1, 365 * 86400), default=None,
-              help=f"Seconds a stored response is kept  [default: {DEFAULT_TTL_S:.0f}]")
-@click.option("--responses-max-items", type=click.IntRange(1, 10**8), default=None,
-              help=f"Most stored responses kept; the oldest go first  [default: {DEFAULT_MAX_ITEMS}]")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def api_server(count: int, engines: int, model: str, served_model_name: tuple[str, ...], host: str, port: int,
-               dtype: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
-               kv_cache_memory: str | None, enable_prefix_caching: bool, enforce_eager: bool, engine_threads: int | None,
-               ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float, tool_call_parser: str | None,
-               reasoning_parser: str | None, state_url: str | None, responses_ttl: float | None,
-               responses_max_items: int | None, log_level: str) -> None:
+@click.option("--responses-ttl", type=float, default=_GATEWAY.responses_ttl, show_default=True,
+              help="Seconds a stored response is kept after its last change.")
+@click.option("--responses-max-items", type=int, default=_GATEWAY.responses_max_items, show_default=True,
+              help="Most stored responses kept; the oldest go first.")
+def api_server(count: int, engines: int, model: str, host: str, port: int, ready_timeout: float,
+               shutdown_timeout: float, heartbeat_timeout: float, log_level: str, **tier_options) -> None:
     """Serve MODEL over HTTP with COUNT gateways in front of ENGINES engine workers."""
+    engine = _tier_config(EngineConfig, tier_options)
+    gateway = _tier_config(GatewayConfig, tier_options)
+    assert not tier_options, f"options without a configuration field: {sorted(tier_options)}"
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
@@ -87,16 +111,9 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
         source = resolve(model)
     except ModelNotFound as e:
         raise click.BadParameter(str(e), param_hint="--model") from None
-    cfg = ServeConfig(source=source, host=host, port=port, gateways=count, engines=engines, dtype=dtype,
-                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                      kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                      enforce_eager=enforce_eager,
-                      served_model_names=list(served_model_name),
-                      engine_threads=engine_threads, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
-                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4),
-                      tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, state_url=state_url,
-                      responses_ttl=responses_ttl, responses_max_items=responses_max_items)
+    cfg = ServeConfig(source=source, engine=engine, gateway=gateway, host=host, port=port, gateways=count,
+                      engines=engines, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
+                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
     sup = Supervisor(cfg)
     code = 0
     try:
@@ -114,47 +131,34 @@ def api_server(count: int, engines: int, model: str, served_model_name: tuple[st
     sys.exit(code)
 
 
-_MEMORY = re.compile(r"^(\d+(\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?$", re.I)
+def _tier_config(cls: type[T], options: dict) -> T:
+    """Build a tier's configuration from the click options named after its fields (taking them out
+    of ``options``); its own checks become usage errors that name the option."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values = {k: options.pop(k) for k in list(options) if k in names}
+    try:
+        return cls(**values)
+    except ValueError as e:
+        field = next((n for n in names if str(e).startswith(n)), None)
+        message = f"--{field.replace('_', '-')}{str(e)[len(field):]}" if field else str(e)
+        raise click.UsageError(message) from None
 
 
-def _memory(value: str | None) -> str | None:
-    """Check a --kv-cache-memory value here, so a typo fails at once instead of crash-looping engines."""
-    if value is None:
-        return None
-    m = _MEMORY.match(value.strip())
-    if not m or float(m.group(1)) <= 0 or (m.group(3) is None and "." in m.group(1) and float(m.group(1)) > 1):
-        raise click.BadParameter(f"{value!r}: expected bytes (2GiB, 512MB, 1073741824) or a fraction like 0.3",
-                                 param_hint="--kv-cache-memory")
-    return value.strip()
-
-
-def _parser(value: str | None, registry: Registry, param: click.Parameter) -> str | None:
-    """Unknown parser names fail here, listing the valid ones, instead of in every gateway."""
-    if value is not None:
-        try:
-            registry.create(value)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param=param) from None
-    return value
-
-
-def _state_url(value: str | None) -> str | None:
-    if value is not None:
-        try:
-            check_store_url(value)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--state-url") from None
-    return value
-
-
-def _ask(port: int, cmd: dict, timeout: float = 30.0) -> dict:
+def _ask(port: int, cmd: ControlMessage, expect: type[ControlMessage], timeout: float = 30.0) -> ControlMessage:
+    """Send one command to the server on ``port``; return its reply of type ``expect`` or fail with its error."""
     try:
         reply = control.request(control.find_control_socket(port), cmd, timeout)
-    except (ConnectionError, OSError) as e:
+    except (ConnectionError, OSError, ProtocolError) as e:
         raise click.ClickException(str(e)) from None
-    if not reply.get("ok"):
-        raise click.ClickException(reply.get("error", "the supervisor refused"))
+    if isinstance(reply, ErrorReply):
+        raise click.ClickException(reply.error)
+    if not isinstance(reply, expect):
+        raise click.ClickException(f"the supervisor answered {reply.TYPE} to {cmd.TYPE}")
     return reply
+
+
+def _status(port: int) -> StatusReply:
+    return _ask(port, StatusCommand(), StatusReply)  # type: ignore[return-value]
 
 
 port_option = click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
@@ -169,13 +173,12 @@ port_option = click.option("--port", type=click.IntRange(1, 65535), default=8000
 @click.option("--timeout", type=float, default=600, show_default=True)
 def scale(tier: str, count: int, port: int, wait: bool, timeout: float) -> None:
     """Scale the gateway (api-server) or engine tier to COUNT processes while serving."""
-    _ask(port, {"cmd": "scale", "tier": tier, "count": count})
+    _ask(port, ScaleCommand(tier, count), ScaleReply)
     name = "gateway" if tier == "api-server" else "engine"
     deadline = time.monotonic() + timeout
     while wait:
-        procs = _ask(port, {"cmd": "status"})["processes"]
-        mine = [p for p in procs if p["tier"] == name]
-        if len([p for p in mine if p["state"] == "ready"]) == count and len(mine) == count:
+        mine = [p for p in _status(port).processes if p.tier == name]
+        if len([p for p in mine if p.state == "ready"]) == count and len(mine) == count:
             break
         if time.monotonic() > deadline:
             raise click.ClickException(f"the {name} tier did not reach {count} ready processes in {timeout:.0f}s")
@@ -188,7 +191,8 @@ def scale(tier: str, count: int, port: int, wait: bool, timeout: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 def status(port: int, as_json: bool) -> None:
     """Print every process of a running server: tier, index, pid, state, restarts, uptime, load."""
-    st = _ask(port, {"cmd": "status"})
+    reply = _status(port)
+    st = reply.to_wire()
     if as_json:
         import orjson
 
@@ -214,5 +218,5 @@ def status(port: int, as_json: bool) -> None:
 @port_option
 def stop(port: int) -> None:
     """Drain and stop a running server (like SIGTERM to its supervisor)."""
-    _ask(port, {"cmd": "stop"})
+    _ask(port, StopCommand(), StopReply)
     click.echo("stopping")

@@ -1,11 +1,14 @@
 """The supervisor: a reconcile loop over two tiers of processes (gunicorn's arbiter is the model).
 
 Each turn of the loop waits for something to happen — a status line from a child, a control
-command, a signal, or a one-second tick — then:
+command (``control_server``), a signal, or a one-second tick; each selector key carries the
+callback that handles it — then:
 
 1. reaps children that exited (an unexpected exit is a failure of its slot: backoff, crash-loop
-   detection, cleanup of its ipc socket and metric files);
-2. kills children whose heartbeats stopped (hung), which step 1 then replaces;
+   detection, cleanup of its ipc socket and metric files; a boot error — a configuration that can
+   never start — stops the supervisor at once);
+2. aborts children whose heartbeats stopped (hung: SIGABRT, so faulthandler logs where they hang,
+   then SIGKILL), which step 1 then replaces;
 3. starts or drains processes until each tier has its desired count;
 4. publishes the cluster state (engine membership, pause) to every gateway when it changed.
 
@@ -26,23 +29,50 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from functools import partial
 
 import orjson
 
+from protocol import ProtocolError
+from protocol.constants import EXIT_BOOT_ERROR, EXIT_CUT_OFF
+from protocol.control import (
+    PIPE_EVENTS,
+    Ack,
+    BootFailed,
+    ClusterUpdate,
+    ControlMessage,
+    ErrorReply,
+    Heartbeat,
+    PauseCommand,
+    PauseReply,
+    ProcessStatus,
+    Ready,
+    ResumeCommand,
+    ScaleCommand,
+    ScaleReply,
+    StatusCommand,
+    StatusReply,
+    StopCommand,
+    StopReply,
+    decode_line,
+)
 from zserve import control
+from gateway.config import GatewayConfig
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterStore, EngineInfo
+from zserve.config import EngineConfig
 from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import user_cache_dir
 
 from . import systemd
 from .children import Child, Slot, spawn
+from .control_server import AwaitAcks, ControlServer
 from .sockets import create_listener
 
 log = logging.getLogger("zserve.launch")
 
 TIERS = ("engine", "gateway")
-EXIT_CUT_OFF = 3  # a gateway's exit code when the shutdown timeout cut requests off
+ABORT_GRACE = 3.0  # seconds a hung child has to write its traceback after SIGABRT before SIGKILL
 
 
 class StartupError(RuntimeError):
@@ -55,40 +85,19 @@ class TierFailed(RuntimeError):
 
 @dataclass
 class ServeConfig:
+    """One server: the model, each tier's configuration, and the supervisor's own settings."""
+
     source: ModelSource
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     gateways: int = 2
     engines: int = 1
-    dtype: str = "auto"
-    max_num_seqs: int = 32
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_cache_memory: str | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # CUDA: no decode graphs
-    served_model_names: list[str] = field(default_factory=list)
-    engine_threads: int | None = None
     ready_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     heartbeat_timeout: float = 30.0
     heartbeat_interval: float = 1.0
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    state_url: str | None = None  # shared state across hosts (redis://); default: SQLite in the run directory
-    responses_ttl: float | None = None  # seconds a stored response lives (None: the store's default)
-    responses_max_items: int | None = None
-
-
-@dataclass
-class PendingReply:
-    """A control request answered once every live gateway has applied ``version``."""
-
-    conn: socket.socket
-    version: int
-    deadline: float
-    body: dict
 
 
 class Supervisor:
@@ -101,15 +110,13 @@ class Supervisor:
         self.sel = selectors.DefaultSelector()
         self.run_dir = ""
         self.listener: socket.socket | None = None
-        self.control_sock: socket.socket | None = None
+        self.control: ControlServer | None = None
         self.control_path = ""
         self.pointer = ""
         self.url = ""
         self._signal_r, self._signal_w = socket.socketpair()
         for s in (self._signal_r, self._signal_w):
             s.setblocking(False)
-        self._conns: dict[socket.socket, bytes] = {}
-        self.pending: list[PendingReply] = []
         self.stopping = False
         self.fast_stop = False
         self.exit_code = 0
@@ -158,16 +165,10 @@ class Supervisor:
         common = ["--model-source", orjson.dumps(c.source.to_json()).decode(),
                   "--heartbeat-interval", str(c.heartbeat_interval)]
         if tier == "engine":
-            threads = c.engine_threads or max(1, (os.cpu_count() or 1) // max(1, self.desired["engine"]))
-            args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index), "--dtype", c.dtype,
-                    "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(c.max_model_len),
-                    "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--threads", str(threads),
-                    "--block-size", str(c.block_size),
-                    "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching", *common]
-            if c.kv_cache_memory is not None:
-                args += ["--kv-cache-memory", c.kv_cache_memory]
-            if c.enforce_eager:
-                args.append("--enforce-eager")
+            # Engines share the cores unless told how many threads each may use.
+            threads = c.engine.threads or max(1, (os.cpu_count() or 1) // max(1, self.desired["engine"]))
+            args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index),
+                    "--config", c.engine.replace(threads=threads).to_json(), *common]
             device = engine_device(index, self.num_gpus)
             if device is not None:
                 args += ["--device", str(device)]
@@ -177,18 +178,11 @@ class Supervisor:
             fd = self.listener.fileno()
             args = ["--index", str(index), "--fd", str(fd), "--cache-dir", self.cache_dir,
                     "--control-socket", self.control_path, "--shutdown-timeout", str(c.shutdown_timeout), *common]
-            for name in c.served_model_names:
-                args += ["--served-model-name", name]
-            args += ["--responses-db", os.path.join(self.run_dir, "responses.db")]
-            for flag, value in (("--tool-call-parser", c.tool_call_parser), ("--reasoning-parser", c.reasoning_parser),
-                                ("--state-url", c.state_url), ("--responses-ttl", c.responses_ttl),
-                                ("--responses-max-items", c.responses_max_items)):
-                if value is not None:
-                    args += [flag, str(value)]
+            args += ["--config", c.gateway.to_json(), "--responses-db", os.path.join(self.run_dir, "responses.db")]
             env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
             child = spawn(slot, "gateway", args, pass_fds=(fd,), env=env)
-            child.send({"event": "cluster", "state": self.store.get().to_json()})
-        self.sel.register(child.status_fd, selectors.EVENT_READ, child)
+            child.send(ClusterUpdate(self.store.get()))
+        self.sel.register(child.status_fd, selectors.EVENT_READ, partial(self._read_status, child))
         self.children.append(child)
         if slot.restarts or slot.failures:
             log.info("restarted %s as pid %d", child.name, child.pid)
@@ -203,6 +197,13 @@ class Supervisor:
         try:
             self._signal_w.send(bytes([signum]))
         except OSError:
+            pass
+
+    def _read_signals(self) -> None:
+        try:
+            for signum in self._signal_r.recv(64):
+                self._handle_signal(signum)
+        except BlockingIOError:
             pass
 
     def _handle_signal(self, signum: int) -> None:
@@ -231,137 +232,55 @@ class Supervisor:
             os.close(child.status_fd)
             child.status_fd = -1
             return
-        child.buf += data
-        *lines, child.buf = child.buf.split(b"\n")
+        try:
+            lines = child.lines.feed(data)
+        except ProtocolError as e:
+            log.warning("%s: dropped a status line: %s", child.name, e)
+            return
         for line in lines:
             try:
-                msg = orjson.loads(line)
-                event = msg["event"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                log.warning("%s sent an unreadable status line", child.name)
+                msg = decode_line(line, PIPE_EVENTS)
+            except ProtocolError as e:
+                log.warning("%s sent an unreadable status line: %s", child.name, e)
                 continue
             child.last_beat = time.monotonic()
-            if event == "ready" and not child.ready:
+            if isinstance(msg, Ready) and not child.ready:
                 child.ready_at = time.monotonic()
                 log.info("%s ready (pid %d) after %.1fs", child.name, child.pid, child.ready_at - child.started)
-            elif event == "heartbeat":
-                child.info = {k: v for k, v in msg.items() if k != "event"}
-            elif event == "ack":
-                child.acked_version = int(msg.get("version", -1))
+            elif isinstance(msg, Heartbeat):
+                child.load = msg
+            elif isinstance(msg, Ack):
+                child.acked_version = msg.version
+            elif isinstance(msg, BootFailed):
+                child.boot_error = msg.reason
 
-    def _accept(self) -> None:
-        assert self.control_sock is not None
-        try:
-            conn, _ = self.control_sock.accept()
-        except BlockingIOError:
-            return
-        if not control.peer_is_owner(conn):
-            log.warning("refused a control connection from another user")
-            conn.close()
-            return
-        conn.setblocking(False)
-        self._conns[conn] = b""
-        self.sel.register(conn, selectors.EVENT_READ, "conn")
-
-    def _read_conn(self, conn: socket.socket) -> None:
-        try:
-            data = conn.recv(control.MAX_LINE)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._close_conn(conn)
-            return
-        buf = self._conns[conn] + data
-        if b"\n" not in buf:
-            if len(buf) > control.MAX_LINE:
-                self._reply(conn, {"ok": False, "error": "command too long"})
-            else:
-                self._conns[conn] = buf
-            return
-        line = buf.split(b"\n", 1)[0]
-        self.sel.unregister(conn)
-        try:
-            cmd = orjson.loads(line)
-            if not isinstance(cmd, dict):
-                raise ValueError("a command is a JSON object")
-            self._command(conn, cmd)
-        except (ValueError, KeyError, TypeError, orjson.JSONDecodeError) as e:
-            self._reply(conn, {"ok": False, "error": f"bad command: {e}"})
-
-    def _close_conn(self, conn: socket.socket) -> None:
-        self._conns.pop(conn, None)
-        try:
-            self.sel.unregister(conn)
-        except (KeyError, ValueError):
-            pass
-        conn.close()
-
-    def _reply(self, conn: socket.socket, body: dict) -> None:
-        try:
-            conn.setblocking(True)
-            conn.settimeout(2)
-            conn.sendall(orjson.dumps(body) + b"\n")
-        except OSError:
-            pass
-        self._conns.pop(conn, None)
-        conn.close()
-
-    def _command(self, conn: socket.socket, cmd: dict) -> None:
-        name = cmd.get("cmd")
-        if name == "status":
-            self._reply(conn, {"ok": True, **self.status()})
-        elif name == "scale":
-            tier = {"api-server": "gateway", "gateway": "gateway", "engine": "engine"}.get(cmd.get("tier"))
-            count = cmd.get("count")
-            if tier is None or not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 256:
-                self._reply(conn, {"ok": False, "error": "scale needs tier (api-server|engine) and count in 1..256"})
-                return
-            self.scale(tier, count)
-            self._reply(conn, {"ok": True, "tier": tier, "desired": count})
-        elif name in ("pause", "resume"):
+    def command(self, cmd: ControlMessage) -> ControlMessage | AwaitAcks:
+        """Carry out one control-socket command (the ControlServer's dispatch)."""
+        if isinstance(cmd, StatusCommand):
+            return self.status()
+        if isinstance(cmd, ScaleCommand):
+            self.scale(cmd.tier_name, cmd.count)
+            return ScaleReply(cmd.tier_name, cmd.count)
+        if isinstance(cmd, (PauseCommand, ResumeCommand)):
+            paused = isinstance(cmd, PauseCommand)
             state = self.store.get()
-            paused = name == "pause"
             if state.paused != paused:
                 state = self.store.update(paused=paused)
                 self._broadcast()
                 log.info("admission %s (cluster state v%d)", "paused" if paused else "resumed", state.version)
-            self.pending.append(PendingReply(conn, state.version, time.monotonic() + 5.0,
-                                             {"ok": True, "paused": paused, "version": state.version}))
-        elif name == "stop":
+            return AwaitAcks(state.version, PauseReply(paused, state.version))
+        if isinstance(cmd, StopCommand):
             self.stopping = True
-            self._reply(conn, {"ok": True, "stopping": True})
-        else:
-            self._reply(conn, {"ok": False, "error": f"unknown command {name!r}"})
+            return StopReply()
+        return ErrorReply(f"unknown command {cmd.TYPE!r}")
 
-    def _answer_pending(self) -> None:
-        now = time.monotonic()
-        still = []
-        for p in self.pending:
-            lagging = [c.name for c in self._live("gateway") if c.ready and c.acked_version < p.version]
-            if not lagging:
-                self._reply(p.conn, p.body)
-            elif now > p.deadline:
-                self._reply(p.conn, {**p.body, "unacknowledged": lagging})
-            else:
-                still.append(p)
-        self.pending = still
+    def _lagging(self, version: int) -> list[str]:
+        """The ready gateways that have not yet applied cluster-state ``version``."""
+        return [c.name for c in self._live("gateway") if c.ready and c.acked_version < version]
 
     def _poll(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
-            if key.data is None:
-                try:
-                    for signum in self._signal_r.recv(64):
-                        self._handle_signal(signum)
-                except BlockingIOError:
-                    pass
-            elif key.data == "control":
-                self._accept()
-            elif key.data == "conn":
-                self._read_conn(key.fileobj)  # type: ignore[arg-type]
-            else:
-                self._read_status(key.data)
+            key.data()
 
     # -- the reconcile loop --------------------------------------------------------------------
     def scale(self, tier: str, count: int) -> None:
@@ -372,6 +291,10 @@ class Supervisor:
     def _reap(self, now: float) -> None:
         for c in [c for c in self.children if not c.alive]:
             self.children.remove(c)
+            for _ in range(16):  # what it wrote before exiting (a BootFailed reason); ends at EOF
+                if c.status_fd < 0:
+                    break
+                self._read_status(c)
             if c.status_fd >= 0:
                 self.sel.unregister(c.status_fd)
             c.close_pipes()
@@ -380,6 +303,10 @@ class Supervisor:
             if c.draining or self.stopping:
                 log.info("%s (pid %d) exited with code %s", c.name, c.pid, code)
                 continue
+            if code == EXIT_BOOT_ERROR:  # restarting cannot help: stop now (start() or run() reports it)
+                c.slot.last_exit = f"boot error: {c.boot_error or 'see its log'}"
+                raise TierFailed(f"{c.name} cannot start: {c.boot_error or 'a boot error (see its log above)'} "
+                                 f"(exit code {code}); not restarting it")
             why = "hung (no heartbeat)" if c.killed_hung else f"exit code {code}"
             delay = c.slot.record_failure(now, why)
             if c.slot.crash_looping(now):
@@ -403,7 +330,11 @@ class Supervisor:
 
     def _check_hung(self, now: float) -> None:
         for c in self.children:
-            if not c.alive or c.killed_hung:
+            if not c.alive:
+                continue
+            if c.killed_hung:
+                if c.aborted_at is not None and now - c.aborted_at > ABORT_GRACE:
+                    c.signal(signal.SIGKILL)  # still there (stopped, or stuck where no handler runs)
                 continue
             if c.ready and now - c.last_beat > self.cfg.heartbeat_timeout:
                 log.error("%s (pid %d) sent no heartbeat for %.0fs; killing it", c.name, c.pid, now - c.last_beat)
@@ -412,7 +343,10 @@ class Supervisor:
             else:
                 continue
             c.killed_hung = True
-            c.signal(signal.SIGKILL)
+            c.aborted_at = now
+            log.error("%s (pid %d): SIGABRT for a traceback of where it hangs; SIGKILL in %.0fs", c.name, c.pid,
+                      ABORT_GRACE)
+            c.signal(signal.SIGABRT)
 
     def _match_counts(self, now: float) -> None:
         for tier in TIERS:
@@ -456,7 +390,7 @@ class Supervisor:
             self._broadcast()
 
     def _broadcast(self) -> None:
-        msg = {"event": "cluster", "state": self.store.get().to_json()}
+        msg = ClusterUpdate(self.store.get())
         for c in self._live("gateway"):
             c.send(msg)
 
@@ -468,7 +402,8 @@ class Supervisor:
             self._match_counts(now)
             self._check_tiers(now)
         self._publish()
-        self._answer_pending()
+        if self.control is not None:
+            self.control.answer_pending(self._lagging)
         self._watchdog(now)
 
     def _watchdog(self, now: float) -> None:
@@ -483,9 +418,8 @@ class Supervisor:
         self._make_run_dir()
         self.listener = systemd.inherited_listener() or create_listener(self.cfg.host, self.cfg.port)
         self.control_path = os.path.join(self.run_dir, "control.sock")
-        self.control_sock = control.listen(self.control_path)
-        self.sel.register(self._signal_r, selectors.EVENT_READ, None)
-        self.sel.register(self.control_sock, selectors.EVENT_READ, "control")
+        self.control = ControlServer(self.control_path, self.sel, self.command)
+        self.sel.register(self._signal_r, selectors.EVENT_READ, self._read_signals)
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(s, self._on_signal)
         host, port = self.listener.getsockname()[:2]
@@ -566,14 +500,10 @@ class Supervisor:
                 if tier == "gateway" and (c.proc.returncode == EXIT_CUT_OFF or c.proc.returncode < 0):
                     drained = False  # requests were cut off, or the gateway had to be killed
             self._reap(time.monotonic())
-        for conn in list(self._conns):
-            self._close_conn(conn)
-        for p in self.pending:
-            p.conn.close()
+        if self.control is not None:
+            self.control.close()
         if self.listener is not None:
             self.listener.close()
-        if self.control_sock is not None:
-            self.control_sock.close()
         for path in (self.pointer,):
             try:
                 if path and open(path).read().strip() == self.control_path:
@@ -588,19 +518,20 @@ class Supervisor:
         return self.exit_code
 
     # -- status ------------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> StatusReply:
         now = time.monotonic()
         procs = []
         for c in sorted(self.children, key=lambda c: (c.tier, c.index)):
-            procs.append({"tier": c.tier, "index": c.index, "pid": c.pid, "state": c.state,
-                          "restarts": max(0, c.slot.restarts - 1), "uptime_s": round(now - c.started, 1),
-                          "crash_looping": c.slot.crash_looping(now), **c.info})
+            load = c.load.to_wire() if c.load is not None else {}
+            procs.append(ProcessStatus(c.tier, c.index, c.pid, c.state, restarts=max(0, c.slot.restarts - 1),
+                                       crash_looping=c.slot.crash_looping(now), uptime_s=round(now - c.started, 1),
+                                       **load))
         for (tier, index), slot in sorted(self.slots.items()):
             if index < self.desired[tier] and not [c for c in self.children if c.slot is slot]:
-                procs.append({"tier": tier, "index": index, "pid": None, "state": "backoff",
-                              "restarts": max(0, slot.restarts - 1), "crash_looping": slot.crash_looping(now),
-                              "last_exit": slot.last_exit, "next_start_in_s": round(max(0.0, slot.next_start - now), 1)})
+                procs.append(ProcessStatus(tier, index, None, "backoff", restarts=max(0, slot.restarts - 1),
+                                           crash_looping=slot.crash_looping(now), last_exit=slot.last_exit,
+                                           next_start_in_s=round(max(0.0, slot.next_start - now), 1)))
         st = self.store.get()
-        return {"url": self.url, "model": self.cfg.source.model_id, "pid": os.getpid(), "run_dir": self.run_dir,
-                "uptime_s": round(time.time() - self.started_at, 1), "desired": dict(self.desired),
-                "paused": st.paused, "cluster_version": st.version, "processes": procs}
+        return StatusReply(url=self.url, model=self.cfg.source.model_id, pid=os.getpid(), run_dir=self.run_dir,
+                           uptime_s=round(time.time() - self.started_at, 1), desired=dict(self.desired),
+                           paused=st.paused, cluster_version=st.version, processes=tuple(procs))

@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .constants import MAX_LOGIT_BIAS
+
 PROTOCOL_VERSION = 2
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_BATCH_ITEMS = 65536
 

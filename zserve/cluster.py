@@ -40,11 +40,15 @@ class ClusterState:
 
     @classmethod
     def from_json(cls, d: dict) -> "ClusterState":
-        engines = tuple(EngineInfo(int(e["rank"]), str(e["endpoint"]), str(e["state"]), int(e.get("pid", 0)))
-                        for e in d.get("engines", ()))
-        return cls(version=int(d["version"]), paused=bool(d["paused"]), engines=engines,
-                   gateways_desired=int(d.get("gateways_desired", 0)), engines_desired=int(d.get("engines_desired", 0)),
-                   model_id=str(d.get("model_id", "")))
+        """Raises TypeError/KeyError/ValueError for a malformed state (the control codec reports them)."""
+        engines = tuple(EngineInfo(**e) for e in d.get("engines", ()))
+        state = cls(**{**d, "engines": engines})
+        for name in ("version", "gateways_desired", "engines_desired"):
+            if not isinstance(getattr(state, name), int) or isinstance(getattr(state, name), bool):
+                raise TypeError(f"{name} must be an int")
+        if not isinstance(state.paused, bool) or not isinstance(state.model_id, str):
+            raise TypeError("paused must be a bool and model_id a str")
+        return state
 
     def routable(self) -> set[str]:
         """Endpoints a gateway may send new requests to."""

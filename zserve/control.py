@@ -1,8 +1,9 @@
 """The supervisor's control socket: a Unix socket only its owner can open.
 
-One JSON line in, one JSON line out: ``{"cmd": "status"}``, ``{"cmd": "scale", "tier": "gateway",
-"count": 3}``, ``{"cmd": "pause"}``, ``{"cmd": "resume"}``, ``{"cmd": "stop"}``. `launch scale`,
-`launch status` and `launch stop` use it, and so do gateways for cluster-wide operations.
+One command line in, one reply line out: the typed messages of ``protocol.control``
+(``StatusCommand``, ``ScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``StopCommand``).
+`launch scale`, `launch status` and `launch stop` use it, and so do gateways for cluster-wide
+operations. The supervisor's side is ``launch.control_server``.
 
 Only the owner: the socket lives in a 0700 directory, is itself 0600, and every connection's
 peer uid (SO_PEERCRED) must be the supervisor's.
@@ -16,9 +17,9 @@ import socket
 import struct
 import tempfile
 
-import orjson
+from protocol.control import REPLIES, ControlMessage, decode_line, encode_line
 
-MAX_LINE = 1 << 16
+MAX_LINE = 1 << 16  # a command; replies may be longer
 
 
 def runtime_base() -> str:
@@ -64,12 +65,12 @@ def peer_is_owner(conn: socket.socket) -> bool:
     return uid == os.getuid()
 
 
-def request(path: str, cmd: dict, timeout: float = 30.0) -> dict:
-    """Send one command and wait for its answer (blocking; for the CLI)."""
+def request(path: str, cmd: ControlMessage, timeout: float = 30.0) -> ControlMessage:
+    """Send one command and wait for its reply (blocking; for the CLI). Raises ProtocolError for a bad reply."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        s.sendall(orjson.dumps(cmd) + b"\n")
+        s.sendall(encode_line(cmd))
         buf = b""
         while not buf.endswith(b"\n"):
             chunk = s.recv(MAX_LINE)
@@ -78,18 +79,18 @@ def request(path: str, cmd: dict, timeout: float = 30.0) -> dict:
             buf += chunk
     if not buf:
         raise ConnectionError("the supervisor closed the control connection without answering")
-    return orjson.loads(buf)
+    return decode_line(buf.rstrip(b"\n"), REPLIES)
 
 
-async def request_async(path: str, cmd: dict, timeout: float = 30.0) -> dict:
+async def request_async(path: str, cmd: ControlMessage, timeout: float = 30.0) -> ControlMessage:
     """The same from an event loop (gateways forwarding pause/resume)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path, limit=1 << 20), timeout)
     try:
-        writer.write(orjson.dumps(cmd) + b"\n")
+        writer.write(encode_line(cmd))
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout)
     finally:
         writer.close()
     if not line:
         raise ConnectionError("the supervisor closed the control connection without answering")
-    return orjson.loads(line)
+    return decode_line(line.rstrip(b"\n"), REPLIES)

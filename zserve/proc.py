@@ -7,8 +7,11 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-import orjson
+from protocol.constants import EXIT_BOOT_ERROR
+from protocol.control import BootFailed, ControlMessage, encode_line
 
 PR_SET_PDEATHSIG = 1
 
@@ -56,7 +59,8 @@ def setup_logging(role: str) -> logging.Logger:
 
 
 class StatusPipe:
-    """A child's line-based channel to the supervisor: one JSON object per line (ready, later heartbeats).
+    """A child's line-based channel to the supervisor: one typed message per line (``protocol.control``:
+    Ready, then Heartbeats and Acks).
 
     A pipe rather than a socket: it needs no address, closes by itself when either side dies, and
     the supervisor sees EOF the moment a child exits.
@@ -65,10 +69,28 @@ class StatusPipe:
     def __init__(self, fd: int | None):
         self.fd = fd
 
-    def send(self, event: str, **fields) -> None:
+    def send(self, msg: ControlMessage) -> None:
         if self.fd is None:
             return
         try:
-            os.write(self.fd, orjson.dumps({"event": event, **fields}) + b"\n")
+            os.write(self.fd, encode_line(msg))
         except OSError:
             pass  # the supervisor is gone; PDEATHSIG ends us shortly
+
+
+BOOT_ERRORS = (ValueError, NotImplementedError)
+"""What a start-up check raises for a configuration that can never work (sizes, limits, unsupported
+features): retrying cannot help, unlike a crash or an out-of-memory error."""
+
+
+@contextmanager
+def boot_phase(status: StatusPipe, what: str) -> Iterator[None]:
+    """Turn a start-up misconfiguration into a boot error: log it, tell the supervisor why, and exit
+    with EXIT_BOOT_ERROR so it stops at once instead of restarting a process that cannot start."""
+    try:
+        yield
+    except BOOT_ERRORS as e:
+        logging.getLogger("zserve").error("%s cannot start: %s (a configuration error; restarting will not help)",
+                                          what, e)
+        status.send(BootFailed(str(e)[:4096] or type(e).__name__))
+        sys.exit(EXIT_BOOT_ERROR)

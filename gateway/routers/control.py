@@ -11,6 +11,8 @@ import os
 
 from aiohttp import web
 
+from protocol import ProtocolError
+from protocol.control import ErrorReply, PauseCommand, PauseReply, ResumeCommand
 from zserve import control
 
 from ..errors import APIError
@@ -19,29 +21,33 @@ from ..state import STATE, GatewayState
 routes = web.RouteTableDef()
 
 
-async def _forward(state: GatewayState, cmd: str) -> dict:
+async def _forward(state: GatewayState, cmd: PauseCommand | ResumeCommand) -> PauseReply:
     if not state.control_socket:
         raise APIError(503, "this gateway runs without a supervisor; cluster control is unavailable")
     try:
-        reply = await control.request_async(state.control_socket, {"cmd": cmd}, timeout=10)
+        reply = await control.request_async(state.control_socket, cmd, timeout=10)
     except (OSError, ConnectionError, TimeoutError) as e:
         raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
-    if not reply.get("ok"):
-        raise APIError(500, reply.get("error", "the supervisor refused"))
+    except ProtocolError as e:
+        raise APIError(500, f"the supervisor's reply was malformed: {e}") from None
+    if isinstance(reply, ErrorReply):
+        raise APIError(500, reply.error)
+    if not isinstance(reply, PauseReply):
+        raise APIError(500, f"the supervisor answered {reply.TYPE} to {cmd.TYPE}")
     return reply
 
 
 @routes.post("/pause")
 async def pause(request: web.Request) -> web.Response:
     """Stop admitting new generation requests on every gateway; in-flight ones finish."""
-    reply = await _forward(request.app[STATE], "pause")
-    return web.json_response({"paused": True, "version": reply["version"]})
+    reply = await _forward(request.app[STATE], PauseCommand())
+    return web.json_response({"paused": True, "version": reply.version})
 
 
 @routes.post("/resume")
 async def resume(request: web.Request) -> web.Response:
-    reply = await _forward(request.app[STATE], "resume")
-    return web.json_response({"paused": False, "version": reply["version"]})
+    reply = await _forward(request.app[STATE], ResumeCommand())
+    return web.json_response({"paused": False, "version": reply.version})
 
 
 @routes.get("/is_paused")

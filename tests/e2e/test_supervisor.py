@@ -184,6 +184,17 @@ def test_crash_looping_tier_is_backed_off_reported_and_fatal(tmp_path):
     assert len(restarts) <= 8 and elapsed > 7
 
 
+def test_kv_cache_too_small_for_one_request_is_a_boot_error_that_stops_at_once():
+    # A configuration that can never start must not be restarted (each restart reloads the weights).
+    r = subprocess.run([*LAUNCH, "api-server", "--port", "0", *TINY, "--kv-cache-memory", "1KB"], cwd=ROOT,
+                       capture_output=True, timeout=90)
+    err = r.stderr.decode()
+    assert r.returncode == 1, err
+    assert "error: engine 0 cannot start" in err and "KV cache holds" in err and "not restarting" in err, err
+    assert "restarting it in" not in err and "crash-looping" not in err, err
+    assert err.count("init: 20/20") == 1 and "engine 0 ready" not in err, err  # the weights were loaded once
+
+
 def test_hung_gateway_is_killed_and_replaced():
     s = Server("--count", "2", "--heartbeat-timeout", "2", *TINY, log_name="hung")
     try:

@@ -1,0 +1,58 @@
+"""The gateway tier's configuration, written once: ``launch`` fills it, the supervisor hands every
+gateway the same JSON value, the gateway reads it back (``zserve.config.EngineConfig`` is the
+engine tier's twin). A new gateway option is a field here, a click option and the code that uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import orjson
+
+from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
+from .text.reasoning import REASONING_PARSERS
+from .text.tool_parsers import TOOL_PARSERS
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What every gateway process is started with (besides its index and the sockets it inherits)."""
+
+    served_model_names: tuple[str, ...] = field(default_factory=tuple)  # names clients use; () = the model id
+    tool_call_parser: str | None = None  # tools are refused without one
+    reasoning_parser: str | None = None
+    state_url: str | None = None  # stored responses: None = SQLite in the run directory; redis://, sqlite:///
+    responses_ttl: float = DEFAULT_TTL_S  # seconds a stored response lives after its last change
+    responses_max_items: int = DEFAULT_MAX_ITEMS  # the oldest stored responses go first past this
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        if not all(isinstance(n, str) and n for n in self.served_model_names):
+            raise ValueError("served model names must be non-empty strings")
+        for name, registry in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            value = getattr(self, name)
+            if value is not None and value not in registry:
+                raise ValueError(f"{name}: unknown {registry.kind} {value!r}; choose one of: {registry.names()}")
+        if self.state_url is not None:
+            try:
+                check_store_url(self.state_url)
+            except ValueError as e:
+                raise ValueError(f"state_url: {e}") from None
+        if not (isinstance(self.responses_ttl, (int, float)) and 1 <= self.responses_ttl <= 365 * 86400):
+            raise ValueError("responses_ttl must be a number of seconds in 1..31536000")
+        if not (isinstance(self.responses_max_items, int) and 1 <= self.responses_max_items <= 10**8):
+            raise ValueError("responses_max_items must be an integer in 1..100000000")
+
+    def to_json(self) -> str:
+        return orjson.dumps(dataclasses.asdict(self)).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GatewayConfig:
+        data = orjson.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("a gateway configuration is a JSON object")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown gateway configuration field(s): {', '.join(sorted(unknown))}")
+        return cls(**data)

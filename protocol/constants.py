@@ -1,0 +1,21 @@
+"""Codes every zserve process agrees on: exit codes the supervisor acts on, error codes on the wire,
+and limits both the HTTP schemas and the engine protocol enforce. Defined once, here."""
+
+from __future__ import annotations
+
+# -- exit codes: what a child's exit tells the supervisor ---------------------------------------
+EXIT_CUT_OFF = 3
+"""A gateway's exit code when the shutdown timeout cut in-flight requests off (it drained, but not cleanly)."""
+
+EXIT_BOOT_ERROR = 4
+"""A child's exit code for a configuration that can never work (a KV cache too small for one request):
+restarting it would only fail again, so the supervisor stops at once instead of backing off."""
+
+# -- error codes in ErrorMessage.code ------------------------------------------------------------
+ERR_ENGINE_DRAINING = "engine_draining"
+"""An engine refused a request because it is draining; the gateway hands it to another engine."""
+ERR_BAD_FRAME = "bad_frame"
+"""An engine could not decode a frame that named no request."""
+
+# -- limits shared by the HTTP schemas and the engine protocol -----------------------------------
+MAX_LOGIT_BIAS = 1024

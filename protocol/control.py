@@ -1,0 +1,362 @@
+"""The messages between the supervisor and everything it supervises or answers.
+
+Two channels, one framing — a JSON object per line, ``{"v": CONTROL_VERSION, "t": <type>, ...fields}``:
+
+- the *pipes* of each child: child → supervisor ``Ready``, ``Heartbeat`` (with its load),
+  ``Ack`` (of a cluster-state version) and ``BootFailed``; supervisor → child ``ClusterUpdate``;
+- the owner-only *control socket*: one command in (``StatusCommand``, ``ScaleCommand``,
+  ``PauseCommand``, ``ResumeCommand``, ``StopCommand``), one reply out (``StatusReply``,
+  ``ScaleReply``, ``PauseReply``, ``StopReply`` or ``ErrorReply``).
+
+Each message is a frozen dataclass validated when built and when decoded, like the engine protocol
+in ``messages``: a malformed line raises ``ProtocolError``, which readers log and drop. Nothing here
+depends on pipes or Unix sockets, so a remote supervisor can speak the same lines over TCP.
+Bump ``CONTROL_VERSION`` on any incompatible change; peers reject other versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import orjson
+
+from zserve.cluster import ENGINE_STATES, ClusterState
+
+from .messages import ProtocolError
+
+CONTROL_VERSION = 1
+MAX_LINE = 1 << 20  # a cluster state with many engines still fits
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ProtocolError(what)
+
+
+def _is_int(v: object, lo: int = 0, hi: int = 1 << 31) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def _is_str(v: object, limit: int = 4096, empty: bool = False) -> bool:
+    return isinstance(v, str) and (empty or len(v) > 0) and len(v) <= limit
+
+
+def _opt(v: object, check) -> bool:
+    return v is None or check(v)
+
+
+class ControlMessage:
+    """Base of every control message: ``TYPE`` tags it; ``None`` fields are left off the wire."""
+
+    TYPE: ClassVar[str] = ""
+
+    def to_wire(self) -> dict:
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if v is not None:
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_wire(cls, body: dict) -> "ControlMessage":
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = set(body) - names
+        _check(not unknown, f"unknown fields {sorted(unknown)} in {cls.TYPE}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
+
+
+# -- child → supervisor (status pipe) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready(ControlMessage):
+    """The child serves: a gateway listens, an engine has its model loaded and its socket bound."""
+
+    TYPE: ClassVar[str] = "ready"
+    index: int
+    endpoint: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.index, 0, 1 << 16), "index out of range")
+        for name in ("endpoint", "device", "dtype"):
+            _check(_opt(getattr(self, name), lambda v: _is_str(v, 1024)), f"{name} must be a short str")
+
+
+@dataclass(frozen=True)
+class Heartbeat(ControlMessage):
+    """A sign of life with the child's load: in-flight requests (gateway) or the batch (engine)."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    draining: bool = False
+    in_flight: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    kv_used: float | None = None  # fraction of the KV cache in use
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.draining, bool), "draining must be a bool")
+        for name in ("in_flight", "running", "waiting"):
+            _check(_opt(getattr(self, name), _is_int), f"{name} out of range")
+        _check(_opt(self.kv_used, lambda v: _is_num(v) and v <= 1.0), "kv_used out of range")
+
+
+@dataclass(frozen=True)
+class Ack(ControlMessage):
+    """A gateway applied this cluster-state version (pause/resume replies wait for every ack)."""
+
+    TYPE: ClassVar[str] = "ack"
+    version: int
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.version, 0, 1 << 62), "version out of range")
+
+
+@dataclass(frozen=True)
+class BootFailed(ControlMessage):
+    """Sent just before exiting with EXIT_BOOT_ERROR: why this configuration can never start."""
+
+    TYPE: ClassVar[str] = "boot_failed"
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check(_is_str(self.reason), "reason must be a str of at most 4096 chars")
+
+
+# -- supervisor → child (control pipe) -----------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterUpdate(ControlMessage):
+    """The cluster state (engine membership, pause) a gateway must apply and acknowledge."""
+
+    TYPE: ClassVar[str] = "cluster"
+    state: ClusterState
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.state, ClusterState), "state must be a ClusterState")
+        st = self.state
+        _check(_is_int(st.version, 0, 1 << 62) and isinstance(st.paused, bool), "bad cluster version or paused flag")
+        for e in st.engines:
+            _check(_is_int(e.rank, 0, 1 << 16) and _is_str(e.endpoint, 1024) and e.state in ENGINE_STATES
+                   and _is_int(e.pid), f"bad engine entry {e!r}")
+
+    def to_wire(self) -> dict:
+        return {"state": self.state.to_json()}
+
+    @classmethod
+    def from_wire(cls, body: dict) -> "ClusterUpdate":
+        _check(set(body) == {"state"} and isinstance(body["state"], dict), "cluster needs exactly a state object")
+        return cls(ClusterState.from_json(body["state"]))
+
+
+# -- control socket: commands --------------------------------------------------------------------------
+SCALE_TIERS = {"api-server": "gateway", "gateway": "gateway", "engine": "engine"}
+MAX_SCALE = 256
+
+
+@dataclass(frozen=True)
+class StatusCommand(ControlMessage):
+    TYPE: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class ScaleCommand(ControlMessage):
+    TYPE: ClassVar[str] = "scale"
+    tier: str  # api-server (= gateway) or engine
+    count: int
+
+    def __post_init__(self) -> None:
+        _check(self.tier in SCALE_TIERS and _is_int(self.count, 1, MAX_SCALE + 1),
+               f"scale needs tier (api-server|engine) and count in 1..{MAX_SCALE}")
+
+    @property
+    def tier_name(self) -> str:
+        """The supervisor's name of the tier: gateway or engine."""
+        return SCALE_TIERS[self.tier]
+
+
+@dataclass(frozen=True)
+class PauseCommand(ControlMessage):
+    """Stop admitting new generation requests on every gateway; answered once every gateway applied it."""
+
+    TYPE: ClassVar[str] = "pause"
+
+
+@dataclass(frozen=True)
+class ResumeCommand(ControlMessage):
+    TYPE: ClassVar[str] = "resume"
+
+
+@dataclass(frozen=True)
+class StopCommand(ControlMessage):
+    """Drain and stop, like SIGTERM to the supervisor."""
+
+    TYPE: ClassVar[str] = "stop"
+
+
+# -- control socket: replies ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ErrorReply(ControlMessage):
+    TYPE: ClassVar[str] = "error"
+    error: str
+
+    def __post_init__(self) -> None:
+        _check(_is_str(self.error), "error must be a str of at most 4096 chars")
+
+
+@dataclass(frozen=True)
+class ProcessStatus(ControlMessage):
+    """One slot of a tier: its process (``pid`` None while it waits to restart) and its last load."""
+
+    TYPE: ClassVar[str] = "process"
+    tier: str
+    index: int
+    pid: int | None
+    state: str  # starting, ready, draining, exited or backoff
+    restarts: int
+    crash_looping: bool
+    uptime_s: float | None = None
+    last_exit: str | None = None
+    next_start_in_s: float | None = None
+    # the load of the last Heartbeat
+    draining: bool | None = None
+    in_flight: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    kv_used: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_str(self.tier, 32) and _is_int(self.index, 0, 1 << 16), "bad tier or index")
+        _check(_opt(self.pid, _is_int) and _is_str(self.state, 32) and _is_int(self.restarts), "bad pid, state or restarts")
+        _check(isinstance(self.crash_looping, bool) and _opt(self.draining, lambda v: isinstance(v, bool)),
+               "crash_looping and draining are bools")
+        _check(_opt(self.uptime_s, _is_num) and _opt(self.next_start_in_s, _is_num), "bad uptime or next start")
+        _check(_opt(self.last_exit, _is_str), "last_exit must be a str")
+        for name in ("in_flight", "running", "waiting"):
+            _check(_opt(getattr(self, name), _is_int), f"{name} out of range")
+        _check(_opt(self.kv_used, lambda v: _is_num(v) and v <= 1.0), "kv_used out of range")
+
+    def to_wire(self) -> dict:
+        return {"pid": None, **super().to_wire()}  # null while the slot waits to restart
+
+
+@dataclass(frozen=True)
+class StatusReply(ControlMessage):
+    TYPE: ClassVar[str] = "status_reply"
+    url: str
+    model: str
+    pid: int
+    run_dir: str
+    uptime_s: float
+    desired: dict  # tier → desired count
+    paused: bool
+    cluster_version: int
+    processes: tuple[ProcessStatus, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(_is_str(self.url, 1024, empty=True) and _is_str(self.model, 1024) and _is_int(self.pid)
+               and _is_str(self.run_dir, 4096, empty=True), "bad url, model, pid or run_dir")
+        _check(_is_num(self.uptime_s) and isinstance(self.paused, bool) and _is_int(self.cluster_version, 0, 1 << 62),
+               "bad uptime, paused or cluster_version")
+        _check(isinstance(self.desired, dict) and all(_is_str(k, 32) and _is_int(v) for k, v in self.desired.items()),
+               "desired maps tiers to counts")
+        _check(isinstance(self.processes, tuple) and all(isinstance(p, ProcessStatus) for p in self.processes),
+               "processes must be ProcessStatus entries")
+
+    def to_wire(self) -> dict:
+        return {**super().to_wire(), "processes": [p.to_wire() for p in self.processes]}
+
+    @classmethod
+    def from_wire(cls, body: dict) -> "StatusReply":
+        procs = body.get("processes", [])
+        _check(isinstance(procs, list) and all(isinstance(p, dict) for p in procs), "processes must be a list")
+        return super().from_wire({**body, "processes": [ProcessStatus.from_wire(p) for p in procs]})  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ScaleReply(ControlMessage):
+    TYPE: ClassVar[str] = "scale_reply"
+    tier: str  # gateway or engine
+    desired: int
+
+    def __post_init__(self) -> None:
+        _check(self.tier in ("gateway", "engine") and _is_int(self.desired, 1, MAX_SCALE + 1), "bad tier or desired")
+
+
+@dataclass(frozen=True)
+class PauseReply(ControlMessage):
+    """The answer to pause and resume; ``unacknowledged`` names gateways that had not applied it in time."""
+
+    TYPE: ClassVar[str] = "pause_reply"
+    paused: bool
+    version: int
+    unacknowledged: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.paused, bool) and _is_int(self.version, 0, 1 << 62), "bad paused or version")
+        _check(isinstance(self.unacknowledged, tuple) and all(_is_str(n, 64) for n in self.unacknowledged),
+               "unacknowledged must be process names")
+
+
+@dataclass(frozen=True)
+class StopReply(ControlMessage):
+    TYPE: ClassVar[str] = "stop_reply"
+    stopping: bool = True
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.stopping, bool), "stopping must be a bool")
+
+
+PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed)
+"""What a child writes on its status pipe."""
+PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate,)
+"""What the supervisor writes on a child's control pipe."""
+COMMANDS: tuple[type[ControlMessage], ...] = (StatusCommand, ScaleCommand, PauseCommand, ResumeCommand, StopCommand)
+"""What the control socket accepts."""
+REPLIES: tuple[type[ControlMessage], ...] = (ErrorReply, StatusReply, ScaleReply, PauseReply, StopReply)
+"""What the control socket answers."""
+
+
+def encode_line(msg: ControlMessage) -> bytes:
+    """One JSON line, newline included."""
+    return orjson.dumps({"v": CONTROL_VERSION, "t": msg.TYPE, **msg.to_wire()}) + b"\n"
+
+
+def decode_line(line: bytes, allowed: tuple[type[ControlMessage], ...]) -> ControlMessage:
+    """Parse and validate one line into one of ``allowed``; raise ProtocolError for anything else."""
+    _check(len(line) <= MAX_LINE, f"line of {len(line)} bytes exceeds the {MAX_LINE}-byte limit")
+    try:
+        body = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    _check(isinstance(body, dict), "a control message is a JSON object")
+    version = body.pop("v", None)
+    _check(version == CONTROL_VERSION, f"unsupported control version {version!r} (this side speaks {CONTROL_VERSION})")
+    kind = body.pop("t", None)
+    cls = next((c for c in allowed if c.TYPE == kind), None)
+    _check(cls is not None, f"unexpected message type {kind!r} here")
+    try:
+        return cls.from_wire(body)  # type: ignore[union-attr]
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise ProtocolError(f"bad {kind} message: {e}") from None
+
+
+class LineBuffer:
+    """Splits a byte stream into lines; refuses a line that grows past ``limit`` without ending."""
+
+    def __init__(self, limit: int = MAX_LINE):
+        self.limit = limit
+        self.rest = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        *lines, self.rest = (self.rest + data).split(b"\n")
+        if len(self.rest) > self.limit:
+            self.rest = b""
+            raise ProtocolError(f"a line exceeds the {self.limit}-byte limit")
+        return lines

@@ -1,0 +1,132 @@
+"""The supervisor's pipe events and control commands are typed, versioned lines; malformed ones are refused."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from protocol import ProtocolError
+from protocol.control import (
+    COMMANDS,
+    CONTROL_VERSION,
+    PIPE_COMMANDS,
+    PIPE_EVENTS,
+    REPLIES,
+    Ack,
+    BootFailed,
+    ClusterUpdate,
+    ErrorReply,
+    Heartbeat,
+    LineBuffer,
+    PauseCommand,
+    PauseReply,
+    ProcessStatus,
+    Ready,
+    ResumeCommand,
+    ScaleCommand,
+    ScaleReply,
+    StatusCommand,
+    StatusReply,
+    StopCommand,
+    StopReply,
+    decode_line,
+    encode_line,
+)
+from zserve.cluster import ClusterState, EngineInfo
+
+STATE = ClusterState(version=7, paused=True, engines=(EngineInfo(0, "ipc:///tmp/e0.sock", "ready", 123),),
+                     gateways_desired=2, engines_desired=1, model_id="tiny-random")
+
+ROUND_TRIPS = [
+    (Ready(index=0, endpoint="ipc:///tmp/e0.sock", device="cpu", dtype="float32"), PIPE_EVENTS),
+    (Ready(index=1), PIPE_EVENTS),
+    (Heartbeat(running=2, waiting=1, kv_used=0.25), PIPE_EVENTS),
+    (Heartbeat(in_flight=3, draining=True), PIPE_EVENTS),
+    (Ack(7), PIPE_EVENTS),
+    (BootFailed("engine 0: the KV cache holds 1 blocks"), PIPE_EVENTS),
+    (ClusterUpdate(STATE), PIPE_COMMANDS),
+    (StatusCommand(), COMMANDS),
+    (ScaleCommand("api-server", 3), COMMANDS),
+    (PauseCommand(), COMMANDS),
+    (ResumeCommand(), COMMANDS),
+    (StopCommand(), COMMANDS),
+    (ErrorReply("bad command"), REPLIES),
+    (ScaleReply("engine", 2), REPLIES),
+    (PauseReply(True, 7, unacknowledged=("gateway 1",)), REPLIES),
+    (StopReply(), REPLIES),
+    (StatusReply(url="http://127.0.0.1:8000", model="tiny-random", pid=42, run_dir="/run/x", uptime_s=1.5,
+                 desired={"engine": 1, "gateway": 2}, paused=False, cluster_version=3,
+                 processes=(ProcessStatus("engine", 0, 99, "ready", 0, False, uptime_s=1.0, running=1, waiting=0,
+                                          kv_used=0.5, draining=False),
+                            ProcessStatus("gateway", 1, None, "backoff", 2, True, last_exit="exit code 1",
+                                          next_start_in_s=0.5))), REPLIES),
+]
+
+
+@pytest.mark.parametrize("msg,allowed", ROUND_TRIPS, ids=lambda v: type(v).__name__ if not isinstance(v, tuple) else "")
+def test_every_control_message_round_trips_as_one_json_line(msg, allowed):
+    line = encode_line(msg)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    head = orjson.loads(line)
+    assert head["v"] == CONTROL_VERSION and head["t"] == msg.TYPE
+    assert decode_line(line.rstrip(b"\n"), allowed) == msg
+
+
+def test_status_keeps_the_shape_operators_read():
+    reply = ROUND_TRIPS[-1][0]
+    wire = reply.to_wire()
+    backoff = wire["processes"][1]
+    assert backoff["pid"] is None and "running" not in backoff  # pid stays, absent load fields are left off
+    assert wire["processes"][0]["running"] == 1 and wire["desired"] == {"engine": 1, "gateway": 2}
+
+
+def _line(**body) -> bytes:
+    return orjson.dumps({"v": CONTROL_VERSION, **body})
+
+
+@pytest.mark.parametrize("line,allowed,why", [
+    (b"not json", COMMANDS, "not JSON"),
+    (b"[1, 2]", COMMANDS, "JSON object"),
+    (orjson.dumps({"cmd": "status"}), COMMANDS, "version"),  # the old untyped dicts
+    (orjson.dumps({"v": 99, "t": "status"}), COMMANDS, "version"),
+    (_line(t="reboot"), COMMANDS, "unexpected message type"),
+    (_line(t="ack", version=1), COMMANDS, "unexpected message type"),  # a pipe event on the control socket
+    (_line(t="status", extra=1), COMMANDS, "unknown fields"),
+    (_line(t="scale", tier="database", count=2), COMMANDS, "scale needs tier"),
+    (_line(t="scale", tier="engine", count=0), COMMANDS, "scale needs tier"),
+    (_line(t="scale", tier="engine", count=True), COMMANDS, "scale needs tier"),
+    (_line(t="scale", tier="engine"), COMMANDS, "bad scale message"),
+    (_line(t="heartbeat", running=-1), PIPE_EVENTS, "running out of range"),
+    (_line(t="heartbeat", kv_used=1.5), PIPE_EVENTS, "kv_used out of range"),
+    (_line(t="heartbeat", draining="yes"), PIPE_EVENTS, "draining must be a bool"),
+    (_line(t="ack", version="7"), PIPE_EVENTS, "version out of range"),
+    (_line(t="ready"), PIPE_EVENTS, "bad ready message"),
+    (_line(t="boot_failed", reason=""), PIPE_EVENTS, "reason"),
+    (_line(t="cluster", state={"version": 1, "paused": "no"}), PIPE_COMMANDS, "paused"),
+    (_line(t="cluster", state={"version": 1, "paused": False, "engines": [{"rank": 0}]}), PIPE_COMMANDS, "bad cluster"),
+    (_line(t="cluster", state={"version": 1, "paused": False,
+                               "engines": [{"rank": 0, "endpoint": "x", "state": "on fire", "pid": 1}]}),
+     PIPE_COMMANDS, "bad engine entry"),
+    (_line(t="pause_reply", paused=True, version=1, unacknowledged=[3]), REPLIES, "unacknowledged"),
+    (_line(t="status_reply", url="", model="m", pid=1, run_dir="", uptime_s=0, desired={}, paused=False,
+           cluster_version=0, processes=[{"tier": "engine"}]), REPLIES, "bad status_reply message"),
+])
+def test_malformed_control_lines_are_refused_with_a_reason(line, allowed, why):
+    with pytest.raises(ProtocolError, match=why):
+        decode_line(line, allowed)
+
+
+def test_messages_are_validated_when_built_too():
+    with pytest.raises(ProtocolError):
+        ScaleCommand("engine", 257)
+    with pytest.raises(ProtocolError):
+        Heartbeat(in_flight=-3)
+
+
+def test_line_buffer_splits_lines_and_refuses_an_endless_one():
+    buf = LineBuffer(limit=16)
+    assert buf.feed(b'{"a":1}\n{"b"') == [b'{"a":1}']
+    assert buf.feed(b":2}\n") == [b'{"b":2}']
+    with pytest.raises(ProtocolError, match="limit"):
+        buf.feed(b"x" * 17)
+    assert buf.feed(b"ok\n") == [b"ok"]  # the reader recovers after dropping the runaway line

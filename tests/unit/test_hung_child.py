@@ -1,0 +1,33 @@
+"""A hung child is aborted with SIGABRT first, so faulthandler writes where it hangs, then killed."""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import time
+from functools import partial
+
+from launch.children import spawn
+from launch.supervisor import ServeConfig, Supervisor
+from zserve.catalog import resolve
+
+
+def test_hung_child_leaves_a_faulthandler_traceback_in_the_log_before_it_is_killed(capfd):
+    sup = Supervisor(ServeConfig(source=resolve("tiny-random"), heartbeat_timeout=0.5))
+    child = spawn(sup._slot("gateway", 0), "tests.unit.hang_child", [])  # the supervisor's own spawn
+    sup.sel.register(child.status_fd, selectors.EVENT_READ, partial(sup._read_status, child))
+    sup.children.append(child)
+    try:
+        deadline = time.monotonic() + 30
+        while child.alive and time.monotonic() < deadline:
+            sup._poll(0.1)
+            sup._check_hung(time.monotonic())
+        assert child.ready and not child.alive, "the hung child was not ended within 30 s"
+        assert child.killed_hung and child.proc.returncode == -signal.SIGABRT  # it died of the abort, not SIGKILL
+    finally:
+        child.signal(signal.SIGKILL)
+        child.proc.wait()
+        child.close_pipes()
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err
+    assert "hang_child.py" in err and "in block_the_loop" in err  # the traceback says where it hung

@@ -1,0 +1,54 @@
+"""The tiers' configurations: one typed value that survives the trip to a child process and refuses
+what a child could not run with."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import GatewayConfig
+from zserve.config import EngineConfig
+
+
+def test_engine_config_round_trips_through_json() -> None:
+    cfg = EngineConfig(dtype="float32", max_num_seqs=8, kv_cache_memory=" 2GiB ", enforce_eager=True, seed=7)
+    assert cfg.kv_cache_memory == "2GiB"
+    assert EngineConfig.from_json(cfg.to_json()) == cfg
+    assert EngineConfig.from_json(EngineConfig().to_json()) == EngineConfig()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"dtype": "int4"}, "dtype must be one of"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be"),
+    ({"max_num_seqs": True}, "max_num_seqs must be"),
+    ({"max_model_len": 8}, "max_model_len must be"),
+    ({"block_size": "16"}, "block_size must be"),
+    ({"kv_cache_memory": "2XB"}, "kv_cache_memory '2XB'"),
+    ({"kv_cache_memory": "1.5"}, "kv_cache_memory"),
+    ({"seed": -1}, "seed must be"),
+    ({"enforce_eager": "yes"}, "enforce_eager must be"),
+])
+def test_engine_config_refuses_what_an_engine_could_not_run(bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**bad)
+
+
+def test_engine_config_from_json_refuses_unknown_fields_and_non_objects() -> None:
+    with pytest.raises(ValueError, match="unknown engine configuration field"):
+        EngineConfig.from_json('{"max_num_seqs": 8, "turbo": true}')
+    with pytest.raises(ValueError, match="JSON object"):
+        EngineConfig.from_json("[1, 2]")
+
+
+def test_gateway_config_round_trips_and_checks_names() -> None:
+    cfg = GatewayConfig(served_model_names=["a", "b"], tool_call_parser="hermes", reasoning_parser="think",
+                        state_url="redis://127.0.0.1:6379/0", responses_ttl=60, responses_max_items=5)
+    assert cfg.served_model_names == ("a", "b")
+    assert GatewayConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="tool_call_parser: unknown tool-call parser 'nope'; choose one of: hermes"):
+        GatewayConfig(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="state_url"):
+        GatewayConfig(state_url="ftp://x")
+    with pytest.raises(ValueError, match="responses_max_items"):
+        GatewayConfig(responses_max_items=0)
+    with pytest.raises(ValueError, match="unknown gateway configuration field"):
+        GatewayConfig.from_json('{"api_key": "x"}')

@@ -1,0 +1,88 @@
+"""The engine tier's configuration, written once.
+
+``launch`` fills an ``EngineConfig`` from its command line, the supervisor hands every engine the
+same value as one JSON argument (as ``ModelSource`` travels), and the engine reads it back. A new
+engine option is a field here (with its default and check), a click option in ``launch/cli.py``
+and the code that uses it — nothing in between repeats it. Torch-free: the supervisor imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_MEMORY = re.compile(r"^(\d+(\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?$", re.I)
+
+
+def check_memory(value: str) -> str:
+    """A KV cache size: bytes with an optional unit (2GiB, 512MB, 1073741824) or a fraction of free
+    device memory (0.3). Checked where it is typed, so a typo fails at once, not in every engine."""
+    m = _MEMORY.match(value.strip())
+    if not m or float(m.group(1)) <= 0 or (m.group(3) is None and "." in m.group(1) and float(m.group(1)) > 1):
+        raise ValueError(f"{value!r}: expected bytes (2GiB, 512MB, 1073741824) or a fraction like 0.3")
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What every engine worker of a tier is started with (besides its rank, endpoint and device)."""
+
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with native bf16, else fp32
+    max_num_seqs: int = 32  # sequences an engine runs at once
+    max_model_len: int = 4096  # context (prompt + output) per sequence; capped to the model's own
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prompt chunks)
+    block_size: int = 16  # tokens per KV cache block
+    kv_cache_memory: str | None = None  # None: max_num_seqs full-length requests, at most 25% of free memory
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    threads: int | None = None  # CPU threads per engine; None: the supervisor divides the cores
+    seed: int | None = None  # unseeded requests' generator: seed + rank; None: from the OS (engines differ)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (_int(self.max_num_seqs, 1, 4096), "max_num_seqs must be an integer in 1..4096"),
+            (_int(self.max_model_len, 16, 1 << 20), "max_model_len must be an integer in 16..1048576"),
+            (_int(self.max_num_batched_tokens, 1, 1 << 20), "max_num_batched_tokens must be an integer in 1..1048576"),
+            (_int(self.block_size, 1, 1024), "block_size must be an integer in 1..1024"),
+            (isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching must be true or false"),
+            (isinstance(self.enforce_eager, bool), "enforce_eager must be true or false"),
+            (self.threads is None or _int(self.threads, 1, 1024), "threads must be an integer in 1..1024"),
+            (self.seed is None or _int(self.seed, 0, (1 << 63) - 1), "seed must be a non-negative integer"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.kv_cache_memory is not None:
+            if not isinstance(self.kv_cache_memory, str):
+                raise ValueError("kv_cache_memory must be a string such as 2GiB or 0.3")
+            try:
+                object.__setattr__(self, "kv_cache_memory", check_memory(self.kv_cache_memory))
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory {e}") from None
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return orjson.dumps(dataclasses.asdict(self)).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> EngineConfig:
+        """Decode and check; unknown fields are an error (a supervisor newer than this engine)."""
+        data = orjson.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("an engine configuration is a JSON object")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown engine configuration field(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+def _int(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
