@@ -93,9 +93,6 @@ class BlockManager:
         self.queries += num_tokens
         self.hits += num_hit
 
-    def is_cached(self, parent: int | None, tokens: tuple[int, ...]) -> bool:
-        return (parent, tokens) in self._block_of
-
     # -- allocation --------------------------------------------------------------------------
 
     def can_allocate(self, num_new_blocks: int, shared: Sequence[int] = ()) -> bool:
@@ -147,9 +144,3 @@ class BlockManager:
             self._block_of[key] = block
             self._key_of[block] = key
         return hash(key)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds (for tests and benchmarks)."""
-        for b in list(self._key_of):
-            if self.ref_count[b] == 0:
-                del self._block_of[self._key_of.pop(b)]

@@ -7,9 +7,10 @@ computes logits only for the rows that are sampled (or asked for prompt logprobs
 them all together.
 
 The runner owns the paged KV cache and sizes it (``kv_cache_bytes`` or enough for
-``max_num_seqs`` full-length requests); the ``BlockManager`` that hands out its blocks lives here
-too so that every user (scheduler, stats) sees one pool. The attention backend that reads the
-cache is chosen once, here (``attention.select_backend``).
+``max_num_seqs`` full-length requests); ``num_blocks`` and ``block_size`` tell the scheduler, whose
+``BlockManager`` hands the blocks out, how big the pool is. The runner itself only reads the block
+tables each step's ``SeqInput``s carry. The attention backend that reads the cache is chosen once,
+here (``attention.select_backend``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_worker.attention import AttentionBackend, SeqLayout, select_backend
-from engine_worker.block_manager import BlockManager
 from engine_worker.cuda_graphs import DecodeGraphs
 from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import LoadedModel
@@ -52,11 +52,11 @@ class SeqInput:
 
 
 class ModelRunner:
-    """Owns the model, its paged KV cache, the block manager and the sampler for one engine."""
+    """Owns the model, its paged KV cache and the sampler for one engine."""
 
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_bytes: int | None = None,
-                 num_blocks: int | None = None, enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
+                 num_blocks: int | None = None, cuda_graphs: bool | None = None,
                  attention: str | None = None):
         """``cuda_graphs``: capture decode steps (default: on CUDA when the attention backend reads
         the pool through block tables, i.e. Triton). ``True`` on a CPU runs the graph path in
@@ -109,7 +109,7 @@ class ModelRunner:
         self.attention: AttentionBackend = select_backend(self.kv, cfg.num_heads, cfg.sliding_window, attention)
         # Native CPU kernels (norms, RoPE, SwiGLU) go with the native decode attention.
         model.use_native_kernels(self.attention.native_kernels)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.num_blocks = num_blocks  # the pool the scheduler's block manager hands out
         self.kv_cache_bytes = num_blocks * per_block
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, device)
         self.graphs: DecodeGraphs | None = None
@@ -160,15 +160,6 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_manager.num_blocks
-
-    @property
-    def kv_used(self) -> float:
-        """Fraction of KV blocks held by requests (for EngineStats)."""
-        return self.block_manager.num_used / self.block_manager.num_blocks
 
     def make_generator(self, seed: int) -> torch.Generator:
         return self.sampler.make_generator(seed)

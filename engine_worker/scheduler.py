@@ -21,81 +21,41 @@ Requests with the same prompt (``n > 1`` fanned out by the gateway) share the pr
 blocks: a request whose next uncached block is being computed by a running request waits one
 step until that block is cached, instead of computing it twice.
 
-The scheduler is pure bookkeeping — no sockets, no tensors — so it can be tested in-process.
+The scheduler owns the ``BlockManager`` (the runner only sizes the pool) and drives the engine:
+``step()`` is schedule → ``runner.execute`` → update, the one loop body of the server, the tests
+and the benchmarks. It touches no sockets and no tensors, so it can be tested in-process.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from protocol import RequestOutput, SamplingParams, TopLogprobs
+from protocol import RequestOutput, TopLogprobs
 
 from .block_manager import BlockManager, block_hashes
 from .runner import SampleOut, SeqInput
+from .sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("zserve.engine")
 
 STATS_WINDOW = 64  # steps averaged for tokens_per_step
 
 
 class Executor(Protocol):
-    """What the scheduler needs of the runner (``ModelRunner`` has these)."""
+    """What the scheduler needs of the runner (``ModelRunner`` has these): the KV pool's geometry,
+    the limits that end a request, and one forward pass."""
 
     max_model_len: int
     eos_token_ids: list[int]
-    block_manager: BlockManager
+    num_blocks: int
+    block_size: int
 
     def make_generator(self, seed: int): ...
 
-
-@dataclass(eq=False)
-class Sequence:
-    """One request inside the engine."""
-
-    request_id: str
-    client: bytes  # ZeroMQ identity of the gateway that owns the request
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    arrival: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens already in the KV cache
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, cached blocks
-    generator: object | None = None
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    num_preemptions: int = 0
-    preempted: bool = False  # waiting to be recomputed
-    prompt_block_hashes: list[int] = field(default_factory=list)
-    # Prompt logprobs gathered chunk by chunk until they go out with the first token.
-    prompt_lps: list[float] | None = None
-    prompt_top_ids: list[int] | None = None
-    prompt_top_lps: list[float] | None = None
-    admitted_once: bool = False
-    inflight: set[int] = field(default_factory=set)  # its prompt-block hashes counted in Scheduler._inflight
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Prompt logprobs asked for and not yet sent (they go out with the first token)."""
-        return self.sampling.prompt_logprobs is not None and not self.output_ids
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens ``start..end-1`` of prompt + output."""
-        p = len(self.prompt_ids)
-        if end <= p:
-            return self.prompt_ids[start:end]
-        if start >= p:
-            return self.output_ids[start - p : end - p]
-        return self.prompt_ids[start:] + self.output_ids[: end - p]
+    def execute(self, seqs: list[SeqInput]) -> list[SampleOut | None]: ...
 
 
 @dataclass
@@ -109,11 +69,12 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, runner: Executor, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, runner: Executor, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 enable_prefix_caching: bool = True):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
-        self.blocks: BlockManager = runner.block_manager
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -135,8 +96,8 @@ class Scheduler:
         max_len = self.runner.max_model_len
         if len(seq.prompt_ids) >= max_len:
             return f"prompt has {len(seq.prompt_ids)} tokens; this engine's context is {max_len}"
-        if self.blocks.enable_prefix_caching:
-            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.blocks.block_size)
+        if self.block_manager.enable_prefix_caching:
+            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size)
         if seq.sampling.seed is not None and seq.generator is None:
             seq.generator = self.runner.make_generator(seq.sampling.seed)
         self._enqueue(seq, front=False)
@@ -165,6 +126,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self._release(seq)
+        seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         return seq
 
@@ -181,13 +143,32 @@ class Scheduler:
 
     @property
     def num_preempted(self) -> int:
-        return sum(1 for s in self.waiting if s.preempted)
+        return sum(1 for s in self.waiting if s.status is SequenceStatus.PREEMPTED)
+
+    @property
+    def kv_used(self) -> float:
+        """Fraction of KV blocks held by requests (for EngineStats)."""
+        return self.block_manager.num_used / self.block_manager.num_blocks
 
     @property
     def tokens_per_step(self) -> float:
         return sum(self._recent_tokens) / len(self._recent_tokens) if self._recent_tokens else 0.0
 
     # -- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the forward pass, apply its samples: the outputs of this step. A failed
+        forward pass fails the requests in it (with an ``error`` output each), not the engine."""
+        step = self.schedule()
+        if not step.seqs:
+            return []
+        try:
+            results = self.runner.execute(step.inputs)
+        except Exception as e:
+            log.exception("forward pass failed; failing the %d requests in it", len(step.seqs))
+            failed = [s for s in step.seqs if self.abort(s.request_id) is not None]
+            return [RequestOutput(s.request_id, (), "error", error=f"engine error: {e}"[:4000]) for s in failed]
+        return [out for _, out in self.update(step, results)]
+
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         chosen: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, new tokens), in order
@@ -228,8 +209,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, chosen: dict[int, tuple[Sequence, int]]) -> bool:
         """Give ``seq`` the blocks for ``n`` more tokens, preempting the newest unscheduled
         running sequences while none are free. False when ``seq`` itself was preempted."""
-        need = self.blocks.blocks_needed(seq.num_computed + n) - len(seq.block_table)
-        while need > 0 and not self.blocks.can_allocate(need):
+        need = self.block_manager.blocks_needed(seq.num_computed + n) - len(seq.block_table)
+        while need > 0 and not self.block_manager.can_allocate(need):
             candidates = [(s.sampling.priority, i, s) for i, s in enumerate(self.running) if id(s) not in chosen]
             if not candidates:
                 return False
@@ -238,13 +219,13 @@ class Scheduler:
             if victim is seq:
                 return False
         if need > 0:
-            seq.block_table.extend(self.blocks.allocate(need))
+            seq.block_table.extend(self.block_manager.allocate(need))
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Take cached blocks and allocate the first chunk of a waiting sequence; return its
         token count, or None when it must wait (no blocks, or its prefix is being computed)."""
-        bm = self.blocks
+        bm = self.block_manager
         use_cache = bm.enable_prefix_caching and not seq.wants_prompt_logprobs
         all_tokens = seq.tokens(0, seq.total_len)
         hit = bm.lookup(all_tokens, seq.total_len - 1) if use_cache else []
@@ -260,8 +241,7 @@ class Scheduler:
         seq.block_table = hit + bm.allocate(need)
         seq.block_hashes = block_hashes(all_tokens[:cached], bm.block_size) if hit else []
         seq.num_computed = cached
-        if not seq.admitted_once:
-            seq.admitted_once = True
+        if seq.status is SequenceStatus.WAITING:  # first admission
             seq.num_cached_tokens = cached
             if use_cache:
                 bm.record_lookup(len(seq.prompt_ids), min(cached, len(seq.prompt_ids)))
@@ -272,14 +252,14 @@ class Scheduler:
                 if h not in seq.inflight:
                     seq.inflight.add(h)
                     self._inflight[h] += 1
-        seq.preempted = False
+        seq.status = SequenceStatus.RUNNING
         return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
-        seq.preempted = True
+        seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.preemptions += 1
         self._enqueue(seq, front=True)
@@ -308,7 +288,7 @@ class Scheduler:
         self._recent_tokens.append(step.num_tokens)
         outputs: list[tuple[Sequence, RequestOutput]] = []
         for seq, inp, res in zip(step.seqs, step.inputs, results):
-            if seq.finish_reason is not None or seq.request_id not in self.by_id:
+            if seq.is_finished:
                 continue  # aborted between schedule and update
             n = len(inp.new_token_ids)
             if seq.num_computed < len(seq.prompt_ids):
@@ -324,6 +304,7 @@ class Scheduler:
                 continue
             outputs.append((seq, self._emit(seq, res)))
             if seq.finish_reason is not None:
+                seq.status = SequenceStatus.FINISHED
                 self.running.remove(seq)
                 self.by_id.pop(seq.request_id, None)
                 self._release(seq)
@@ -358,7 +339,7 @@ class Scheduler:
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks this step filled, so later requests can reuse them."""
-        bm = self.blocks
+        bm = self.block_manager
         if not bm.enable_prefix_caching:
             return
         bs = bm.block_size
@@ -385,7 +366,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Free a sequence's blocks (cached ones stay findable) and forget its in-flight hashes."""
         if seq.block_table:
-            self.blocks.free(seq.block_table)
+            self.block_manager.free(seq.block_table)
         for h in list(seq.inflight):
             self._drop_inflight(seq, h)
         seq.block_table = []
@@ -398,18 +379,20 @@ class Scheduler:
             del self._inflight[h]
 
 
-def run_until_done(scheduler: Scheduler, runner, on_step=None) -> dict[str, list[RequestOutput]]:
-    """Step ``scheduler`` with ``runner`` until every request has finished; the outputs per
-    request id. For offline use (tests, benchmarks) — the server has its own loop.
-    ``on_step(scheduler)`` is called before each step (e.g. to add requests mid-flight)."""
+def run_until_done(scheduler: Scheduler, on_step=None) -> dict[str, list[RequestOutput]]:
+    """``scheduler.step()`` until every request has finished; the outputs per request id. For
+    offline use (tests, benchmarks). ``on_step(scheduler)`` is called before each step (e.g. to
+    add requests mid-flight)."""
     outs: dict[str, list[RequestOutput]] = {}
     while True:
         if on_step is not None:
             on_step(scheduler)
         if not scheduler.has_work:
             return outs
-        step = scheduler.schedule()
-        if not step.seqs:
+        steps = scheduler.steps
+        for out in scheduler.step():
+            if out.finish_reason == "error":
+                raise RuntimeError(f"request {out.request_id}: {out.error}")
+            outs.setdefault(out.request_id, []).append(out)
+        if scheduler.steps == steps:
             raise RuntimeError("the scheduler has work but scheduled nothing (not enough KV blocks?)")
-        for seq, out in scheduler.update(step, runner.execute(step.inputs)):
-            outs.setdefault(seq.request_id, []).append(out)

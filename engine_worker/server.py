@@ -40,7 +40,8 @@ from zserve.catalog import ModelSource
 from zserve.config import EngineConfig
 from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 log = logging.getLogger("zserve.engine")
 
@@ -60,6 +61,8 @@ class EngineServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.bind(endpoint)
         self.clients: dict[bytes, float] = {}
+        # request id -> ZeroMQ identity of the gateway that owns it, until its last output goes out
+        self.requests: dict[str, bytes] = {}
         self._last_stats = 0.0
         self._stop = False
         self.draining = False
@@ -87,8 +90,9 @@ class EngineServer:
         if isinstance(msg, AddRequest):
             self.add(client, msg)
         elif isinstance(msg, AbortRequest):
-            done = [self.scheduler.abort(rid) for rid in msg.request_ids]
-            outs = tuple(RequestOutput(s.request_id, (), "abort") for s in done if s is not None and s.client == client)
+            aborted = [rid for rid in msg.request_ids if self.scheduler.abort(rid) is not None]
+            owners = {rid: self.requests.pop(rid, None) for rid in aborted}
+            outs = tuple(RequestOutput(rid, (), "abort") for rid, owner in owners.items() if owner == client)
             if outs:
                 self.send(client, StepOutputs(self.rank, outs))
         elif isinstance(msg, ClientHello):
@@ -105,8 +109,9 @@ class EngineServer:
         bad = next((t for t in msg.prompt_token_ids if t >= vocab), None)
         err = f"token id {bad} is outside the vocabulary ({vocab})" if bad is not None else None
         if err is None:
-            seq = Sequence(msg.request_id, client, list(msg.prompt_token_ids), msg.sampling)
-            err = self.scheduler.add(seq)
+            err = self.scheduler.add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
+            if err is None:
+                self.requests[msg.request_id] = client
         if err is not None:
             self.send(client, StepOutputs(self.rank, (RequestOutput(msg.request_id, (), "error", error=err),)))
 
@@ -123,34 +128,29 @@ class EngineServer:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> None:
-        step = self.scheduler.schedule()
-        if not step.seqs:
-            return
+        """One engine step; each client gets the outputs of its requests in one message."""
         self.step_started = time.monotonic()
         try:
-            results = self.runner.execute(step.inputs)
-        except Exception as e:  # a failed forward must fail its requests, not the engine
-            log.exception("forward pass failed; failing the %d requests in it", len(step.seqs))
-            for seq in {s.request_id: s for s in step.seqs}.values():
-                self.scheduler.abort(seq.request_id)
-                self.send(seq.client, StepOutputs(self.rank, (RequestOutput(seq.request_id, (), "error", error=f"engine error: {e}"[:4000]),)))
-            return
+            outs = self.scheduler.step()
         finally:
             self.step_started = None
         per_client: dict[bytes, list[RequestOutput]] = {}
-        for seq, out in self.scheduler.update(step, results):
-            per_client.setdefault(seq.client, []).append(out)
-        for client, outs in per_client.items():
-            self.send(client, StepOutputs(self.rank, tuple(outs)))
+        for out in outs:
+            done = out.finish_reason is not None
+            client = self.requests.pop(out.request_id, None) if done else self.requests.get(out.request_id)
+            if client is not None:
+                per_client.setdefault(client, []).append(out)
+        for client, mine in per_client.items():
+            self.send(client, StepOutputs(self.rank, tuple(mine)))
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        bm = self.runner.block_manager
+        bm = s.block_manager
         return EngineStats(
             rank=self.rank,
             running=len(s.running),
             waiting=len(s.waiting),
-            kv_used=min(1.0, max(0.0, float(self.runner.kv_used))),
+            kv_used=min(1.0, max(0.0, float(s.kv_used))),
             generated_tokens=s.generated_tokens,
             steps=s.steps,
             timestamp=time.time(),
@@ -204,7 +204,7 @@ def _heartbeat(server: EngineServer, status: StatusPipe, interval: float) -> Non
         if server.alive():
             s = server.scheduler
             status.send(Heartbeat(running=len(s.running), waiting=len(s.waiting),
-                                  kv_used=min(1.0, max(0.0, round(float(server.runner.kv_used), 4))),
+                                  kv_used=min(1.0, max(0.0, round(float(s.kv_used), 4))),
                                   draining=server.draining))
         time.sleep(interval)
 
@@ -254,14 +254,14 @@ def main(argv: list[str] | None = None) -> None:
     with boot_phase(status, f"engine {a.rank}"):  # e.g. a KV cache too small for one request: exit EXIT_BOOT_ERROR
         kv_bytes = parse_memory(cfg.kv_cache_memory, device) if cfg.kv_cache_memory is not None else None
         runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs, max_model_len, block_size=cfg.block_size,
-                             kv_cache_bytes=kv_bytes, enable_prefix_caching=cfg.enable_prefix_caching,
-                             cuda_graphs=False if cfg.enforce_eager else None)
+                             kv_cache_bytes=kv_bytes, cuda_graphs=False if cfg.enforce_eager else None)
     if cfg.seed is not None:
         runner.sampler.seed_shared(cfg.seed + a.rank)
     log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s", a.rank,
              runner.num_blocks, cfg.block_size, runner.kv_cache_bytes / (1 << 20),
              "on" if cfg.enable_prefix_caching else "off")
-    scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+    scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                          enable_prefix_caching=cfg.enable_prefix_caching)
     hello = EngineHello(
         rank=a.rank,
         model_id=source.model_id,

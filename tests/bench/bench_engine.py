@@ -32,6 +32,7 @@ ops of one step. ``ZSERVE_CPU_KERNELS=0`` in the environment measures the torch-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
@@ -40,7 +41,8 @@ import torch
 from engine_worker.device import configure_cpu_threads, dtype_name, resolve_dtype, select_device
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
-from engine_worker.scheduler import Scheduler, Sequence
+from engine_worker.scheduler import Scheduler
+from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve, smollm2_gguf_path
 
@@ -68,43 +70,50 @@ def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timing
                in_flight: int | None = None) -> dict:
     """Run ``work`` through the engine loop; at most ``in_flight`` requests at a time (a closed
     loop: the next request arrives the moment one finishes), all at once without it."""
-    runner.block_manager.reset_prefix_cache()
-    sched = Scheduler(runner, max_num_seqs, budget)
+    sched = Scheduler(runner, max_num_seqs, budget)  # a fresh one: an empty prefix cache
     pending = list(enumerate(work))[::-1]
     arrival: dict[str, float] = {}
 
     def arrive(now: float) -> None:
         i, (prompt, n) = pending.pop()
         arrival[f"r{i}"] = now
-        sched.add(Sequence(f"r{i}", b"bench", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        sched.add(Sequence(f"r{i}", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                            arrival=now))
 
     t0 = time.perf_counter()
     for _ in range(min(in_flight or len(work), len(work))):
         arrive(t0)
     stamps: dict[str, list[float]] = {}
-    while sched.has_work:
-        a = time.perf_counter()
-        step = sched.schedule()
-        b = time.perf_counter()
-        results = runner.execute(step.inputs)
-        c = time.perf_counter()
-        outs = sched.update(step, results)
-        now = time.perf_counter()
-        for seq, _ in outs:
-            stamps.setdefault(seq.request_id, []).append(now)
-            if seq.finish_reason is not None and pending:
-                arrive(now)
-        if timings is not None:
-            timings["schedule"] += b - a
-            timings["execute"] += c - b
-            timings["update"] += now - c
-            timings["steps"] += 1
+    with contextlib.ExitStack() as undo:
+        if timings is not None:  # split each step() into its three parts
+            for owner, attr in ((sched, "schedule"), (runner, "execute"), (sched, "update")):
+                setattr(owner, attr, _timed(timings, attr, getattr(owner, attr)))
+                undo.callback(delattr, owner, attr)  # back to the class's method
+        while sched.has_work:
+            outs = sched.step()
+            now = time.perf_counter()
+            for out in outs:
+                stamps.setdefault(out.request_id, []).append(now)
+                if out.finish_reason is not None and pending:
+                    arrive(now)
+            if timings is not None:
+                timings["steps"] += 1
     wall = time.perf_counter() - t0
     total = sum(len(v) for v in stamps.values())
     assert total == sum(n for _, n in work), "every request must produce its tokens"
     return summarise(total, wall, [v[0] - arrival[r] for r, v in stamps.items()],
                      [b - a for v in stamps.values() for a, b in zip(v, v[1:])], sched.preemptions)
+
+
+def _timed(spent: dict, name: str, fn):
+    """``fn``, adding the seconds each call takes to ``spent[name]``."""
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[name] += time.perf_counter() - t
+    return wrapper
 
 
 def run_hf(model, work, dtype, batch: int | None = None) -> dict:
@@ -180,7 +189,6 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
     """Wall-clock split of ``steps`` decode steps by component. torch's profiler does not see the
     native kernels (ctypes calls), so each component is timed at its Python entry point."""
     import collections
-    import contextlib
 
     from engine_worker import cpu_kernels
     from engine_worker.models import layers
@@ -205,15 +213,13 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
             orig = getattr(owner, attr)
             setattr(owner, attr, timed(label, orig))
             undo.callback(setattr, owner, attr, orig)
-        total = 0.0
+        n = len(sched.running)
+        t = time.perf_counter()
         for _ in range(steps):
-            step = sched.schedule()
-            t = time.perf_counter()
-            results = runner.execute(step.inputs)
-            total += time.perf_counter() - t
-            sched.update(step, results)
+            sched.step()
+        total = time.perf_counter() - t
     known = sum(spent.values())
-    print(f"\nwall-clock split of {steps} decode steps of {len(step.inputs)} sequences: {total / steps * 1e3:.1f} ms a step")
+    print(f"\nwall-clock split of {steps} decode steps of {n} sequences: {total / steps * 1e3:.1f} ms a step")
     for name, sec in spent.most_common():
         print(f"  {name:28s} {sec / steps * 1e3:6.2f} ms  {100 * sec / total:5.1f}%")
     print(f"  {'other (torch glue, Python)':28s} {(total - known) / steps * 1e3:6.2f} ms  {100 * (total - known) / total:5.1f}%")
@@ -224,21 +230,18 @@ def profile_step(runner: ModelRunner, work, max_num_seqs: int, budget: int) -> N
     and list the top torch ops of one."""
     sched = Scheduler(runner, max_num_seqs, budget)
     for i, (prompt, n) in enumerate(work):
-        sched.add(Sequence(f"p{i}", b"bench", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+        sched.add(Sequence(f"p{i}", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     while any(s.in_prefill for s in sched.running) or sched.waiting:
-        step = sched.schedule()
-        sched.update(step, runner.execute(step.inputs))
+        sched.step()
     for _ in range(20):  # some context, as mid-generation
-        step = sched.schedule()
-        sched.update(step, runner.execute(step.inputs))
+        sched.step()
     _timed_split(runner, sched, 10)
-    step = sched.schedule()
+    n = len(sched.running)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        results = runner.execute(step.inputs)
-    sched.update(step, results)
-    print(f"\ntorch ops of one decode step ({len(step.inputs)} sequences; native kernels are not listed):")
+        sched.step()
+    print(f"\ntorch ops of one decode step ({n} sequences; native kernels are not listed):")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
     sched.abort_all("abort")
 

@@ -27,7 +27,8 @@ from bench_engine import make_workload, run_zserve  # noqa: E402
 from engine_worker.device import resolve_dtype, select_device  # noqa: E402
 from engine_worker.loader import load_model  # noqa: E402
 from engine_worker.runner import ModelRunner  # noqa: E402
-from engine_worker.scheduler import Scheduler, Sequence, run_until_done  # noqa: E402
+from engine_worker.scheduler import Scheduler, run_until_done  # noqa: E402
+from engine_worker.sequence import Sequence  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
 from zserve.catalog import resolve  # noqa: E402
 
@@ -41,8 +42,8 @@ def engine(loaded, device, dtype, max_seqs: int, variant: str) -> ModelRunner:
 def greedy_tokens(runner: ModelRunner, work) -> list[list[int]]:
     sched = Scheduler(runner, runner.max_num_seqs, 512)
     for i, (prompt, n) in enumerate(work):
-        sched.add(Sequence(f"r{i}", b"gpu", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
-    outs = run_until_done(sched, runner)
+        sched.add(Sequence(f"r{i}", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    outs = run_until_done(sched)
     return [[t for o in outs[f"r{i}"] for t in o.new_token_ids] for i in range(len(work))]
 
 

@@ -120,15 +120,16 @@ def _engine_in_a_subprocess(env: dict) -> list[str]:
         "logging.basicConfig(level=logging.WARNING)\n"
         "from engine_worker.loader import load_model\n"
         "from engine_worker.runner import ModelRunner\n"
-        "from engine_worker.scheduler import Scheduler, Sequence, run_until_done\n"
+        "from engine_worker.scheduler import Scheduler, run_until_done\n"
+        "from engine_worker.sequence import Sequence\n"
         "from protocol.messages import SamplingParams\n"
         "from zserve.catalog import resolve\n"
         "cpu = torch.device('cpu')\n"
         "r = ModelRunner(load_model(resolve('tiny-random'), torch.float32, cpu), cpu, torch.float32, 2, 64)\n"
         "s = Scheduler(r, 2, 64)\n"
-        "s.add(Sequence('a', b'x', [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))\n"
+        "s.add(Sequence('a', [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))\n"
         "print(r.attention_backend)\n"
-        "print([t for o in run_until_done(s, r)['a'] for t in o.new_token_ids])\n"
+        "print([t for o in run_until_done(s)['a'] for t in o.new_token_ids])\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=120)

@@ -12,7 +12,8 @@ import torch
 from engine_worker.block_manager import BlockManager, block_hashes
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
-from engine_worker.scheduler import Scheduler, Sequence, run_until_done
+from engine_worker.scheduler import Scheduler, run_until_done
+from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve
 
@@ -92,18 +93,20 @@ def make_runner(loaded, num_blocks: int = 64, block_size: int = 4, **kw) -> Mode
                        block_size=block_size, **kw)
 
 
-def run(runner, requests: list[tuple[list[int], SamplingParams]], budget: int = 256, stagger: bool = False):
-    sched = Scheduler(runner, 8, budget)
+def run(runner, requests: list[tuple[list[int], SamplingParams]], budget: int = 256, stagger: bool = False,
+        sched: Scheduler | None = None):
+    """Run ``requests`` to the end through ``sched`` (default: a fresh scheduler, so an empty prefix cache)."""
+    sched = sched or Scheduler(runner, 8, budget)
     pending = list(enumerate(requests))
 
     def feed(s):
         while pending:
             i, (p, sp) = pending.pop(0)
-            assert s.add(Sequence(f"r{i}", b"t", list(p), sp)) is None
+            assert s.add(Sequence(f"r{i}", list(p), sp)) is None
             if stagger:
                 return
 
-    outs = run_until_done(sched, runner, feed)
+    outs = run_until_done(sched, feed)
     return [outs[f"r{i}"] for i in range(len(requests))], sched
 
 
@@ -172,14 +175,14 @@ def test_prompt_logprobs_arrive_once_with_the_first_token_whatever_the_chunking(
     assert first.prompt_logprobs == pytest.approx(want, abs=1e-5)
     # A cached prefix is not used for a request that wants prompt logprobs: they need the logits.
     runner = make_runner(loaded)
-    run(runner, [(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))])
-    again, _ = run(runner, [(PROMPT, sp)])
+    _, sched = run(runner, [(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))])
+    again, _ = run(runner, [(PROMPT, sp)], sched=sched)
     assert again[0][0].num_cached_tokens == 0 and again[0][0].prompt_logprobs == pytest.approx(want, abs=1e-5)
 
 
 def _full_logprobs(loaded, prompt):
     runner = make_runner(loaded)
-    bm = runner.block_manager
+    bm = BlockManager(runner.num_blocks, runner.block_size)
     from engine_worker.runner import SeqInput
 
     table = bm.allocate(bm.blocks_needed(len(prompt)))
@@ -200,11 +203,11 @@ def test_engine_counters_for_stats(loaded):
     assert sched.preemptions > 0 and sched.num_preempted == 0  # all recomputed by the end
     assert sched.generated_tokens == 5 * 16 and sched.steps > 16
     assert sched.prompt_tokens >= 5 * len(PROMPT)  # recomputes count too
-    assert sched.tokens_per_step > 1 and runner.block_manager.num_used == 0 and runner.kv_used == 0.0
+    assert sched.tokens_per_step > 1 and sched.block_manager.num_used == 0 and sched.kv_used == 0.0
 
     runner = make_runner(loaded)
     _, sched = run(runner, [(PROMPT, hot(1, 2)), (PROMPT[:-1] + [5], hot(2, 2))])
-    bm = runner.block_manager
+    bm = sched.block_manager
     assert bm.hits == 16 and bm.queries == 2 * len(PROMPT) and bm.hit_rate == pytest.approx(16 / 38)
     assert sched.prompt_tokens == 2 * len(PROMPT) - 16
 
@@ -288,12 +291,12 @@ def test_engine_stats_report_blocks_preemptions_and_prefix_hits(loaded, tmp_path
     server = EngineServer(0, f"ipc://{tmp_path}/engine.sock", runner, sched, hello)
     try:
         for i in range(5):
-            sched.add(Sequence(f"r{i}", b"t", PROMPT[i:] + PROMPT[:i], hot(i, 16)))
+            sched.add(Sequence(f"r{i}", PROMPT[i:] + PROMPT[:i], hot(i, 16)))
         for _ in range(8):
             server.step()
         st = server.stats()
         assert st.running + st.waiting == 5 and st.kv_blocks_total == 17
-        assert st.kv_blocks_used == runner.block_manager.num_used > 0
+        assert st.kv_blocks_used == sched.block_manager.num_used > 0
         assert st.preemptions == sched.preemptions and st.preempted == sched.num_preempted
         assert st.tokens_per_step > 1 and st.prompt_tokens >= 19
         assert decode(encode(st)) == st and isinstance(st, EngineStats)
@@ -358,7 +361,7 @@ def test_decode_graphs_in_cpu_emulation_give_the_eager_tokens_and_never_hand_out
     runner = make_runner(loaded, cuda_graphs=True)
     graphs = runner.graphs
     assert graphs is not None and graphs.emulated and graphs.sizes == [1, 2, 4, 8]  # passed its self-check
-    assert runner.kv.num_blocks == runner.block_manager.num_blocks + 1  # the scratch block
+    assert runner.kv.num_blocks == runner.num_blocks + 1  # the scratch block
     used: list[int] = []
     replays = []
     original = graphs.run
@@ -369,10 +372,10 @@ def test_decode_graphs_in_cpu_emulation_give_the_eager_tokens_and_never_hand_out
         return original(ids, positions, slots, tables, lens)
 
     graphs.run = spy
-    got, _ = run(runner, reqs, stagger=True)
+    got, sched = run(runner, reqs, stagger=True)
     assert [toks(o) for o in got] == [toks(o) for o in eager]
     assert set(replays) >= {1, 5, 7} and graphs.scratch_block not in used
-    assert runner.block_manager.num_used == 0
+    assert sched.block_manager.num_used == 0
 
 
 def test_a_block_id_outside_the_pool_is_refused_before_any_kernel_reads_it():

@@ -13,7 +13,8 @@ import torch
 
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
-from engine_worker.scheduler import Scheduler, Sequence, run_until_done
+from engine_worker.scheduler import Scheduler, run_until_done
+from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve, smollm2_gguf_path
 
@@ -70,11 +71,13 @@ def _until_eos(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
-def run(runner: ModelRunner, prompts: list[list[int]], budget: int = 512, params: SamplingParams = GREEDY):
-    sched = Scheduler(runner, 8, budget)
+def run(runner: ModelRunner, prompts: list[list[int]], budget: int = 512, params: SamplingParams = GREEDY,
+        sched: Scheduler | None = None, prefix_caching: bool = True):
+    """Run ``prompts`` to the end through ``sched`` (default: a fresh scheduler, so an empty prefix cache)."""
+    sched = sched or Scheduler(runner, 8, budget, enable_prefix_caching=prefix_caching)
     for i, p in enumerate(prompts):
-        assert sched.add(Sequence(f"r{i}", b"t", list(p), params)) is None
-    outs = run_until_done(sched, runner)
+        assert sched.add(Sequence(f"r{i}", list(p), params)) is None
+    outs = run_until_done(sched)
     return [outs[f"r{i}"] for i in range(len(prompts))], sched
 
 
@@ -104,10 +107,10 @@ def test_all_prompts_together_match_transformers(loaded, reference, budget, pref
     ref_tokens, _ = reference
     # With the prefix cache: the gather backend and the matmul path its large decode batches take
     # (small ones use SDPA). Without: the default backend (native CPU kernels where they build).
-    runner = make_runner(loaded, enable_prefix_caching=prefix_caching, attention="gather" if prefix_caching else None)
+    runner = make_runner(loaded, attention="gather" if prefix_caching else None)
     if prefix_caching:
         runner.attention.sdpa_max_decode_batch = 0
-    outs, sched = run(runner, PROMPTS + PROMPTS[:1], budget)  # FRANCE twice: the copy shares its blocks
+    outs, sched = run(runner, PROMPTS + PROMPTS[:1], budget, prefix_caching=prefix_caching)  # FRANCE twice: the copy shares its blocks
     for i, o in enumerate(outs):
         assert toks(o) == ref_tokens[i % len(PROMPTS)], f"prompt {i}"
     assert (outs[-1][0].num_cached_tokens > 0) == prefix_caching
@@ -121,16 +124,16 @@ def test_preemption_under_a_small_kv_budget_changes_no_output(loaded, reference)
     assert sched.preemptions > 0
     for i, o in enumerate(outs):
         assert toks(o) == ref_tokens[i], f"prompt {i}"
-    assert runner.block_manager.num_used == 0
+    assert sched.block_manager.num_used == 0
 
 
 def test_a_shared_prefix_is_a_cache_hit_with_the_same_output(loaded, reference):
     ref_tokens, _ = reference
     runner = make_runner(loaded, block_size=8)
-    run(runner, [FRANCE])
-    (outs,), _ = run(runner, [SAME_SYSTEM])
+    _, sched = run(runner, [FRANCE])
+    (outs,), _ = run(runner, [SAME_SYSTEM], sched=sched)
     assert outs[0].num_cached_tokens == 24  # three blocks of the shared system prompt
-    assert runner.block_manager.hit_rate > 0
+    assert sched.block_manager.hit_rate > 0
     assert toks(outs) == ref_tokens[len(PROMPTS)]
-    (cold,), _ = run(make_runner(loaded, block_size=8, enable_prefix_caching=False), [SAME_SYSTEM])
+    (cold,), _ = run(make_runner(loaded, block_size=8), [SAME_SYSTEM], prefix_caching=False)
     assert cold[0].num_cached_tokens == 0 and toks(cold) == toks(outs)

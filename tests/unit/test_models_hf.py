@@ -14,7 +14,8 @@ from engine_worker.attention import SeqLayout, select_backend
 from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
-from engine_worker.scheduler import Scheduler, Sequence, run_until_done
+from engine_worker.scheduler import Scheduler, run_until_done
+from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import ModelSource
 
@@ -121,8 +122,8 @@ def our_greedy(root: Path, n: int, native: bool = True) -> list[int]:
                          attention=None if native else "gather")
     sched = Scheduler(runner, 2, 5)  # chunked prefill over the paged cache
     # min_tokens masks EOS as transformers' min_new_tokens does
-    sched.add(Sequence("r", b"t", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)))
-    return [t for o in run_until_done(sched, runner)["r"] for t in o.new_token_ids]
+    sched.add(Sequence("r", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)))
+    return [t for o in run_until_done(sched)["r"] for t in o.new_token_ids]
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from engine_worker.attention import SeqLayout, select_backend
 from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
-from engine_worker.scheduler import Scheduler, Sequence, run_until_done
+from engine_worker.scheduler import Scheduler, run_until_done
+from engine_worker.sequence import Sequence
 from protocol.messages import RequestOutput, SamplingParams
 from zserve.catalog import resolve
 
@@ -50,19 +51,20 @@ def make_runner(loaded, max_num_seqs: int = 8, max_model_len: int = 128, **kw) -
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams = GREEDY, budget: int = 512,
-             stagger: bool = False) -> list[list[RequestOutput]]:
-    """Run ``prompts`` through a fresh scheduler; one newcomer per step when ``stagger``."""
-    sched = Scheduler(runner, runner.max_num_seqs, budget)
+             stagger: bool = False, prefix_caching: bool = True,
+             sched: Scheduler | None = None) -> list[list[RequestOutput]]:
+    """Run ``prompts`` through ``sched`` (default: a fresh scheduler); one newcomer per step when ``stagger``."""
+    sched = sched or Scheduler(runner, runner.max_num_seqs, budget, enable_prefix_caching=prefix_caching)
     pending = list(enumerate(prompts))
 
     def feed(s: Scheduler) -> None:
         while pending:
             i, p = pending.pop(0)
-            assert s.add(Sequence(f"r{i}", b"t", list(p), params)) is None
+            assert s.add(Sequence(f"r{i}", list(p), params)) is None
             if stagger:
                 return
 
-    outs = run_until_done(sched, runner, feed)
+    outs = run_until_done(sched, feed)
     return [outs[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -103,10 +105,10 @@ def test_cached_decode_equals_recomputing_the_whole_sequence(loaded):
     prompt = PROMPTS[1]
     steps = generate(make_runner(loaded), [prompt])[0]
     toks = tokens(steps)
-    runner = make_runner(loaded, enable_prefix_caching=False)
+    runner = make_runner(loaded)
     one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
     for i in range(1, len(steps)):
-        fresh = generate(runner, [prompt + toks[:i]], one)[0]
+        fresh = generate(runner, [prompt + toks[:i]], one, prefix_caching=False)[0]
         assert_same_steps(fresh, steps[i : i + 1], f"step {i}")
 
 
@@ -158,13 +160,14 @@ def test_scattered_blocks_read_like_consecutive_ones(loaded, backend):
     consecutive = make_runner(loaded, attention=backend)
     want_views = spy_on_plans(consecutive)
     want = generate(consecutive, [PROMPTS[1]])[0]
-    runner = make_runner(loaded, enable_prefix_caching=False, attention=backend)
+    runner = make_runner(loaded, attention=backend)
     assert runner.attention.name == backend
     got_views = spy_on_plans(runner)
-    bm = runner.block_manager
+    sched = Scheduler(runner, runner.max_num_seqs, 512, enable_prefix_caching=False)
+    bm = sched.block_manager
     hold = bm.allocate(10)
     bm.free(hold[::2])  # free blocks 0, 2, 4, ...: the request gets every other block
-    got = generate(runner, [PROMPTS[1]])[0]
+    got = generate(runner, [PROMPTS[1]], sched=sched)[0]
     assert_same_steps(got, want)
     if backend == "gather":  # the two paths this test compares did run (a lone first block is a view too)
         assert want_views and all(want_views) and False in got_views
