@@ -10,7 +10,7 @@ from .routers import anthropic, control, core, native, openai, responses
 from .routers.common import TOKEN_TEXT, TokenText
 from .state import STATE, GatewayState
 
-# Route families, each a module with a ``routes`` table (see ARCHITECTURE.md's route map).
+# Route families, each a module with a ``routes`` table (docs/api.md describes them).
 ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native}
 

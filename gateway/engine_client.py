@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -76,7 +75,6 @@ class EngineConnection:
     hello: EngineHello | None = None
     stats: EngineStats | None = None
     outstanding: int = 0  # this gateway's requests in flight on the engine
-    last_seen: float = 0.0
     known_rank: int | None = None  # kept after the engine is gone, for messages
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -232,7 +230,6 @@ class EngineClient:
             except ProtocolError as e:
                 log.warning("dropped a bad frame from engine %s: %s", eng.endpoint, e)
                 continue
-            eng.last_seen = time.monotonic()
             if isinstance(msg, StepOutputs):
                 for out in msg.outputs:
                     st = self._streams.get(out.request_id)

@@ -7,6 +7,7 @@ Names follow Prometheus conventions: ``zserve_`` prefix, base units, ``_total`` 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -15,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY
+
+from protocol import EngineStats
 
 from .state import STATE
 
@@ -34,6 +37,11 @@ IN_FLIGHT = Gauge("zserve_requests_in_flight", "Generation requests being served
                   multiprocess_mode="livesum")
 
 
+# EngineStats field -> (gauge or counter, metric name, help): the fields the dataclass marks as metrics.
+ENGINE_METRICS = {f.name: f.metadata["metric"] for f in dataclasses.fields(EngineStats) if "metric" in f.metadata}
+_FAMILY = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+
+
 class EngineCollector:
     """Engine gauges from the latest EngineStats this gateway has seen (every gateway sees all)."""
 
@@ -42,40 +50,8 @@ class EngineCollector:
 
     def collect(self):
         state = self.app[STATE]
-        gauges = {
-            "running": GaugeMetricFamily("zserve_engine_requests_running", "Requests in the engine's running batch.",
-                                         labels=["engine"]),
-            "waiting": GaugeMetricFamily("zserve_engine_requests_waiting", "Requests queued in the engine.",
-                                         labels=["engine"]),
-            "kv_used": GaugeMetricFamily("zserve_engine_kv_cache_usage_ratio", "Fraction of KV cache in use.",
-                                         labels=["engine"]),
-        }
-        gauges.update({
-            "kv_blocks_used": GaugeMetricFamily("zserve_engine_kv_cache_blocks_used", "KV blocks held by requests.",
-                                                labels=["engine"]),
-            "kv_blocks_total": GaugeMetricFamily("zserve_engine_kv_cache_blocks", "KV blocks in the cache.",
-                                                 labels=["engine"]),
-            "prefix_cache_hit_rate": GaugeMetricFamily("zserve_engine_prefix_cache_hit_ratio",
-                                                       "Share of prompt tokens found in the prefix cache.",
-                                                       labels=["engine"]),
-            "preempted": GaugeMetricFamily("zserve_engine_requests_preempted",
-                                           "Requests waiting to be recomputed after a preemption.", labels=["engine"]),
-            "tokens_per_step": GaugeMetricFamily("zserve_engine_tokens_per_step",
-                                                 "Mean tokens per forward pass over recent steps.", labels=["engine"]),
-        })
-        counters = {
-            "generated_tokens": CounterMetricFamily("zserve_engine_generated_tokens",
-                                                    "Tokens the engine generated since it started.", labels=["engine"]),
-            "steps": CounterMetricFamily("zserve_engine_steps", "Forward passes the engine ran since it started.",
-                                         labels=["engine"]),
-            "preemptions": CounterMetricFamily("zserve_engine_preemptions",
-                                               "Requests preempted for lack of KV blocks since start.", labels=["engine"]),
-            "prefix_cache_hits": CounterMetricFamily("zserve_engine_prefix_cache_hit_tokens",
-                                                     "Prompt tokens served from the prefix cache since start.",
-                                                     labels=["engine"]),
-            "prompt_tokens": CounterMetricFamily("zserve_engine_prompt_tokens",
-                                                 "Prompt tokens computed (prefill) since start.", labels=["engine"]),
-        }
+        families = {name: _FAMILY[kind](metric, doc, labels=["engine"])
+                    for name, (kind, metric, doc) in ENGINE_METRICS.items()}
         up = GaugeMetricFamily("zserve_engine_up", "1 when the engine is connected and routable.", labels=["engine"])
         for e in state.engines.engines.values():
             if e.hello is None:
@@ -84,10 +60,9 @@ class EngineCollector:
             up.add_metric([rank], 1.0 if e.routable else 0.0)
             if e.stats is None:
                 continue
-            for key, fam in (*gauges.items(), *counters.items()):
+            for key, fam in families.items():
                 fam.add_metric([rank], float(getattr(e.stats, key)))
-        yield from gauges.values()
-        yield from counters.values()
+        yield from families.values()
         yield up
 
 

@@ -1,4 +1,4 @@
-"""Everything a gateway's handlers share, built once at start-up (``build_state``)."""
+"""Everything a gateway's handlers share, built once at start-up (``gateway.server`` builds it)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import user_cache_dir
 
 from . import systemd
-from .children import Child, Slot, spawn
+from .children import CRASH_LOOP_WINDOW, Child, Slot, spawn
 from .control_server import AwaitAcks, ControlServer
 from .sockets import create_listener
 
@@ -311,7 +311,7 @@ class Supervisor:
             delay = c.slot.record_failure(now, why)
             if c.slot.crash_looping(now):
                 log.error("%s is crash-looping: %d failures in %.0fs (last: %s); next try in %.0fs", c.name,
-                          len(c.slot.failures), 60, why, delay)
+                          len(c.slot.failures), CRASH_LOOP_WINDOW, why, delay)
             else:
                 log.error("%s (pid %d) died (%s); restarting it in %.1fs", c.name, c.pid, why, delay)
 
@@ -504,12 +504,11 @@ class Supervisor:
             self.control.close()
         if self.listener is not None:
             self.listener.close()
-        for path in (self.pointer,):
-            try:
-                if path and open(path).read().strip() == self.control_path:
-                    os.unlink(path)
-            except OSError:
-                pass
+        try:
+            if self.pointer and open(self.pointer).read().strip() == self.control_path:
+                os.unlink(self.pointer)
+        except OSError:
+            pass
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.exit_code == 0 and not drained:

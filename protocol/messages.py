@@ -1,4 +1,6 @@
-"""The messages that cross between gateways, engines and the supervisor.
+"""The messages that cross between gateways and engines over ZeroMQ.
+
+(The supervisor talks to its children over pipes, with the lines of ``protocol.control``.)
 
 Each message is a frozen dataclass. Scalar fields travel in an orjson header; token-id and float
 arrays travel as raw little-endian binary frames (see ``codec``). Every field is validated when a
@@ -10,7 +12,7 @@ Bump ``PROTOCOL_VERSION`` on any incompatible change; peers reject other version
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .constants import MAX_LOGIT_BIAS
 
@@ -23,6 +25,12 @@ MAX_TOP_LOGPROBS = 20
 MAX_BATCH_ITEMS = 65536
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def _metric(kind: str, name: str, doc: str, **default: Any) -> Any:
+    """A message field that gateways export as a Prometheus metric: ``kind`` is gauge or counter."""
+    assert kind in ("gauge", "counter")
+    return field(metadata={"metric": (kind, name, doc)}, **default)
 
 
 class ProtocolError(ValueError):
@@ -139,7 +147,7 @@ class Message:
 
 @dataclass(frozen=True)
 class ClientHello(Message):
-    """A gateway (or the supervisor) introduces itself to an engine; the engine answers EngineHello."""
+    """A gateway introduces itself to an engine; the engine answers EngineHello."""
 
     TYPE: ClassVar[str] = "client_hello"
     client_id: str
@@ -270,24 +278,37 @@ class StepOutputs(Message):
 
 @dataclass(frozen=True)
 class EngineStats(Message):
-    """An engine's load, published often for least-loaded routing and metrics."""
+    """An engine's load, published often for least-loaded routing and metrics.
+
+    A field with ``metric`` metadata (``_metric``) is exported by every gateway as that Prometheus
+    gauge or counter (``gateway.metrics`` reads the metadata), so a new statistic is one field here
+    and its value in the engine.
+    """
 
     TYPE: ClassVar[str] = "stats"
     rank: int
-    running: int
-    waiting: int
-    kv_used: float  # fraction of KV capacity in use, 0..1
-    generated_tokens: int  # total since start
-    steps: int  # total since start
+    running: int = _metric("gauge", "zserve_engine_requests_running", "Requests in the engine's running batch.")
+    waiting: int = _metric("gauge", "zserve_engine_requests_waiting", "Requests queued in the engine.")
+    kv_used: float = _metric("gauge", "zserve_engine_kv_cache_usage_ratio",
+                             "Fraction of KV cache in use.")  # 0..1
+    generated_tokens: int = _metric("counter", "zserve_engine_generated_tokens",
+                                    "Tokens the engine generated since it started.")
+    steps: int = _metric("counter", "zserve_engine_steps", "Forward passes the engine ran since it started.")
     timestamp: float
-    preempted: int = 0  # requests now waiting to be recomputed after a preemption (part of waiting)
-    preemptions: int = 0  # total since start
-    kv_blocks_used: int = 0  # blocks held by requests
-    kv_blocks_total: int = 0
-    prefix_cache_hit_rate: float = 0.0  # share of looked-up prompt tokens found in the cache, since start
-    prefix_cache_hits: int = 0  # prompt tokens served from the cache, since start
-    prompt_tokens: int = 0  # prompt tokens computed (prefill, including recompute), since start
-    tokens_per_step: float = 0.0  # mean tokens per forward pass over the recent steps
+    preempted: int = _metric("gauge", "zserve_engine_requests_preempted",
+                             "Requests waiting to be recomputed after a preemption.", default=0)  # part of waiting
+    preemptions: int = _metric("counter", "zserve_engine_preemptions",
+                               "Requests preempted for lack of KV blocks since start.", default=0)
+    kv_blocks_used: int = _metric("gauge", "zserve_engine_kv_cache_blocks_used", "KV blocks held by requests.", default=0)
+    kv_blocks_total: int = _metric("gauge", "zserve_engine_kv_cache_blocks", "KV blocks in the cache.", default=0)
+    prefix_cache_hit_rate: float = _metric("gauge", "zserve_engine_prefix_cache_hit_ratio",
+                                           "Share of prompt tokens found in the prefix cache.", default=0.0)
+    prefix_cache_hits: int = _metric("counter", "zserve_engine_prefix_cache_hit_tokens",
+                                     "Prompt tokens served from the prefix cache since start.", default=0)
+    prompt_tokens: int = _metric("counter", "zserve_engine_prompt_tokens",
+                                 "Prompt tokens computed (prefill) since start.", default=0)  # including recompute
+    tokens_per_step: float = _metric("gauge", "zserve_engine_tokens_per_step",
+                                     "Mean tokens per forward pass over recent steps.", default=0.0)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers import free_port
+
 REDIS_MISSING = "redis-server is not installed (.ci/run installs it)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

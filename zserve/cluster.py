@@ -1,12 +1,12 @@
 """The cluster-wide control state, and the one interface every process reads it through.
 
 The supervisor owns the state; every change bumps ``version`` and is broadcast to each gateway
-(and engine) over its control pipe; the supervisor answers a control request only after every
+over its control pipe (engines get no cluster state); the supervisor answers a control request only after every
 live gateway has acknowledged that version, so when ``POST /pause`` returns, *every* gateway
 already refuses new requests. Gateways never keep control state of their own.
 
 Only this module knows the state's shape, so a multi-host deployment can later keep it in Redis
-(``ClusterStore`` is the seam: ``get``/``update``/``subscribe``) without touching the handlers.
+(``ClusterStore`` is the seam: ``get``/``update``) without touching the handlers.
 """
 
 from __future__ import annotations
@@ -49,10 +49,6 @@ class ClusterState:
         if not isinstance(state.paused, bool) or not isinstance(state.model_id, str):
             raise TypeError("paused must be a bool and model_id a str")
         return state
-
-    def routable(self) -> set[str]:
-        """Endpoints a gateway may send new requests to."""
-        return {e.endpoint for e in self.engines if e.state == "ready"}
 
 
 @dataclass

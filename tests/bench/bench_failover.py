@@ -25,8 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.conftest import LAUNCH, Server, wait_until  # noqa: E402
-from tests.e2e.test_supervisor import StreamResult, procs, run_stream, stream_body  # noqa: E402
+from tests.helpers import LAUNCH, Server, StreamResult, procs, run_stream, stream_body, wait_until  # noqa: E402
 
 
 def _loaded(s: Server) -> list[dict] | None:

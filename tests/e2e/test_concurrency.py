@@ -10,7 +10,7 @@ import pytest
 
 from zserve.catalog import DEFAULT_CHAT_MODEL
 
-from .conftest import wait_until
+from tests.helpers import wait_until
 
 PROMPTS = [
     "The capital of France is",

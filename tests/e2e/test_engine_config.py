@@ -6,7 +6,7 @@ import subprocess
 
 import httpx
 
-from .conftest import LAUNCH, ROOT, Server
+from tests.helpers import LAUNCH, ROOT, Server
 
 
 def _sampled_texts(*options: str) -> list[str]:

@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from .conftest import Server
+from tests.helpers import Server
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import subprocess
 import httpx
 import psutil
 
-from .conftest import LAUNCH, ROOT, Server, wait_until
+from tests.helpers import LAUNCH, ROOT, Server, wait_until
 
 
 def test_kill_9_of_the_supervisor_leaves_no_process_and_the_port_is_free():
@@ -26,15 +26,12 @@ def test_kill_9_of_the_supervisor_leaves_no_process_and_the_port_is_free():
 
     wait_until(all_gone, 5, what="every child to die with the supervisor")
     # restarting on the very same port works at once
-    again = subprocess.Popen([*LAUNCH, "api-server", "--port", str(port), "--model", "tiny-random"], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    again = Server("--model", "tiny-random", port=port, ready_timeout=60, log_name="kill9-again")
     try:
-        line = again.stdout.readline().decode()
-        assert f":{port} " in line, line
+        assert again.url.endswith(f":{port}"), again.url
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
     finally:
-        again.send_signal(signal.SIGTERM)
-        assert again.wait(30) == 0
+        assert again.stop(timeout=30) == 0
 
 
 def test_gateways_do_not_load_torch(tiny_server):

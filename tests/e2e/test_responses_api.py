@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from . import scripted_model as sm
-from .conftest import Server, wait_until
+from tests.helpers import Server, wait_until
 
 WEATHER_FUNCTION = {"type": "function", **sm.WEATHER_TOOL["function"]}  # the Responses API's flat tool shape
 TINY = "tiny-random"

@@ -14,73 +14,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import orjson
 import psutil
 import pytest
 
-from .conftest import LAUNCH, ROOT, Server, wait_until
-
-TINY = ("--model", "tiny-random", "--dtype", "float32")
-
-
-def status(server: Server) -> dict:
-    out = subprocess.run([*LAUNCH, "status", "--port", str(server.port), "--json"], cwd=ROOT, capture_output=True,
-                         timeout=30, check=True)
-    return orjson.loads(out.stdout)
-
-
-def procs(server: Server, tier: str) -> list[dict]:
-    return [p for p in status(server)["processes"] if p["tier"] == tier]
-
-
-def ready_pids(server: Server, tier: str) -> list[int]:
-    return [p["pid"] for p in procs(server, tier) if p["state"] == "ready"]
-
-
-def stream_body(max_tokens: int) -> dict:
-    return {"model": "tiny-random", "prompt": "hello", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-
-
-class StreamResult:
-    def __init__(self):
-        self.chunks = 0
-        self.error: dict | None = None
-        self.finish: str | None = None
-        self.ended_at: float | None = None
-        self.done = False
-
-
-def run_stream(url: str, body: dict, res: StreamResult) -> None:
-    try:
-        _read_stream(url, body, res)
-    except httpx.HTTPError as e:  # the server went away mid-stream (a fast stop)
-        res.error = {"message": f"connection lost: {e}"}
-    res.ended_at = res.ended_at or time.monotonic()
-
-
-def _read_stream(url: str, body: dict, res: StreamResult) -> None:
-    with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                res.done = True
-                break
-            msg = orjson.loads(data)
-            if "error" in msg:
-                res.error = msg["error"]
-                res.ended_at = time.monotonic()
-            else:
-                res.chunks += 1
-                res.finish = msg["choices"][0]["finish_reason"] or res.finish
-
-
-def complete(url: str, max_tokens: int = 4) -> httpx.Response:
-    # A fresh connection per request, as separate clients behind a load balancer would make.
-    with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-        return c.post(url + "/v1/completions", json={"model": "tiny-random", "prompt": "hi", "max_tokens": max_tokens})
+from tests.helpers import (
+    LAUNCH,
+    ROOT,
+    TINY,
+    Server,
+    StreamResult,
+    complete,
+    procs,
+    ready_pids,
+    run_stream,
+    status,
+    stream_body,
+    wait_until,
+)
 
 
 def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins():

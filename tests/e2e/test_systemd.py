@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
-import subprocess
 import sys
 
 import httpx
 
-from .conftest import LAUNCH, ROOT, wait_until
-from .test_supervisor import TINY, complete
-
-
-def _launch(args: list[str], env: dict, **kw) -> subprocess.Popen:
-    return subprocess.Popen([*LAUNCH, "api-server", *args, *TINY], cwd=ROOT, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, **kw)
-
-
-def _ready_url(proc: subprocess.Popen) -> str:
-    line = proc.stdout.readline().decode()
-    m = re.search(r"at (http://\S+) ", line)
-    assert m, line
-    return m.group(1)
+from tests.helpers import TINY, Server, complete, ready_pids, wait_until
 
 
 def test_notify_ready_watchdog_and_stopping(tmp_path):
@@ -32,9 +17,8 @@ def test_notify_ready_watchdog_and_stopping(tmp_path):
     sd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sd.bind(path)
     sd.settimeout(30)
-    proc = _launch(["--port", "0"], {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    s = Server(*TINY, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"}, log_name="notify")
     try:
-        _ready_url(proc)
         got: list[str] = []
 
         def saw(prefix: str) -> bool:
@@ -43,11 +27,11 @@ def test_notify_ready_watchdog_and_stopping(tmp_path):
             return True
 
         assert saw("READY=1") and saw("WATCHDOG=1")
-        proc.send_signal(signal.SIGTERM)
+        s.proc.send_signal(signal.SIGTERM)
         assert saw("STOPPING=1")
-        assert proc.wait(60) == 0
+        assert s.proc.wait(60) == 0
     finally:
-        proc.kill()
+        s.stop(signal.SIGKILL)
         sd.close()
 
 
@@ -66,24 +50,18 @@ def test_socket_activation_uses_the_inherited_socket():
     # LISTEN_PID must be the pid of the process that reads it: `exec` keeps the shell's pid.
     cmd = ["sh", "-c", f'export LISTEN_PID=$$ LISTEN_FDS=1; exec {sys.executable} -m launch api-server '
                        f'--port 1 --model tiny-random --dtype float32']
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=as_fd_3,
-                            pass_fds=(3,))  # fds are closed after preexec_fn, except these
+    s = Server(command=cmd, preexec_fn=as_fd_3, pass_fds=(3,), log_name="socket-activation")
+    # (fds are closed after preexec_fn, except pass_fds)
     try:
-        url = _ready_url(proc)
-        assert url.endswith(f":{port}")  # not port 1: systemd's socket was used
+        assert s.url.endswith(f":{port}")  # not port 1: systemd's socket was used
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         assert complete(f"http://127.0.0.1:{port}").status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        s.stop(timeout=60)
         listener.close()
 
 
 def test_sigttin_and_sigttou_scale_the_gateway_tier():
-    from .test_supervisor import ready_pids
-
-    from .conftest import Server
-
     s = Server("--count", "1", *TINY, log_name="ttin")
     try:
         s.proc.send_signal(signal.SIGTTIN)

@@ -13,7 +13,7 @@ from gateway.text.tool_parsers import TOOL_PARSERS
 from zserve.catalog import TINY_RANDOM
 
 from . import scripted_model as sm
-from .conftest import LAUNCH, ROOT
+from tests.helpers import LAUNCH, ROOT
 
 TOOLS = [sm.WEATHER_TOOL]
 WEATHER = sm.WEATHER_TOOL["function"]["name"]

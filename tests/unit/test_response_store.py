@@ -21,7 +21,7 @@ from typing import TypeVar
 import orjson
 import pytest
 
-from tests.conftest import free_port
+from tests.helpers import free_port, read_line
 from gateway.store import MAX_RECORD_BYTES, ResponseStore, StoreUnavailable, open_store
 
 T = TypeVar("T")
@@ -259,7 +259,7 @@ def test_transition_is_atomic_across_processes(url: str, tmp_path: Path) -> None
                                cwd=REPO, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         for p in racers:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            assert read_line(p, 30, what="a racer to be ready").strip() == "ready"
         start.touch()
         outputs = [p.communicate(timeout=45)[0] for p in racers]
     finally:

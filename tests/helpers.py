@@ -1,0 +1,187 @@
+"""Helpers shared by the tests (fixtures stay in the conftest.py files, which import these).
+
+Every test that starts a process goes through ``Server`` (a `launch api-server`, or any command that
+prints the ready line) or reads its output with ``read_line``: both give up after a deadline, so a
+process that never answers fails its test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "launch"]
+URL_RE = re.compile(r"zserve: serving (\S+) at (http://\S+) ")
+
+
+class Server:
+    """A running `launch api-server`; ``url`` is its base URL once ready."""
+
+    def __init__(self, *args: str, ready_timeout: float = 240.0, log_name: str = "server", port: int = 0,
+                 command: list[str] | None = None, env: dict[str, str] | None = None, **popen):
+        """Start ``launch api-server --port PORT ARGS`` (or ``command``, which must print the same ready
+        line) with ``env`` added to the environment; ``popen`` goes to ``subprocess.Popen``."""
+        self.args = ["api-server", "--port", str(port), *args]
+        log_dir = Path(os.environ.get("ZSERVE_TEST_LOGS", "/tmp/zserve-test-logs"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{log_name}-{os.getpid()}-{time.monotonic_ns()}.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(command or [*LAUNCH, *self.args], cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=self.log, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **env} if env else None, **popen)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.url = self._wait_url(ready_timeout)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw.decode(errors="replace"))
+
+    def _wait_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
+                continue
+            m = URL_RE.search(line)
+            if m:
+                return m.group(2)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout}s: {self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def wait_until(cond, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``cond`` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def read_line(proc: subprocess.Popen, timeout: float, what: str = "a line of output") -> str:
+    """The next line ``proc`` writes to its stdout pipe; AssertionError if none comes within ``timeout``."""
+    assert proc.stdout is not None
+    got: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: got.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        line = got.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+    return line.decode(errors="replace") if isinstance(line, bytes) else line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- a tiny-random server and what tests ask it --------------------------------------------------------
+TINY = ("--model", "tiny-random", "--dtype", "float32")
+
+
+def status(server: Server) -> dict:
+    """``launch status --json`` of ``server``."""
+    out = subprocess.run([*LAUNCH, "status", "--port", str(server.port), "--json"], cwd=ROOT, capture_output=True,
+                         timeout=30, check=True)
+    return orjson.loads(out.stdout)
+
+
+def procs(server: Server, tier: str) -> list[dict]:
+    return [p for p in status(server)["processes"] if p["tier"] == tier]
+
+
+def ready_pids(server: Server, tier: str) -> list[int]:
+    return [p["pid"] for p in procs(server, tier) if p["state"] == "ready"]
+
+
+def complete(url: str, max_tokens: int = 4) -> httpx.Response:
+    # A fresh connection per request, as separate clients behind a load balancer would make.
+    with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+        return c.post(url + "/v1/completions", json={"model": "tiny-random", "prompt": "hi", "max_tokens": max_tokens})
+
+
+def stream_body(max_tokens: int) -> dict:
+    return {"model": "tiny-random", "prompt": "hello", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+
+
+class StreamResult:
+    def __init__(self):
+        self.chunks = 0
+        self.error: dict | None = None
+        self.finish: str | None = None
+        self.ended_at: float | None = None
+        self.done = False
+
+
+def run_stream(url: str, body: dict, res: StreamResult) -> None:
+    try:
+        _read_stream(url, body, res)
+    except httpx.HTTPError as e:  # the server went away mid-stream (a fast stop)
+        res.error = {"message": f"connection lost: {e}"}
+    res.ended_at = res.ended_at or time.monotonic()
+
+
+def _read_stream(url: str, body: dict, res: StreamResult) -> None:
+    with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                res.done = True
+                break
+            msg = orjson.loads(data)
+            if "error" in msg:
+                res.error = msg["error"]
+                res.ended_at = time.monotonic()
+            else:
+                res.chunks += 1
+                res.finish = msg["choices"][0]["finish_reason"] or res.finish
