@@ -248,10 +248,12 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cpu":
         configure_cpu_threads(cfg.threads)
     t0 = time.monotonic()
-    loaded = load_model(source, dtype, device, progress=_progress)
-    max_model_len = min(cfg.max_model_len, loaded.config.max_position_embeddings)
     status = StatusPipe(a.status_fd)
-    with boot_phase(status, f"engine {a.rank}"):  # e.g. a KV cache too small for one request: exit EXIT_BOOT_ERROR
+    # A model that cannot load or a KV cache too small for one request can never start: exit with
+    # EXIT_BOOT_ERROR, which the supervisor treats as fatal at once instead of reloading in a loop.
+    with boot_phase(status, f"engine {a.rank}"):
+        loaded = load_model(source, dtype, device, progress=_progress)
+        max_model_len = min(cfg.max_model_len, loaded.config.max_position_embeddings)
         kv_bytes = parse_memory(cfg.kv_cache_memory, device) if cfg.kv_cache_memory is not None else None
         runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs, max_model_len, block_size=cfg.block_size,
                              kv_cache_bytes=kv_bytes, cuda_graphs=False if cfg.enforce_eager else None)
