@@ -14,7 +14,7 @@ import torch
 from engine_worker.loader import load_model
 from zserve.catalog import ModelSource
 
-from .test_models_hf import CONFIGS, EXPERTS, LAYERS, checkpoint_tensors, our_logits, write_checkpoint
+from .hf_checkpoints import CONFIGS, EXPERTS, LAYERS, checkpoint_tensors, our_logits, write_checkpoint
 
 gguf = pytest.importorskip("gguf")
 
@@ -117,7 +117,7 @@ def _logits(path: Path) -> torch.Tensor:
     from engine_worker.attention import SeqLayout, select_backend
     from engine_worker.kv_cache import PagedKVCache
 
-    from .test_models_hf import PROMPT
+    from .hf_checkpoints import PROMPT
 
     lm = load_model(ModelSource(path.stem, "gguf", str(path), str(path)), torch.float32, torch.device("cpu"))
     cfg = lm.config
