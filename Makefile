@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: run test install install-test kernels bench clean
+.PHONY: run test lint install install-test kernels bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,10 @@ kernels: install
 run: install kernels
 	$(BIN)/launch api-server --count $(COUNT) --host $(HOST) --port $(PORT)
 
-test: install-test kernels
+lint: install-test
+	$(BIN)/ruff check .
+
+test: install-test kernels lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install-test

@@ -10,9 +10,9 @@ so their writes touch nothing real. Only decode-only steps replay; prefills run 
 
 Attention inside the graph is a paged backend's kernel (``AttentionBackend.paged``: Triton on
 CUDA, ``attention/triton.py``), whose launch shapes depend only on the batch size. ``DecodeGraphs``
-is built by the runner when its backend is paged and ``--enforce-eager`` is off; after capturing, it replays one step against the
-eager forward pass and disables itself on any difference, so an untested GPU/driver/torch
-combination falls back to eager instead of serving wrong tokens.
+is built by the runner when its backend is paged and ``--enforce-eager`` is off; after capturing,
+it replays one step against the eager forward pass and disables itself on any difference, so an
+untested GPU/driver/torch combination falls back to eager instead of serving wrong tokens.
 
 On a CPU the same object runs in *emulation*: nothing is captured and ``run`` calls the forward
 pass on the static buffers. Tests use that to check the padding, the scratch block and the

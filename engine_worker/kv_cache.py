@@ -21,7 +21,8 @@ class PagedKVCache:
         # Keys and values of a layer side by side, so one gather fetches both.
         # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight in
         # attention, and a NaN bit pattern left in uninitialised memory would poison the row.
-        self.kv = torch.zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype=dtype, device=device)
+        self.kv = torch.zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim),
+                              dtype=dtype, device=device)
         self.k = self.kv[:, 0]  # views: [num_layers, num_kv_heads, slots, head_dim]
         self.v = self.kv[:, 1]
         self.num_layers = num_layers

@@ -50,7 +50,8 @@ class LoadedModel:
     model_id: str
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None) -> LoadedModel:
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               progress: ProgressFn | None = None) -> LoadedModel:
     """Load ``source`` onto ``device`` in ``dtype``, calling ``progress(stage, done, total)`` per tensor."""
     if source.weights == "gguf":
         return _load_gguf(source, dtype, device, progress)
@@ -215,7 +216,8 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None) -> LoadedModel:
+def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               progress: ProgressFn | None) -> LoadedModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -281,7 +283,8 @@ class SafetensorsFile:
                 raise NotImplementedError(f"{self.path}: tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
             begin, end = e["data_offsets"]
             shape = tuple(int(x) for x in e["shape"])
-            if self._base + end > len(self._mm) or end - begin != _numel(shape) * torch.empty((), dtype=dt).element_size():
+            if (self._base + end > len(self._mm)
+                    or end - begin != _numel(shape) * torch.empty((), dtype=dt).element_size()):
                 raise ValueError(f"{self.path}: tensor {name!r} lies outside the file or has the wrong size")
             self.entries[name] = (dt, shape, self._base + begin, end - begin)
 
@@ -293,7 +296,8 @@ class SafetensorsFile:
 
         with warnings.catch_warnings():  # the map is read-only; the tensor is only ever copied from
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self._mm, dtype=dt, count=nbytes // torch.empty((), dtype=dt).element_size(), offset=offset)
+            flat = torch.frombuffer(self._mm, dtype=dt, count=nbytes // torch.empty((), dtype=dt).element_size(),
+                                    offset=offset)
         return flat.view(shape)
 
 
@@ -399,7 +403,8 @@ def _load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device, prog
 RANDOM_INIT_STD = 0.02
 
 
-def _load_random(source: ModelSource, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None) -> LoadedModel:
+def _load_random(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                 progress: ProgressFn | None) -> LoadedModel:
     rc = dict(source.random_config)
     try:
         seed = int(rc.pop("seed", 0))

@@ -64,7 +64,8 @@ class ModelRunner:
         the best available one (tests, benchmarks)."""
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {cfg.max_position_embeddings}")
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
+                             f"{cfg.max_position_embeddings}")
         if max_num_seqs < 1 or max_model_len < 1 or block_size < 1:
             raise ValueError("max_num_seqs, max_model_len and block_size must be positive")
         model = loaded.model

@@ -11,11 +11,11 @@ Every step, within a token budget (``max_num_batched_tokens``):
    blocks (automatic prefix caching) takes them and prefills only the rest.
 
 When a running sequence needs a KV block and none is free, the newest running sequence not yet
-scheduled this step (of the lowest priority present) is *preempted*: its blocks are freed and it goes back to the front of the
-queue with its generated tokens. When it is admitted again it recomputes prompt + output (its
-own blocks are often still in the prefix cache), then continues exactly where it stopped: the
-sample at the end of the recompute is the next token, drawn from the request's own generator,
-so preemption changes no output.
+scheduled this step (of the lowest priority present) is *preempted*: its blocks are freed and it
+goes back to the front of the queue with its generated tokens. When it is admitted again it
+recomputes prompt + output (its own blocks are often still in the prefix cache), then continues
+exactly where it stopped: the sample at the end of the recompute is the next token, drawn from
+the request's own generator, so preemption changes no output.
 
 Requests with the same prompt (``n > 1`` fanned out by the gateway) share the prompt's full
 blocks: a request whose next uncached block is being computed by a running request waits one
@@ -323,7 +323,8 @@ class Scheduler:
         if first and sp.prompt_logprobs is not None and seq.prompt_lps is not None:
             prompt_lp = tuple(seq.prompt_lps)
             if sp.prompt_logprobs:
-                prompt_top = TopLogprobs(sp.prompt_logprobs, tuple(seq.prompt_top_ids or ()), tuple(seq.prompt_top_lps or ()))
+                prompt_top = TopLogprobs(sp.prompt_logprobs, tuple(seq.prompt_top_ids or ()),
+                                         tuple(seq.prompt_top_lps or ()))
             seq.prompt_lps = seq.prompt_top_ids = seq.prompt_top_lps = None
         return RequestOutput(
             request_id=seq.request_id,

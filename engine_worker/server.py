@@ -82,7 +82,8 @@ class EngineServer:
         except ProtocolError as e:
             log.warning("dropped a bad frame from client %r: %s", client, e)
             if e.request_id is not None:
-                self.send(client, StepOutputs(self.rank, (RequestOutput(e.request_id, (), "error", error=f"bad request frame: {e}"),)))
+                self.send(client, StepOutputs(self.rank, (RequestOutput(e.request_id, (), "error",
+                                                                        error=f"bad request frame: {e}"),)))
             else:
                 self.send(client, ErrorMessage(ERR_BAD_FRAME, str(e)[:4000]))
             return
@@ -217,7 +218,8 @@ def _progress(stage: str, done: int, total: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m engine_worker", description="zserve engine worker (started by `launch`)")
+    p = argparse.ArgumentParser(prog="python -m engine_worker",
+                                description="zserve engine worker (started by `launch`)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc:///run/zserve/engine-0.sock")
     p.add_argument("--model-source", required=True, help="JSON from zserve.catalog.ModelSource.to_json()")

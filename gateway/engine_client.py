@@ -63,7 +63,7 @@ class _HandBack:
     anything; the request goes to another engine. Stale ones (from an engine already left) are
     ignored: an engine's death is noticed by both the socket monitor and the supervisor."""
 
-    engine: "EngineConnection"
+    engine: EngineConnection
 
 
 @dataclass

@@ -83,7 +83,8 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = {404: f"no route for {request.method} {request.path}", 405: f"method {request.method} is not allowed on {request.path}",
+        msg = {404: f"no route for {request.method} {request.path}",
+               405: f"method {request.method} is not allowed on {request.path}",
                413: "request body too large"}.get(e.status, e.reason)
         return error_response(APIError(e.status, msg, headers={k: v for k, v in e.headers.items() if k == "Allow"}),
                               _shape_of(request))

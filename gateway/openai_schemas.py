@@ -126,7 +126,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 def _param(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in {"str", "list[str]", "list[int]", "list[list[int]]"}))
+    union_tags = {"str", "list[str]", "list[int]", "list[list[int]]"}  # pydantic's names for union members
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in union_tags))
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

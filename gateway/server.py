@@ -86,7 +86,8 @@ async def serve(a: argparse.Namespace) -> int:
     state = GatewayState(a.index, source, names, tokenizer, template, engines, control_socket=a.control_socket,
                          tool_parser=get_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None,
                          reasoning_parser=get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None,
-                         responses=open_store(cfg.state_url, a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
+                         responses=open_store(cfg.state_url,
+                                              a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
                                               ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items))
     tasks: list[asyncio.Task] = []
 
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True, help="inherited listening socket")
     p.add_argument("--engine", action="append", default=None, help="engine endpoint, when not told by a supervisor")
     p.add_argument("--model-source", required=True)
-    p.add_argument("--config", default=None, help="JSON from gateway.config.GatewayConfig.to_json() (default: defaults)")
+    p.add_argument("--config", default=None,
+                   help="JSON from gateway.config.GatewayConfig.to_json() (default: defaults)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--engine-timeout", type=float, default=600.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)

@@ -146,7 +146,8 @@ def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = 
     cmd = [sys.executable, "-m", module, *args, "--status-fd", str(status_w), "--control-fd", str(control_r),
            "--parent-pid", str(os.getpid())]
     proc = subprocess.Popen(cmd, pass_fds=(status_w, control_r, *pass_fds), start_new_session=True,
-                            preexec_fn=_child_setup, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
+                            preexec_fn=_child_setup,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
                             stdin=subprocess.DEVNULL)
     os.close(status_w)
     os.close(control_r)

@@ -15,6 +15,9 @@ from typing import TypeVar
 
 import click
 
+from gateway.config import GatewayConfig
+from gateway.text.reasoning import REASONING_PARSERS
+from gateway.text.tool_parsers import TOOL_PARSERS
 from protocol import ProtocolError
 from protocol.control import (
     ControlMessage,
@@ -28,11 +31,8 @@ from protocol.control import (
 )
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, resolve
-from gateway.config import GatewayConfig
-from gateway.text.reasoning import REASONING_PARSERS
-from gateway.text.tool_parsers import TOOL_PARSERS
-from zserve.proc import set_title, setup_logging
 from zserve.config import DTYPES, EngineConfig
+from zserve.proc import set_title, setup_logging
 
 from .sockets import ListenError
 from .supervisor import ServeConfig, StartupError, Supervisor
@@ -62,7 +62,8 @@ _GATEWAY = GatewayConfig()
               help="Seconds in-flight requests may take to finish on SIGTERM or scale-down.")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
               help="A process silent for this long is hung and gets replaced.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
 # -- engine tier: each option is a field of zserve.config.EngineConfig (named after it) --------------
 @click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True)
 @click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
@@ -169,7 +170,8 @@ port_option = click.option("--port", type=click.IntRange(1, 65535), default=8000
 @click.argument("tier", type=click.Choice(["api-server", "engine"]))
 @click.argument("count", type=click.IntRange(1, 256))
 @port_option
-@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the tier has COUNT ready processes.")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the tier has COUNT ready processes.")
 @click.option("--timeout", type=float, default=600, show_default=True)
 def scale(tier: str, count: int, port: int, wait: bool, timeout: float) -> None:
     """Scale the gateway (api-server) or engine tier to COUNT processes while serving."""

@@ -17,9 +17,9 @@ import logging
 import selectors
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable
 
 from protocol import ProtocolError
 from protocol.control import COMMANDS, ControlMessage, ErrorReply, PauseReply, decode_line, encode_line

@@ -33,6 +33,7 @@ from functools import partial
 
 import orjson
 
+from gateway.config import GatewayConfig
 from protocol import ProtocolError
 from protocol.constants import EXIT_BOOT_ERROR, EXIT_CUT_OFF
 from protocol.control import (
@@ -57,7 +58,6 @@ from protocol.control import (
     decode_line,
 )
 from zserve import control
-from gateway.config import GatewayConfig
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterStore, EngineInfo
 from zserve.config import EngineConfig
@@ -384,7 +384,8 @@ class Supervisor:
             for c in sorted(self._live("engine"), key=lambda c: c.index)
         )
         st = self.store.get()
-        if engines != st.engines or st.gateways_desired != self.desired["gateway"] or st.engines_desired != self.desired["engine"]:
+        desired = (self.desired["gateway"], self.desired["engine"])
+        if engines != st.engines or (st.gateways_desired, st.engines_desired) != desired:
             self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
                               engines_desired=self.desired["engine"], model_id=self.cfg.source.model_id)
             self._broadcast()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import fields
-from typing import Sequence
 
 import orjson
 
@@ -33,6 +33,7 @@ MAX_FRAMES = 8
 
 _BY_TYPE: dict[str, type[Message]] = {m.TYPE: m for m in ALL_MESSAGES}
 _LITTLE = sys.byteorder == "little"
+_OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "lp", "k", "nc", "plp", "pk"}  # one output's header fields
 
 
 def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
@@ -178,7 +179,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
     t = lp = tp = pl = ptp = 0
     outs = []
     for item in head["items"]:
-        if not isinstance(item, dict) or not set(item) <= {"rid", "n", "finish", "np", "err", "lp", "k", "nc", "plp", "pk"}:
+        if not isinstance(item, dict) or not set(item) <= _OUTPUT_KEYS:
             raise ProtocolError("malformed output item")
         n = item.get("n")
         if not isinstance(n, int) or n < 0 or t + n > len(toks):

@@ -64,7 +64,7 @@ class ControlMessage:
         return out
 
     @classmethod
-    def from_wire(cls, body: dict) -> "ControlMessage":
+    def from_wire(cls, body: dict) -> ControlMessage:
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = set(body) - names
         _check(not unknown, f"unknown fields {sorted(unknown)} in {cls.TYPE}")
@@ -148,7 +148,7 @@ class ClusterUpdate(ControlMessage):
         return {"state": self.state.to_json()}
 
     @classmethod
-    def from_wire(cls, body: dict) -> "ClusterUpdate":
+    def from_wire(cls, body: dict) -> ClusterUpdate:
         _check(set(body) == {"state"} and isinstance(body["state"], dict), "cluster needs exactly a state object")
         return cls(ClusterState.from_json(body["state"]))
 
@@ -231,7 +231,8 @@ class ProcessStatus(ControlMessage):
 
     def __post_init__(self) -> None:
         _check(_is_str(self.tier, 32) and _is_int(self.index, 0, 1 << 16), "bad tier or index")
-        _check(_opt(self.pid, _is_int) and _is_str(self.state, 32) and _is_int(self.restarts), "bad pid, state or restarts")
+        _check(_opt(self.pid, _is_int) and _is_str(self.state, 32) and _is_int(self.restarts),
+               "bad pid, state or restarts")
         _check(isinstance(self.crash_looping, bool) and _opt(self.draining, lambda v: isinstance(v, bool)),
                "crash_looping and draining are bools")
         _check(_opt(self.uptime_s, _is_num) and _opt(self.next_start_in_s, _is_num), "bad uptime or next start")
@@ -271,7 +272,7 @@ class StatusReply(ControlMessage):
         return {**super().to_wire(), "processes": [p.to_wire() for p in self.processes]}
 
     @classmethod
-    def from_wire(cls, body: dict) -> "StatusReply":
+    def from_wire(cls, body: dict) -> StatusReply:
         procs = body.get("processes", [])
         _check(isinstance(procs, list) and all(isinstance(p, dict) for p in procs), "processes must be a list")
         return super().from_wire({**body, "processes": [ProcessStatus.from_wire(p) for p in procs]})  # type: ignore[return-value]

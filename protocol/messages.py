@@ -55,7 +55,8 @@ def _is_num(v: object) -> bool:
 
 
 def _check_request_id(rid: object) -> None:
-    _check(isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN, "request_id must be a non-empty str of at most 128 chars")
+    _check(isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN,
+           "request_id must be a non-empty str of at most 128 chars")
 
 
 def _check_token_ids(ids: object, what: str, vocab_limit: int = 1 << 31) -> None:
@@ -99,7 +100,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_is_num(v) and -2.0 <= v <= 2.0, f"{name} out of range")
-        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty out of range")
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               "repetition_penalty out of range")
         _check(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias too large")
         for pair in self.logit_bias:
             _check(
@@ -107,7 +109,8 @@ class SamplingParams:
                 and _is_num(pair[1]) and -100.0 <= pair[1] <= 100.0,
                 "logit_bias entries must be (token id, bias in [-100, 100])",
             )
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS), "logprobs out of range")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               "logprobs out of range")
         _check(self.prompt_logprobs is None
                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
                "prompt_logprobs out of range")
@@ -124,7 +127,7 @@ class SamplingParams:
         return d
 
     @classmethod
-    def from_wire(cls, d: object) -> "SamplingParams":
+    def from_wire(cls, d: object) -> SamplingParams:
         _check(isinstance(d, dict), "sampling must be an object")
         unknown = set(d) - set(cls.__dataclass_fields__)  # type: ignore[arg-type]
         _check(not unknown, f"unknown sampling fields {sorted(unknown)}")
@@ -181,7 +184,8 @@ class EngineHello(Message):
         _check_token_ids(self.eos_token_ids, "eos_token_ids")
         _check(isinstance(self.device, str) and len(self.device) <= 64, "device must be a short str")
         _check(isinstance(self.dtype, str) and len(self.dtype) <= 32, "dtype must be a short str")
-        _check(self.protocol_version == PROTOCOL_VERSION, f"protocol version {self.protocol_version} is not {PROTOCOL_VERSION}")
+        _check(self.protocol_version == PROTOCOL_VERSION,
+               f"protocol version {self.protocol_version} is not {PROTOCOL_VERSION}")
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,8 @@ class AddRequest(Message):
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
-        _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0, "prompt_token_ids must not be empty")
+        _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
+               "prompt_token_ids must not be empty")
         _check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
 
 
@@ -207,7 +212,8 @@ class AbortRequest(Message):
     request_ids: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.request_ids, tuple) and 0 < len(self.request_ids) <= MAX_BATCH_ITEMS, "request_ids must be a non-empty tuple")
+        _check(isinstance(self.request_ids, tuple) and 0 < len(self.request_ids) <= MAX_BATCH_ITEMS,
+               "request_ids must be a non-empty tuple")
         for rid in self.request_ids:
             _check_request_id(rid)
 
@@ -241,7 +247,8 @@ class RequestOutput:
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
         _check_token_ids(self.new_token_ids, "new_token_ids")
-        _check(self.finish_reason is None or self.finish_reason in FINISH_REASONS, f"unknown finish_reason {self.finish_reason!r}")
+        _check(self.finish_reason is None or self.finish_reason in FINISH_REASONS,
+               f"unknown finish_reason {self.finish_reason!r}")
         if self.logprobs is not None:
             _check(len(self.logprobs) == len(self.new_token_ids), "one logprob per new token")
         if self.top_logprobs is not None:
@@ -260,7 +267,8 @@ class RequestOutput:
             _check(_is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "prompt_top_logprobs k out of range")
             n = t.k * len(self.prompt_logprobs)  # type: ignore[arg-type]
             _check(len(t.token_ids) == n and len(t.logprobs) == n, "prompt_top_logprobs size mismatch")
-        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= 4096), "error must be a short str")
+        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= 4096),
+               "error must be a short str")
 
 
 @dataclass(frozen=True)
@@ -299,7 +307,8 @@ class EngineStats(Message):
                              "Requests waiting to be recomputed after a preemption.", default=0)  # part of waiting
     preemptions: int = _metric("counter", "zserve_engine_preemptions",
                                "Requests preempted for lack of KV blocks since start.", default=0)
-    kv_blocks_used: int = _metric("gauge", "zserve_engine_kv_cache_blocks_used", "KV blocks held by requests.", default=0)
+    kv_blocks_used: int = _metric("gauge", "zserve_engine_kv_cache_blocks_used", "KV blocks held by requests.",
+                                  default=0)
     kv_blocks_total: int = _metric("gauge", "zserve_engine_kv_cache_blocks", "KV blocks in the cache.", default=0)
     prefix_cache_hit_rate: float = _metric("gauge", "zserve_engine_prefix_cache_hit_ratio",
                                            "Share of prompt tokens found in the prefix cache.", default=0.0)
@@ -316,7 +325,8 @@ class EngineStats(Message):
                      "kv_blocks_used", "kv_blocks_total", "prefix_cache_hits", "prompt_tokens"):
             v = getattr(self, name)
             _check(_is_int(v) and v >= 0, f"{name} out of range")
-        _check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0, "kv_blocks_used exceeds the total")
+        _check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0,
+               "kv_blocks_used exceeds the total")
         _check(_is_num(self.kv_used) and 0.0 <= self.kv_used <= 1.0, "kv_used out of range")
         _check(_is_num(self.prefix_cache_hit_rate) and 0.0 <= self.prefix_cache_hit_rate <= 1.0,
                "prefix_cache_hit_rate out of range")

@@ -58,7 +58,7 @@ class Server:
                 line = self.lines.get(timeout=0.5)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
+                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}") from None
                 continue
             m = URL_RE.search(line)
             if m:

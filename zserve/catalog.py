@@ -48,7 +48,7 @@ class ModelSource:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "ModelSource":
+    def from_json(cls, d: dict) -> ModelSource:
         return cls(
             model_id=str(d["model_id"]),
             weights=str(d["weights"]),

@@ -39,7 +39,7 @@ class ClusterState:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "ClusterState":
+    def from_json(cls, d: dict) -> ClusterState:
         """Raises TypeError/KeyError/ValueError for a malformed state (the control codec reports them)."""
         engines = tuple(EngineInfo(**e) for e in d.get("engines", ()))
         state = cls(**{**d, "engines": engines})

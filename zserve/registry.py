@@ -19,7 +19,7 @@ class Registry(Mapping[str, type[T]], Generic[T]):
 
     def register(self, cls: type[T]) -> type[T]:
         """Class decorator: add ``cls`` under ``cls.name``."""
-        name = getattr(cls, "name")
+        name = cls.name
         if name in self._classes:
             raise ValueError(f"a {self.kind} named {name!r} is registered already")
         self._classes[name] = cls

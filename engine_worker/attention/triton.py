@@ -50,7 +50,7 @@ def _kernel():
         q_rows = q_ptr + b.to(tl.int64) * q_stride + (h * G + g)[:, None] * D + d[None, :]
         q = tl.load(q_rows, mask=gd_mask, other=0.0).to(tl.float32) * scale  # [GP, DP]
         m = tl.full([GP], float("-inf"), tl.float32)
-        l = tl.zeros([GP], tl.float32)
+        denom = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
         k_plane = kv_ptr + h.to(tl.int64) * plane
         v_plane = kv_ptr + (KV + h).to(tl.int64) * plane
@@ -66,11 +66,11 @@ def _kernel():
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
+            denom = denom * alpha + tl.sum(p, axis=1)
             v = tl.load(v_plane + slot[:, None] * D + d[None, :], mask=nd_mask, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
-        out = acc / l[:, None]
+        out = acc / denom[:, None]
         out_rows = out_ptr + (b.to(tl.int64) * H + h * G + g)[:, None] * D + d[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
 

@@ -153,7 +153,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tens
             or not lens.is_contiguous() or tables.shape[0] != b or lens.shape[0] != b):
         raise ValueError("decode_attention: unsupported layout")
     out = torch.empty((b, h * d), dtype=q.dtype)
-    rc = _fn("decode_attention", q.dtype)(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), slots * d, tables.data_ptr(), tables.shape[1],
+    rc = _fn("decode_attention", q.dtype)(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), slots * d,
+            tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, block_size, scale, window or 0)
     if rc != 0:
         raise ValueError(f"decode_attention kernel rejected its arguments (code {rc})")

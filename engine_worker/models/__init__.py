@@ -89,5 +89,6 @@ def config_from_hf(d: dict) -> LlamaConfig:
     arch = archs[0]
     parse = ARCHITECTURES.get(arch)
     if parse is None:
-        raise NotImplementedError(f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}")
+        raise NotImplementedError(f"architecture {arch!r} is not supported; "
+                                  f"supported: {', '.join(supported_architectures())}")
     return parse(d, arch)

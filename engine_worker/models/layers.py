@@ -122,7 +122,8 @@ class Linear(nn.Module):
     asked to keep it (the tied LM head shares its weight with the embedding lookup).
     """
 
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device, bias: bool = False):
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
+                 bias: bool = False):
         super().__init__()
         self.weight: nn.Parameter | None = new_weight(out_features, in_features, dtype, device)
         self.bias: nn.Parameter | None = (

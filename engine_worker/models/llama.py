@@ -27,7 +27,14 @@ from torch import nn
 
 from engine_worker import cpu_kernels
 from engine_worker.attention import AttentionBackend, StepLayout
-from engine_worker.models.layers import Linear, RMSNorm, RotaryEmbedding, new_weight, apply_rope, onednn_packing_available
+from engine_worker.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    new_weight,
+    onednn_packing_available,
+)
 from engine_worker.models.moe import SparseMoE
 
 
@@ -64,7 +71,8 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} "
+                             f"must be in 1..num_experts={self.num_experts}")
 
 
 class LlamaAttention(nn.Module):
@@ -73,7 +81,8 @@ class LlamaAttention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(q_size + 2 * kv_size, cfg.hidden_size, dtype, device, bias=cfg.attention_bias)  # q | k | v
+        self.qkv_proj = Linear(q_size + 2 * kv_size, cfg.hidden_size, dtype, device,
+                               bias=cfg.attention_bias)  # q | k | v
         self.o_proj = Linear(cfg.hidden_size, q_size, dtype, device)
         self.native = False
 
@@ -274,4 +283,5 @@ class LlamaForCausalLM(nn.Module):
             dest[row : row + expected[0]].copy_(tensor)
             missing.remove(name)
         if missing:
-            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]} (config and weights do not match)")
+            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]} "
+                             "(config and weights do not match)")

@@ -138,8 +138,9 @@ class MessagesRequest(CountTokensRequest):
         return v
 
     def sampling_fields(self) -> SamplingFields:
+        stops = [s for s in self.stop_sequences or [] if s]
         return SamplingFields.model_construct(temperature=self.temperature, top_p=self.top_p,
-                                              top_k=self.top_k or None, stop=[s for s in self.stop_sequences or [] if s])
+                                              top_k=self.top_k or None, stop=stops)
 
 
 # -- request → chat ------------------------------------------------------------------------------

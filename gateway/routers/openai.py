@@ -24,8 +24,8 @@ from ..text.tool_parsers import ToolCall, ToolCallDelta
 from .common import (
     ENGINE_ERRORS,
     Choice,
-    ToolUse,
     TokenText,
+    ToolUse,
     admit,
     build_sampling,
     chat_prompt,
@@ -86,7 +86,7 @@ def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> 
 
 
 async def respond(request: web.Request, *, request_id: str, model: str, choices: list[Choice], opts: TextOptions,
-                  prompt_tokens: int, stream: bool, shape: "Shape", include_usage: bool = False,
+                  prompt_tokens: int, stream: bool, shape: Shape, include_usage: bool = False,
                   continuous_usage: bool = False) -> web.StreamResponse:
     state = request.app[STATE]
     admit(state)
@@ -219,7 +219,8 @@ class ChatShape(Shape):
         self.use = use
 
     def first_chunk(self, c: Choice) -> dict:
-        return {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
 
     def delta(self, c: Choice, d: Delta) -> dict | None:
         lp = chat_logprobs(self.tt, d.logprobs) if self.want_logprobs and d.logprobs else None

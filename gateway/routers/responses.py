@@ -154,7 +154,8 @@ def chat_messages(items: str | list) -> list[dict]:
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": item.content})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:

@@ -241,7 +241,7 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str], cache_dir: str | None = None) -> "Tokenizer":
+    def from_gguf(cls, path: str | os.PathLike[str], cache_dir: str | None = None) -> Tokenizer:
         """Build the tokenizer a GGUF file describes; with ``cache_dir``, reuse an earlier build.
 
         The cache entry is valid while the GGUF's path, size and mtime are unchanged.
@@ -273,7 +273,7 @@ class Tokenizer:
         return cls(backend, **config)
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json)."""
         directory = Path(path)
         backend = _Backend.from_file(str(directory / "tokenizer.json"))

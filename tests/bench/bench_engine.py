@@ -49,7 +49,8 @@ from zserve.catalog import resolve, smollm2_gguf_path
 SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
 
 
-def make_workload(c: int, min_new: int, max_new: int, seed: int, count: int | None = None) -> list[tuple[list[int], int]]:
+def make_workload(c: int, min_new: int, max_new: int, seed: int,
+                  count: int | None = None) -> list[tuple[list[int], int]]:
     """``count`` (default ``c``) requests for concurrency ``c``; the first ``c`` do not depend on ``count``."""
     rng = random.Random(seed * 1000 + c)
     out = []
@@ -222,7 +223,8 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
     print(f"\nwall-clock split of {steps} decode steps of {n} sequences: {total / steps * 1e3:.1f} ms a step")
     for name, sec in spent.most_common():
         print(f"  {name:28s} {sec / steps * 1e3:6.2f} ms  {100 * sec / total:5.1f}%")
-    print(f"  {'other (torch glue, Python)':28s} {(total - known) / steps * 1e3:6.2f} ms  {100 * (total - known) / total:5.1f}%")
+    print(f"  {'other (torch glue, Python)':28s} {(total - known) / steps * 1e3:6.2f} ms  "
+          f"{100 * (total - known) / total:5.1f}%")
 
 
 def profile_step(runner: ModelRunner, work, max_num_seqs: int, budget: int) -> None:
@@ -261,7 +263,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--torch-path", action="store_true",
                     help="also run zserve with its native CPU kernels off (the torch path), in the same run")
-    ap.add_argument("--profile", action="store_true", help="where a decode step's time goes, at the largest concurrency")
+    ap.add_argument("--profile", action="store_true",
+                    help="where a decode step's time goes, at the largest concurrency")
     ap.add_argument("--profile-concurrency", type=int, default=None, help="profile at this concurrency instead")
     args = ap.parse_args()
 
@@ -286,7 +289,8 @@ def main() -> None:
             sustained = mode == "sustained"
             work = make_workload(c, args.min_new, args.max_new, args.seed, count=c * args.waves if sustained else c)
             timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
-            z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings, in_flight=c if sustained else None)
+            z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings,
+                           in_flight=c if sustained else None)
             h = run_hf(hf, work, dtype, batch=c) if hf is not None else None
             if args.torch_path and runner.attention.name == "native":
                 set_native(runner, False)
@@ -294,8 +298,10 @@ def main() -> None:
                                                    in_flight=c if sustained else None)["tok_s"]
                 set_native(runner, True)
             rows.append((mode, c, len(work), z, h, timings))
-            print(f"  {mode} c={c}: zserve {z['tok_s']:.1f} tok/s" + (f", transformers {h['tok_s']:.1f} tok/s" if h else "")
-                  + (f", zserve without native kernels {z['torch_path_tok_s']:.1f} tok/s" if "torch_path_tok_s" in z else ""),
+            print(f"  {mode} c={c}: zserve {z['tok_s']:.1f} tok/s"
+                  + (f", transformers {h['tok_s']:.1f} tok/s" if h else "")
+                  + (f", zserve without native kernels {z['torch_path_tok_s']:.1f} tok/s"
+                     if "torch_path_tok_s" in z else ""),
                   flush=True)
 
     print("\n| traffic | concurrency | requests | zserve tok/s | transformers tok/s all / requested "
@@ -307,7 +313,8 @@ def main() -> None:
         ratio = f"{z['tok_s'] / h['tok_s']:.2f}x / {z['tok_s'] / h['requested_tok_s']:.2f}x" if h else "-"
         hf_ttft = f"{h['ttft_p50']:.2f}" if h else "-"
         hf_itl = f"{h['itl_p50'] * 1e3:.1f} / {h['itl_p99'] * 1e3:.1f}" if h else "-"
-        print(f"| {mode} | {c} | {n} | {z['tok_s']:.1f} | {hf_tok} | {ratio} | {z['ttft_p50']:.2f} / {z['ttft_p99']:.2f} "
+        print(f"| {mode} | {c} | {n} | {z['tok_s']:.1f} | {hf_tok} | {ratio} "
+              f"| {z['ttft_p50']:.2f} / {z['ttft_p99']:.2f} "
               f"| {hf_ttft} | {z['itl_p50'] * 1e3:.1f} / {z['itl_p99'] * 1e3:.1f} | {hf_itl} | {z['preemptions']} |")
     print("\nzserve step time split (s): " + "; ".join(
         f"{mode} c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} "

@@ -38,7 +38,8 @@ def payloads(model: str, tokens: int, stream: bool) -> dict[str, tuple[str, dict
         "responses (store=false)": ("/v1/responses", {"model": model, "input": MESSAGE, "max_output_tokens": tokens,
                                                       "store": False, **s}),
         "generate (token ids)": ("/inference/v1/generate", {"model": model, "token_ids": list(range(100, 120)),
-                                                            "sampling_params": {"max_tokens": tokens}, "stream": stream}),
+                                                            "sampling_params": {"max_tokens": tokens},
+                                                            "stream": stream}),
     }
 
 
@@ -88,7 +89,7 @@ async def bench(base: str, args) -> dict[str, list[tuple[float, float]]]:
             model = (await r.json())["data"][0]["id"]
         routes = payloads(model, args.tokens, args.stream)
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in routes}
-        for name, (path, body) in routes.items():  # warm-up: tokenizer caches, store file, code paths
+        for path, body in routes.values():  # warm-up: tokenizer caches, store file, code paths
             await run_route(session, base + path, body, 20, 4, pid)
         for _ in range(args.rounds):
             for name, (path, body) in routes.items():

@@ -110,7 +110,8 @@ def main() -> None:
     print(f"\nSmolLM2-135M, {a.dtype}, {a.new_tokens} new tokens, {os.cpu_count()} cores")
     print(f"zserve start-up to ready: {startup:.1f}s   first-token latency (single): {z['ttft_s'] * 1000:.0f} ms")
     print(f"{'':28}{'zserve':>10}{'transformers':>14}{'ratio':>8}")
-    for key, label in (("single_tok_s", "single stream tok/s"), ("concurrent_tok_s", f"{a.concurrency} streams total tok/s")):
+    for key, label in (("single_tok_s", "single stream tok/s"),
+                       ("concurrent_tok_s", f"{a.concurrency} streams total tok/s")):
         print(f"{label:28}{z[key]:>10.1f}{hf[key]:>14.1f}{z[key] / hf[key]:>8.2f}")
 
 

@@ -8,9 +8,8 @@ import httpx
 import openai
 import pytest
 
-from zserve.catalog import DEFAULT_CHAT_MODEL
-
 from tests.helpers import wait_until
+from zserve.catalog import DEFAULT_CHAT_MODEL
 
 PROMPTS = [
     "The capital of France is",

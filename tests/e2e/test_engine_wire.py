@@ -42,10 +42,12 @@ def test_engine_survives_bad_frames_and_keeps_serving(tiny_server):
         assert err.outputs[0].finish_reason == "error" and "vocabulary" in err.outputs[0].error
         # the typed-bad request was answered with an error for its id
         # and a good request on the same socket still completes
-        sock.send_multipart(encode(AddRequest("good", (1, 2, 3), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))))
+        sock.send_multipart(encode(AddRequest("good", (1, 2, 3),
+                                              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))))
         toks = []
         while True:
-            m = _recv_until(sock, lambda m: isinstance(m, StepOutputs) and any(o.request_id == "good" for o in m.outputs))
+            m = _recv_until(sock, lambda m: isinstance(m, StepOutputs)
+                            and any(o.request_id == "good" for o in m.outputs))
             out = next(o for o in m.outputs if o.request_id == "good")
             toks += out.new_token_ids
             if out.finish_reason:

@@ -18,8 +18,9 @@ import httpx
 import openai
 import pytest
 
-from . import scripted_model as sm
 from tests.helpers import Server, wait_until
+
+from . import scripted_model as sm
 
 WEATHER_FUNCTION = {"type": "function", **sm.WEATHER_TOOL["function"]}  # the Responses API's flat tool shape
 TINY = "tiny-random"

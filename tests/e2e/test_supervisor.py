@@ -75,7 +75,8 @@ def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins
             with ThreadPoolExecutor(4) as ex:
                 assert all(r.status_code == 200 for r in ex.map(lambda _: complete(s.url, 8), range(8)))
             load = httpx.get(s.url + "/metrics").text
-            line = next((l for l in load.splitlines() if l.startswith(f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}"}}')), "")
+            line = next((ln for ln in load.splitlines()
+                         if ln.startswith(f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}"}}')), "")
             return line and float(line.split()[-1]) > 0
 
         wait_until(replacement_served, 60, interval=0.2, what="the replacement engine to serve requests")
@@ -225,7 +226,7 @@ def test_scaling_both_tiers_while_serving_fails_no_request():
             r = subprocess.run([*LAUNCH, "scale", tier, str(n), "--port", str(s.port)], cwd=ROOT, capture_output=True,
                                timeout=120)
             assert r.returncode == 0, r.stderr
-            wait_until(lambda: len(results) >= before + 5, 60, what="requests during the scaling step")
+            wait_until(lambda before=before: len(results) >= before + 5, 60, what="requests during the scaling step")
             counts.append(len(results) - before)
         stop.set()
         for c in clients:
@@ -309,8 +310,8 @@ def test_metrics_aggregate_every_gateway_and_the_engines(tiny_server):
 def test_launch_status_prints_every_process(tiny_server):
     out = subprocess.run([*LAUNCH, "status", "--port", str(tiny_server.port)], cwd=ROOT, capture_output=True,
                          timeout=30, check=True).stdout.decode()
-    lines = [l for l in out.splitlines() if l.startswith(("engine", "gateway"))]
-    assert len(lines) == 3 and all(" ready " in l for l in lines)
+    lines = [ln for ln in out.splitlines() if ln.startswith(("engine", "gateway"))]
+    assert len(lines) == 3 and all(" ready " in ln for ln in lines)
     assert "running" in out and "in-flight" in out
 
 

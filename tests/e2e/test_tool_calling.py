@@ -10,10 +10,10 @@ import openai
 import pytest
 
 from gateway.text.tool_parsers import TOOL_PARSERS
+from tests.helpers import LAUNCH, ROOT
 from zserve.catalog import TINY_RANDOM
 
 from . import scripted_model as sm
-from tests.helpers import LAUNCH, ROOT
 
 TOOLS = [sm.WEATHER_TOOL]
 WEATHER = sm.WEATHER_TOOL["function"]["name"]

@@ -72,7 +72,8 @@ def checkpoint_tensors(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
             t[p + "block_sparse_moe.gate.weight"] = w(EXPERTS, HIDDEN)
             for e in range(EXPERTS):
                 q = f"{p}block_sparse_moe.experts.{e}."
-                t[q + "w1.weight"], t[q + "w3.weight"], t[q + "w2.weight"] = w(INTER, HIDDEN), w(INTER, HIDDEN), w(HIDDEN, INTER)
+                t[q + "w1.weight"], t[q + "w3.weight"], t[q + "w2.weight"] = (w(INTER, HIDDEN), w(INTER, HIDDEN),
+                                                                               w(HIDDEN, INTER))
         else:
             t[p + "mlp.gate_proj.weight"] = w(INTER, HIDDEN)
             t[p + "mlp.up_proj.weight"] = w(INTER, HIDDEN)

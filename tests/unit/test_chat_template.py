@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from gateway.text.chat_template import ChatTemplate, ChatTemplateError

@@ -39,7 +39,8 @@ SAMPLES = [
     StepOutputs(3, ()),
     StepOutputs(1, (
         RequestOutput("p", (4,), None, (-0.125,), None, 5, prompt_logprobs=(-1.5, -0.25, -3.0, -0.5),
-                      prompt_top_logprobs=TopLogprobs(2, (1, 2, 3, 4, 5, 6, 7, 8), (-1.0, -2.0) * 4), num_cached_tokens=16),
+                      prompt_top_logprobs=TopLogprobs(2, (1, 2, 3, 4, 5, 6, 7, 8), (-1.0, -2.0) * 4),
+                      num_cached_tokens=16),
         RequestOutput("q", (5,), "length", prompt_logprobs=(-0.5,)),
         RequestOutput("r", (6,), prompt_logprobs=()),
     )),
@@ -80,9 +81,12 @@ def _header(**kw) -> bytes:
     ([_header(t="client_hello")], "client_hello"),
     ([_header(t="abort", request_ids=[])], "request_ids"),
     ([_header(t="abort", request_ids=["x" * 500])], "request_id"),
-    ([_header(t="stats", rank=0, running=-1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0)], "running"),
-    ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=2.0, generated_tokens=0, steps=0, timestamp=0)], "kv_used"),
-    ([_header(t="stats", rank=True, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0)], "rank"),
+    ([_header(t="stats", rank=0, running=-1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0,
+              timestamp=0)], "running"),
+    ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=2.0, generated_tokens=0, steps=0,
+              timestamp=0)], "kv_used"),
+    ([_header(t="stats", rank=True, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0,
+              timestamp=0)], "rank"),
     ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0,
               preempted=-1)], "preempted"),
     ([_header(t="stats", rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=0, steps=0, timestamp=0,
@@ -116,7 +120,9 @@ def test_wrong_typed_sampling_fields_are_rejected():
     head, toks = _add_frames()
     h = orjson.loads(head)
     for field, bad in [("temperature", "hot"), ("max_tokens", 0), ("max_tokens", 1.5), ("top_p", 0), ("seed", "x"),
-                       ("logprobs", 21), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True), ("priority", 1.5), ("priority", 1 << 40), ("stop_token_ids", [-1]), ("logit_bias", [[1, 500]]), ("ignore_eos", 1)]:
+                       ("logprobs", 21), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True),
+                       ("priority", 1.5), ("priority", 1 << 40), ("stop_token_ids", [-1]), ("logit_bias", [[1, 500]]),
+                       ("ignore_eos", 1)]:
         h2 = {**h, "sampling": {**h["sampling"], field: bad}}
         with pytest.raises(ProtocolError) as ei:
             decode([orjson.dumps(h2), toks])

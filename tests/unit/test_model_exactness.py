@@ -110,7 +110,8 @@ def test_all_prompts_together_match_transformers(loaded, reference, budget, pref
     runner = make_runner(loaded, attention="gather" if prefix_caching else None)
     if prefix_caching:
         runner.attention.sdpa_max_decode_batch = 0
-    outs, sched = run(runner, PROMPTS + PROMPTS[:1], budget, prefix_caching=prefix_caching)  # FRANCE twice: the copy shares its blocks
+    # FRANCE twice: the copy shares its blocks
+    outs, sched = run(runner, PROMPTS + PROMPTS[:1], budget, prefix_caching=prefix_caching)
     for i, o in enumerate(outs):
         assert toks(o) == ref_tokens[i % len(PROMPTS)], f"prompt {i}"
     assert (outs[-1][0].num_cached_tokens > 0) == prefix_caching

@@ -52,7 +52,8 @@ def test_mixtral_stacked_expert_tensors_load_like_per_expert_ones(tmp_path):
         p = f"model.layers.{i}."
         e = [f"{p}block_sparse_moe.experts.{j}." for j in range(EXPERTS)]
         stacked[p + "mlp.gate.weight"] = t[p + "block_sparse_moe.gate.weight"]
-        stacked[p + "mlp.experts.gate_up_proj"] = torch.stack([torch.cat([t[q + "w1.weight"], t[q + "w3.weight"]]) for q in e])
+        stacked[p + "mlp.experts.gate_up_proj"] = torch.stack([torch.cat([t[q + "w1.weight"], t[q + "w3.weight"]])
+                                                               for q in e])
         stacked[p + "mlp.experts.down_proj"] = torch.stack([t[q + "w2.weight"] for q in e])
     a = our_logits(write_checkpoint(tmp_path / "a", "mixtral"))
     b = our_logits(write_checkpoint(tmp_path / "b", "mixtral", tensors=stacked))

@@ -21,8 +21,8 @@ from typing import TypeVar
 import orjson
 import pytest
 
-from tests.helpers import free_port, read_line
 from gateway.store import MAX_RECORD_BYTES, ResponseStore, StoreUnavailable, open_store
+from tests.helpers import free_port, read_line
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]

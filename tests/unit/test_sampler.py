@@ -135,8 +135,10 @@ def test_presence_and_frequency_penalties_lower_output_tokens():
     s = make_sampler()
     past = [5, 5, 5, 7]  # token 5 three times, token 7 once; token 9 never
     base = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V), past_output_ids=past))
-    pres = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V, presence_penalty=0.5), past_output_ids=past))
-    freq = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V, frequency_penalty=0.5), past_output_ids=past))
+    pres = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V, presence_penalty=0.5),
+                                        past_output_ids=past))
+    freq = full_logprobs(s, logits, Row(SamplingParams(temperature=0.0, logprobs=V, frequency_penalty=0.5),
+                                        past_output_ids=past))
     rel = lambda lp, t: float(lp[t] - lp[9])  # noqa: E731 - logit of t relative to an unseen token
     assert rel(pres, 5) == pytest.approx(rel(base, 5) - 0.5, abs=1e-4)
     assert rel(pres, 7) == pytest.approx(rel(base, 7) - 0.5, abs=1e-4)
@@ -198,10 +200,12 @@ def test_each_row_of_a_mixed_batch_gets_only_its_own_processing():
     logits = random_logits(4, V, seed=8)
     s = make_sampler()
     rows = [
-        Row(SamplingParams(temperature=0.0, logprobs=V, repetition_penalty=1.5), prompt_ids=[1, 2], past_output_ids=[3]),
+        Row(SamplingParams(temperature=0.0, logprobs=V, repetition_penalty=1.5), prompt_ids=[1, 2],
+            past_output_ids=[3]),
         Row(SamplingParams(temperature=0.7, logprobs=V, frequency_penalty=1.0), past_output_ids=[4, 4]),
         Row(SamplingParams(temperature=0.0, logprobs=V, logit_bias=((6, -3.0),))),
-        Row(SamplingParams(temperature=1.0, logprobs=V, presence_penalty=-1.0), past_output_ids=[9]),  # negative: favour
+        # negative: favour
+        Row(SamplingParams(temperature=1.0, logprobs=V, presence_penalty=-1.0), past_output_ids=[9]),
     ]
     batched = s.sample(logits.clone(), rows)
     for i, row in enumerate(rows):
