@@ -8,9 +8,24 @@ for values: a token at position ``p`` of a request lives in slot ``table[p // bs
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 __all__ = ["PagedKVCache"]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. On a CPU it is anonymous mmap'd memory, which the kernel hands out as
+    zero pages on first touch: a pool of several GiB costs nothing until requests fill it, so an
+    engine is ready seconds sooner (``torch.zeros`` writes every page up front) and an idle one
+    holds only what it used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -21,8 +36,7 @@ class PagedKVCache:
         # Keys and values of a layer side by side, so one gather fetches both.
         # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight in
         # attention, and a NaN bit pattern left in uninitialised memory would poison the row.
-        self.kv = torch.zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim),
-                              dtype=dtype, device=device)
+        self.kv = _zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype, device)
         self.k = self.kv[:, 0]  # views: [num_layers, num_kv_heads, slots, head_dim]
         self.v = self.kv[:, 1]
         self.num_layers = num_layers

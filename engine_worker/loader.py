@@ -23,7 +23,9 @@ the tiny random model (which only needs the EOS id) slow to start.
 
 from __future__ import annotations
 
+import logging
 import mmap
+import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from zserve.catalog import ModelSource
 
 ProgressFn = Callable[[str, int, int], None]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_EOS_TOKEN_ID = 2  # SmolLM2's <|im_end|>, used when no tokenizer metadata says otherwise
 
@@ -218,17 +222,97 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device,
                progress: ProgressFn | None) -> LoadedModel:
+    meta = read_gguf_metadata(source.path)
+    cache = _weight_cache_for(source, dtype)
+    if cache is not None:
+        loaded = _load_gguf_cached(source, meta, dtype, device, progress, *cache)
+        if loaded is not None:
+            return loaded
+    return _convert_gguf(source, meta, dtype, device, progress, cache)
+
+
+def _weight_cache_for(source: ModelSource, dtype: torch.dtype) -> tuple[Path, dict[str, str]] | None:
+    """(cache file, key) for this GGUF source and dtype, or None when the cache is off or unusable."""
+    from engine_worker import weight_cache
+
+    if not weight_cache.enabled():
+        log.info("weight cache disabled by ZSERVE_WEIGHT_CACHE")
+        return None
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    min_bytes = weight_cache.min_bytes()
+    if os.path.getsize(source.path) < min_bytes:
+        log.debug("weight cache: %s is under %d bytes, converted without caching", source.path, min_bytes)
+        return None
+    directory = weight_cache.cache_dir()
+    if directory is None:
+        return None
+    key = weight_cache.source_key(source.path, dtype)
+    return weight_cache.cache_path(directory, key), key
+
+
+def _load_gguf_cached(source: ModelSource, meta: dict, dtype: torch.dtype, device: torch.device,
+                      progress: ProgressFn | None, path: Path, key: dict[str, str]) -> LoadedModel | None:
+    """The model from the weight cache; None (reason logged) when the file is missing or unusable."""
+    from engine_worker import weight_cache
+
+    try:
+        info = weight_cache.read_info(path, key)
+        cfg = config_from_gguf_metadata(meta, tied=info.get("tied") == "1", vocab_size=int(info["vocab_size"]))
+        model = LlamaForCausalLM(cfg, dtype, device)
+        layout = _layout(model)
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, item in enumerate(weight_cache.read_tensors(path, key, layout, dtype)):
+                yield item
+                if progress is not None:
+                    progress("load", i + 1, len(layout))
+
+        model.load_weights(weights())
+    except FileNotFoundError:
+        log.info("weight cache: no converted weights for %s (%s) yet; converting the GGUF file", source.path,
+                 key["dtype"])
+        return None
+    except (weight_cache.CacheError, OSError, KeyError, ValueError) as e:
+        log.warning("weight cache: %s is unusable (%s); converting the GGUF file again", path, e)
+        return None
+    model.eval()
+    log.info("weight cache: loaded %s from %s", source.model_id, path)
+    return LoadedModel(model, cfg, eos_ids_from_metadata(meta), cfg.vocab_size, source.model_id)
+
+
+def _layout(model: LlamaForCausalLM) -> list[tuple[str, tuple[int, ...]]]:
+    """Every weight name and shape, in ``weight_names()`` order (``weight_shape`` per name would
+    rebuild the target table each time: a quarter second for SmolLM2)."""
+    targets = model._targets()
+    return [(n, model._shape(n, dest)) for n, (dest, _row) in targets.items()]
+
+
+def _convert_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: torch.device,
+                  progress: ProgressFn | None, cache: tuple[Path, dict[str, str]] | None) -> LoadedModel:
+    """Dequantize every tensor (the slow part) into a new model, streaming them into the weight
+    cache file too when ``cache`` is given."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    meta = read_gguf_metadata(source.path)
+    from engine_worker import weight_cache
+
     reader = GGUFReader(source.path)
     tensors = {t.name: t for t in reader.tensors}
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise ValueError(f"{source.path} has no token_embd.weight")
-    cfg = config_from_gguf_metadata(meta, tied="output.weight" not in tensors, vocab_size=int(embd.shape[-1]))
+    tied = "output.weight" not in tensors
+    cfg = config_from_gguf_metadata(meta, tied=tied, vocab_size=int(embd.shape[-1]))
     model = LlamaForCausalLM(cfg, dtype, device)
+    writer = None
+    if cache is not None:
+        layout = _layout(model)
+        try:
+            writer = weight_cache.Writer(cache[0], cache[1], {"tied": "1" if tied else "0",
+                                                              "vocab_size": str(int(embd.shape[-1]))}, layout, dtype)
+        except OSError as e:
+            log.warning("weight cache: cannot write %s (%s)", cache[0], e)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         total = len(tensors)
@@ -237,11 +321,21 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device,
             # F32 tensors come back as read-only views of the mmapped file: copy them.
             arr = np.asarray(arr, dtype=np.float32)
             w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-            yield from _gguf_tensors(name, w, cfg)
+            for hf, tensor in _gguf_tensors(name, w, cfg):
+                if writer is not None:
+                    writer.add(hf, tensor)
+                yield hf, tensor
             if progress is not None:
                 progress("load", i + 1, total)
 
-    model.load_weights(weights())
+    try:
+        model.load_weights(weights())
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None and writer.commit():
+        log.info("weight cache: wrote %s", cache[0])
     model.eval()
     return LoadedModel(model, cfg, eos_ids_from_metadata(meta), cfg.vocab_size, source.model_id)
 
