@@ -8,9 +8,12 @@ Order of operations (as vLLM's V1 sampler does):
    ones), then frequency (x count) and presence (x seen) over output tokens only;
 3. greedy rows (temperature 0, or top_k 1) take the argmax here;
 4. temperature, then min_p, top_k and top_p truncation;
-5. a draw by exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per vocabulary entry,
-   which picks token i with probability probs[i]. A seeded request draws ``q`` from its own
-   ``torch.Generator``, so its tokens do not depend on its batch mates; unseeded rows share one.
+5. a draw by inverse CDF: one uniform ``u`` per row, and the first kept token whose cumulative
+   weight exceeds ``u`` x the kept total. Rows without top_k / top_p walk the whole vocabulary
+   in token order; top_k / top_p rows walk their kept tokens best first, found among the
+   ``topk`` of max(top_k, 256) candidates, with a full sort only for rows whose candidates hold
+   less than top_p of the mass. A seeded request draws ``u`` from its own ``torch.Generator``,
+   so its tokens do not depend on its batch mates; unseeded rows share one.
 
 Prompt logprobs (``prompt_logprobs=k``) are ``log_softmax`` of the raw logits at each prompt
 position, for the prompt token that follows it, plus the top k: the model's own distribution,
@@ -212,36 +215,105 @@ class Sampler:
         sub = sub - freq * counts - pres * (counts > 0).float()
         logits[idx] = sub
 
+    def _uniforms(self, rows: Sequence[SamplingRow], dev: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row: a seeded row's from its own generator, the rest from the
+        shared one (in row order), so a seeded row's draw does not depend on its batch mates."""
+        u = torch.empty(len(rows), dtype=torch.float64, device=dev)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), generator=self._shared, device=dev).double()
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i] = torch.rand(1, generator=r.generator, device=dev).double()[0]
+        return u
+
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Sample one token per row of (temperature-scaled) ``logits`` after min_p/top-k/top-p."""
+        """Sample one token per row of (temperature-scaled) ``logits`` after min_p/top-k/top-p,
+        by inverse CDF: one uniform per row against the cumulative mass of the kept tokens."""
         n, vocab = logits.shape
         params = [r.sampling for r in rows]
         dev = logits.device
-        neg_inf = float("-inf")
-        if any(p.min_p > 0 for p in params):
-            probs = logits.softmax(dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-            logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, neg_inf)
+        u = self._uniforms(rows, dev)
         ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-        if any(ks):
-            kmax = max(ks)
-            top = logits.topk(kmax, dim=-1).values
-            kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
-            kth[torch.tensor([k == 0 for k in ks], device=dev)] = neg_inf  # rows without top-k keep all
-            logits = logits.masked_fill(logits < kth, neg_inf)
-        if any(p.top_p < 1.0 for p in params):
-            srt, order = logits.sort(dim=-1)  # ascending
-            cum = srt.softmax(dim=-1).cumsum(dim=-1)
-            drop = cum <= 1.0 - torch.tensor([p.top_p for p in params], device=dev)[:, None]
-            drop[:, -1] = False  # always keep the most likely token
-            logits = torch.empty_like(logits).scatter_(1, order, srt.masked_fill(drop, neg_inf))
-        probs = logits.softmax(dim=-1)
+        trunc = [i for i, p in enumerate(params) if ks[i] or p.top_p < 1.0]
+        full = [i for i in range(n) if not (ks[i] or params[i].top_p < 1.0)]
+        tokens = torch.empty(n, dtype=torch.long, device=dev)
+        if len(full) == n:
+            tokens = self._draw_full(logits, [p.min_p for p in params], u)
+        elif full:
+            tokens[full] = self._draw_full(logits[full], [params[i].min_p for i in full], u[full])
+        if not trunc:
+            return tokens
+        sub = logits if len(trunc) == n else logits[trunc]
+        top_k = torch.tensor([ks[i] for i in trunc], device=dev)
+        top_p = torch.tensor([params[i].top_p for i in trunc], dtype=torch.float64, device=dev)
+        min_p = [params[i].min_p for i in trunc]
+        # The mass top_p is measured against: the tokens min_p and top_k leave. Rows with a top_k
+        # hold all of theirs among the candidates; the others need the whole row's (min_p-masked) sum.
+        total = torch.zeros(len(trunc), dtype=torch.float64, device=dev)
+        no_k = [j for j, i in enumerate(trunc) if not ks[i]]
+        if no_k:
+            rows_nk = sub[no_k]
+            w = (rows_nk - rows_nk.max(dim=-1, keepdim=True).values).exp_()
+            if any(min_p[j] > 0 for j in no_k):
+                w.masked_fill_(w < torch.tensor([min_p[j] for j in no_k], device=dev)[:, None], 0.0)
+            total[no_k] = w.sum(dim=-1, dtype=torch.float64)
+        # Candidates: the best max(top_k, _CANDIDATES[0]) tokens, rather than a full sort; rows
+        # whose candidates hold less than their top_p of the mass try the next size, then a sort.
+        out = torch.empty(len(trunc), dtype=torch.long, device=dev)
+        todo = list(range(len(trunc)))
+        for size in _CANDIDATES:
+            kc = min(vocab, max(max(ks), size))
+            part = sub if len(todo) == len(trunc) else sub[todo]
+            vals, ids = part.topk(kc, dim=-1) if kc < vocab else part.sort(dim=-1, descending=True)
+            keep, w, mass = _truncate(vals, top_k[todo], top_p[todo], [min_p[j] for j in todo], total[todo], dev)
+            done = keep[:, -1].logical_not() | (top_k[todo] > 0) | (mass >= top_p[todo]) | (kc == vocab)
+            picked = ids.gather(1, _inverse_cdf(w, u[trunc][todo])[:, None])[:, 0]
+            if bool(done.all()):
+                out[todo] = picked
+                break
+            ok = done.nonzero()[:, 0]
+            out[torch.tensor(todo, device=dev)[ok]] = picked[ok]
+            todo = [todo[j] for j in (~done).nonzero()[:, 0].tolist()]
+        if len(trunc) == n:
+            return out
+        tokens[trunc] = out
+        return tokens
 
-        q = torch.empty_like(probs)
-        shared = [i for i, r in enumerate(rows) if r.generator is None]
-        if shared:
-            q[shared] = torch.empty((len(shared), vocab), device=dev).exponential_(generator=self._shared)
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
-        return (probs / q).argmax(dim=-1)
+    def _draw_full(self, logits: torch.Tensor, min_p: list[float], u: torch.Tensor) -> torch.Tensor:
+        """Rows without top_k / top_p: the whole vocabulary in token order, min_p applied."""
+        w = (logits - logits.max(dim=-1, keepdim=True).values).exp_()  # the max token has weight 1
+        if any(m > 0 for m in min_p):
+            w.masked_fill_(w < torch.tensor(min_p, device=logits.device)[:, None], 0.0)
+        return _inverse_cdf(w, u)
+
+
+# top_p rows look for their nucleus among this many best tokens first, then (if their mass is
+# short of top_p) among the next size, then in a full sort of the vocabulary.
+_CANDIDATES = (256, 4096, 1 << 62)
+
+
+def _truncate(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: list[float],
+              total: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ``vals`` sorted best first: (kept mask, weights, candidate mass after min_p/top_k as a
+    fraction of the row's). ``total`` is the row's full min_p-masked weight, used where top_k is off."""
+    kc = vals.shape[1]
+    w = (vals - vals[:, :1]).exp_()  # relative to the best token: min_p is a plain threshold
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if any(m > 0 for m in min_p):
+        keep &= w >= torch.tensor(min_p, device=dev)[:, None]
+    keep &= torch.arange(kc, device=dev)[None, :] < torch.where(top_k > 0, top_k, kc)[:, None]
+    w = w.masked_fill(~keep, 0.0).double()
+    cum = w.cumsum(dim=-1)
+    z = torch.where(top_k > 0, cum[:, -1], total)
+    # top_p keeps the shortest best-first prefix holding at least top_p of the mass: token j
+    # stays while the mass before it is below top_p (the best token always stays).
+    keep &= (cum - w) < top_p[:, None] * z[:, None]
+    return keep, w.masked_fill(~keep, 0.0), cum[:, -1] / z
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column of each row whose cumulative weight first exceeds ``u`` x the row's total weight."""
+    cum = w.cumsum(dim=-1, dtype=torch.float64)
+    x = (u * cum[:, -1])[:, None]  # < the total, since u < 1
+    return torch.searchsorted(cum, x, right=True)[:, 0].clamp_(max=w.shape[1] - 1)

@@ -6,8 +6,11 @@ Usage:
         [--threads N] [--no-hf] [--profile]
 
 Requests have a shared 20-token system prefix, then 20-60 random tokens (as chat traffic looks),
-and each asks for a number of tokens drawn uniformly from [--min-new, --max-new] (greedy, EOS
-ignored, so the work is fixed). zserve runs them through the engine's own step loop in-process
+and each asks for a number of tokens drawn uniformly from [--min-new, --max-new] (EOS ignored, so
+the work is fixed). ``--sampling`` runs each traffic shape once per preset (default: all of
+``greedy``, ``t1`` = temperature 1.0, ``t07p09`` = temperature 0.7 + top_p 0.9, ``t07k40`` =
+temperature 0.7 + top_k 40), zserve and transformers with the same settings.
+zserve runs them through the engine's own step loop in-process
 (no sockets: this measures the engine, not the wire); transformers runs them as left-padded
 batches of ``generate`` with ``max_new_tokens`` = the batch's longest request, in the same
 dtype, with dense (dequantized) weights. Two traffic shapes per concurrency C:
@@ -46,6 +49,9 @@ from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve, smollm2_gguf_path
 
+# --sampling presets: (temperature, top_p, top_k); zserve and transformers get the same settings.
+PRESETS = {"greedy": (0.0, 1.0, 0), "t1": (1.0, 1.0, 0), "t07p09": (0.7, 0.9, 0), "t07k40": (0.7, 1.0, 40)}
+
 SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
 
 
@@ -68,7 +74,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timings: dict | None = None,
-               in_flight: int | None = None) -> dict:
+               in_flight: int | None = None, preset: str = "greedy") -> dict:
     """Run ``work`` through the engine loop; at most ``in_flight`` requests at a time (a closed
     loop: the next request arrives the moment one finishes), all at once without it."""
     sched = Scheduler(runner, max_num_seqs, budget)  # a fresh one: an empty prefix cache
@@ -78,8 +84,9 @@ def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timing
     def arrive(now: float) -> None:
         i, (prompt, n) = pending.pop()
         arrival[f"r{i}"] = now
-        sched.add(Sequence(f"r{i}", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                           arrival=now))
+        temp, top_p, top_k = PRESETS[preset]
+        sched.add(Sequence(f"r{i}", list(prompt), SamplingParams(temperature=temp, top_p=top_p, top_k=top_k,
+                                                                 max_tokens=n, ignore_eos=True), arrival=now))
 
     t0 = time.perf_counter()
     for _ in range(min(in_flight or len(work), len(work))):
@@ -117,7 +124,7 @@ def _timed(spent: dict, name: str, fn):
     return wrapper
 
 
-def run_hf(model, work, dtype, batch: int | None = None) -> dict:
+def run_hf(model, work, dtype, batch: int | None = None, preset: str = "greedy") -> dict:
     """transformers ``generate`` over ``work`` in static batches of ``batch`` (all at once without)."""
     batch = batch or len(work)
     generated = 0
@@ -127,7 +134,7 @@ def run_hf(model, work, dtype, batch: int | None = None) -> dict:
     for start in range(0, len(work), batch):
         wave = work[start : start + batch]
         arrived = time.perf_counter()  # every client of the batch arrives once the last batch is answered
-        n, times = _hf_batch(model, wave)
+        n, times = _hf_batch(model, wave, preset)
         generated += n
         ttft += [times[0] - arrived] * len(wave)
         itl += [b - a for a, b in zip(times, times[1:])] * len(wave)
@@ -137,7 +144,7 @@ def run_hf(model, work, dtype, batch: int | None = None) -> dict:
     return res
 
 
-def _hf_batch(model, work) -> tuple[int, list[float]]:
+def _hf_batch(model, work, preset: str = "greedy") -> tuple[int, list[float]]:
     """One left-padded ``generate`` batch: (tokens generated, time of each step)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -157,9 +164,12 @@ def _hf_batch(model, work) -> tuple[int, list[float]]:
         mask[i, width - len(p):] = 1
     new = max(n for _, n in work)
     stamp = Stamp()
+    temp, top_p, top_k = PRESETS[preset]
+    # top_k=0 / top_p=1.0 spelled out: the model's generation config would otherwise add top_k=50.
+    how = dict(do_sample=True, temperature=temp, top_p=top_p, top_k=top_k) if temp > 0 else dict(do_sample=False)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=2, stopping_criteria=StoppingCriteriaList([stamp]))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=2,
+                             stopping_criteria=StoppingCriteriaList([stamp]), **how)
     return (out.shape[1] - width) * len(work), stamp.times
 
 
@@ -266,6 +276,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="where a decode step's time goes, at the largest concurrency")
     ap.add_argument("--profile-concurrency", type=int, default=None, help="profile at this concurrency instead")
+    ap.add_argument("--sampling", nargs="+", choices=list(PRESETS), default=list(PRESETS),
+                    help="sampling presets, each run by both engines: greedy, t1 (temperature 1.0), t07p09 "
+                         "(temperature 0.7, top_p 0.9), t07k40 (temperature 0.7, top_k 40)")
     args = ap.parse_args()
 
     threads = configure_cpu_threads(args.threads)
@@ -286,39 +299,51 @@ def main() -> None:
     rows = []
     for mode in args.mode:
         for c in args.concurrency:
-            sustained = mode == "sustained"
-            work = make_workload(c, args.min_new, args.max_new, args.seed, count=c * args.waves if sustained else c)
-            timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
-            z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings,
-                           in_flight=c if sustained else None)
-            h = run_hf(hf, work, dtype, batch=c) if hf is not None else None
-            if args.torch_path and runner.attention.name == "native":
-                set_native(runner, False)
-                z["torch_path_tok_s"] = run_zserve(runner, work, max_c, args.max_num_batched_tokens,
-                                                   in_flight=c if sustained else None)["tok_s"]
-                set_native(runner, True)
-            rows.append((mode, c, len(work), z, h, timings))
-            print(f"  {mode} c={c}: zserve {z['tok_s']:.1f} tok/s"
-                  + (f", transformers {h['tok_s']:.1f} tok/s" if h else "")
-                  + (f", zserve without native kernels {z['torch_path_tok_s']:.1f} tok/s"
-                     if "torch_path_tok_s" in z else ""),
-                  flush=True)
+            for preset in args.sampling:
+                sustained = mode == "sustained"
+                work = make_workload(c, args.min_new, args.max_new, args.seed,
+                                     count=c * args.waves if sustained else c)
+                timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
+                z = run_zserve(runner, work, max_c, args.max_num_batched_tokens, timings,
+                               in_flight=c if sustained else None, preset=preset)
+                h = run_hf(hf, work, dtype, batch=c, preset=preset) if hf is not None else None
+                if args.torch_path and runner.attention.name == "native":
+                    set_native(runner, False)
+                    z["torch_path_tok_s"] = run_zserve(runner, work, max_c, args.max_num_batched_tokens,
+                                                       in_flight=c if sustained else None, preset=preset)["tok_s"]
+                    set_native(runner, True)
+                rows.append((mode, c, preset, len(work), z, h, timings))
+                print(f"  {mode} c={c} {preset}: zserve {z['tok_s']:.1f} tok/s"
+                      + (f", transformers {h['tok_s']:.1f} tok/s" if h else "")
+                      + (f", zserve without native kernels {z['torch_path_tok_s']:.1f} tok/s"
+                         if "torch_path_tok_s" in z else ""),
+                      flush=True)
 
-    print("\n| traffic | concurrency | requests | zserve tok/s | transformers tok/s all / requested "
+    print("\n| traffic | concurrency | sampling | requests | zserve tok/s | transformers tok/s all / requested "
           "| ratio all / requested | zserve TTFT p50/p99 (s) | transformers TTFT p50 (s) | zserve ITL p50/p99 (ms) "
           "| transformers ITL p50/p99 (ms) | preemptions |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mode, c, n, z, h, _ in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, c, preset, n, z, h, _ in rows:
         hf_tok = f"{h['tok_s']:.1f} / {h['requested_tok_s']:.1f}" if h else "-"
         ratio = f"{z['tok_s'] / h['tok_s']:.2f}x / {z['tok_s'] / h['requested_tok_s']:.2f}x" if h else "-"
         hf_ttft = f"{h['ttft_p50']:.2f}" if h else "-"
         hf_itl = f"{h['itl_p50'] * 1e3:.1f} / {h['itl_p99'] * 1e3:.1f}" if h else "-"
-        print(f"| {mode} | {c} | {n} | {z['tok_s']:.1f} | {hf_tok} | {ratio} "
+        print(f"| {mode} | {c} | {preset} | {n} | {z['tok_s']:.1f} | {hf_tok} | {ratio} "
               f"| {z['ttft_p50']:.2f} / {z['ttft_p99']:.2f} "
               f"| {hf_ttft} | {z['itl_p50'] * 1e3:.1f} / {z['itl_p99'] * 1e3:.1f} | {hf_itl} | {z['preemptions']} |")
+    greedy = {(m, c): z for m, c, p, _, z, _, _ in rows if p == "greedy"}
+    if greedy and len(args.sampling) > 1:
+        print("\n| traffic | concurrency | sampling | zserve sampled / greedy | transformers sampled / greedy "
+              "| zserve / transformers (all) |")
+        print("|---|---|---|---|---|---|")
+        for mode, c, preset, _, z, h, _ in rows:
+            g = greedy.get((mode, c))
+            gh = next((hh for m, cc, p, _, _, hh, _ in rows if (m, cc, p) == (mode, c, "greedy")), None)
+            print(f"| {mode} | {c} | {preset} | {z['tok_s'] / g['tok_s']:.2f} | "
+                  + (f"{h['tok_s'] / gh['tok_s']:.2f} | {z['tok_s'] / h['tok_s']:.2f}x |" if h and gh else "- | - |"))
     print("\nzserve step time split (s): " + "; ".join(
         f"{mode} c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} "
-        f"over {t['steps']} steps" for mode, c, _, _, _, t in rows))
+        f"over {t['steps']} steps" for mode, c, _, _, _, _, t in rows))
     if args.profile:
         c = args.profile_concurrency or max_c
         profile_step(runner, make_workload(c, args.min_new, args.max_new, args.seed + 1), max_c,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -238,3 +239,115 @@ def test_plain_greedy_rows_take_the_argmax_of_the_raw_logits_and_modifiers_still
     assert outs[3].token_id == 5 and [o.token_id for o in outs[:3]] == logits[:3].float().argmax(-1).tolist()
     with_logprobs = Row(SamplingParams(temperature=0.0, logprobs=1))
     assert s.sample(logits[:1].clone(), [with_logprobs])[0].logprob is not None
+
+
+# -- the inverse-CDF draw against a straightforward reference ------------------------------------
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The intended distribution of one row ([V]): temperature, min_p, top_k, then top_p as the
+    shortest best-first prefix of the sorted probabilities holding at least top_p of the mass."""
+    x = logits.double() / (p.temperature or 1.0)
+    probs = x.softmax(-1)
+    if p.min_p > 0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, 0.0)
+    srt, order = probs.sort(descending=True)
+    if 0 < p.top_k < len(srt):
+        srt[p.top_k :] = 0.0
+    srt = srt / srt.sum()
+    if p.top_p < 1.0:
+        before = srt.cumsum(-1) - srt  # mass strictly before each token, best first
+        srt = torch.where(before < p.top_p, srt, 0.0)
+    out = torch.zeros_like(probs)
+    out[order] = srt / srt.sum()
+    return out
+
+
+METHODS = {
+    "temperature": SamplingParams(temperature=0.8),
+    "top_k": SamplingParams(temperature=1.2, top_k=5),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.8),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.1),
+    "combined": SamplingParams(temperature=0.9, top_k=9, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_draws_follow_the_intended_distribution(method):
+    vocab, n = 12, 20000
+    logits = random_logits(1, vocab, seed=21)[0] * 0.6
+    params = METHODS[method]
+    want = reference_probs(logits, params)
+    outs = Sampler(vocab, [EOS], CPU, seed=5).sample(logits.repeat(n, 1), [Row(params) for _ in range(n)])
+    counts = torch.bincount(torch.tensor([o.token_id for o in outs]), minlength=vocab).double()
+    assert counts[want == 0].sum() == 0, "a truncated token was drawn"
+    kept = want > 0
+    expected = want[kept] * n
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    # dof <= 11: the 1e-6 upper quantile is ~45; 60 is generous, yet a wrong distribution gives hundreds.
+    assert chi2 < 60.0, (method, chi2, counts.tolist(), expected.tolist())
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_seeded_rows_repeat_alone_and_in_a_mixed_batch(method):
+    vocab = 6000
+    steps = [random_logits(1, vocab, seed=30 + i)[0] for i in range(5)]
+    params = dataclasses.replace(METHODS[method], seed=11)
+
+    def alone_of(sampler, st, row):
+        return st[None].clone(), [row], 0
+
+    def mixed_of(sampler, st, row):
+        mates = [Row(SamplingParams(temperature=1.0, top_k=5000)), Row(SamplingParams(temperature=0.0)),
+                 Row(SamplingParams(temperature=0.5, top_p=0.95, seed=3), generator=sampler.make_generator(3)),
+                 Row(SamplingParams(temperature=1.0, min_p=0.2))]
+        rows = mates[:1] + [row] + mates[1:]
+        return torch.cat([random_logits(1, vocab, seed=7), st[None], random_logits(3, vocab, seed=8) * 0.2]), rows, 1
+
+    def run(sampler: Sampler, batch_of) -> list[int]:
+        row = Row(params, generator=sampler.make_generator(11))
+        got = []
+        for st in steps:
+            logits, rows, at = batch_of(sampler, st, row)
+            got.append(sampler.sample(logits, rows)[at].token_id)
+        return got
+
+    alone = run(make_sampler(vocab), alone_of)
+    assert run(make_sampler(vocab), mixed_of) == alone
+    assert run(make_sampler(vocab), alone_of) == alone
+
+
+KEEP_CASES = [
+    (50, 3.0, SamplingParams(temperature=1.0, top_p=0.7)),
+    (50, 3.0, SamplingParams(temperature=1.0, top_k=7)),
+    (50, 3.0, SamplingParams(temperature=2.0, min_p=0.3)),
+    (50, 3.0, SamplingParams(temperature=1.5, top_k=20, top_p=0.6, min_p=0.02)),
+    (6000, 2.0, SamplingParams(temperature=1.0, top_p=0.95)),  # nucleus beyond the first 256 candidates
+    (6000, 0.3, SamplingParams(temperature=1.0, top_p=0.9)),  # nearly flat: beyond 4096, a full sort
+    (6000, 0.3, SamplingParams(temperature=1.0, top_k=300, top_p=0.5)),  # top_k above the first size
+]
+
+
+@pytest.mark.parametrize("vocab,scale,params", KEEP_CASES)
+def test_truncation_keeps_exactly_the_reference_candidates(monkeypatch, vocab, scale, params):
+    """With u pinned near 0 and near 1, the draw returns the first and the last kept token (best
+    first for top_k / top_p, token order for min_p alone); every draw is in the reference set."""
+    logits = random_logits(1, vocab, seed=13)[0] * scale / 3
+    want = reference_probs(logits, params)
+    kept = set(want.nonzero()[:, 0].tolist())
+    grid = torch.tensor([0.0, 1.0 - 1e-12] + [(j + 0.5) / 200 for j in range(200)], dtype=torch.float64)
+    monkeypatch.setattr(Sampler, "_uniforms", lambda self, rows, dev: grid.clone())
+    outs = [o.token_id for o in make_sampler(vocab).sample(logits.repeat(len(grid), 1),
+                                                          [Row(params) for _ in grid])]
+    assert set(outs) <= kept
+    if params.top_k or params.top_p < 1.0:
+        ranked = sorted(kept, key=lambda t: -float(logits[t]))
+        assert (outs[0], outs[1]) == (ranked[0], ranked[-1])
+    else:
+        assert (outs[0], outs[1]) == (min(kept), max(kept))
+    # In a batch beside other settings, the same pinned draws give the same tokens.
+    mate = Row(SamplingParams(temperature=1.0, top_k=vocab - 1))
+    rows = [Row(params) for _ in grid] + [mate]
+    monkeypatch.setattr(Sampler, "_uniforms", lambda self, rows, dev: torch.cat([grid, grid[:1]]))
+    mixed = make_sampler(vocab).sample(torch.cat([logits.repeat(len(grid), 1), logits[None]]), rows)
+    assert [o.token_id for o in mixed[:-1]] == outs
