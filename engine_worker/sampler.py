@@ -312,8 +312,37 @@ def _truncate(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return keep, w.masked_fill(~keep, 0.0), cum[:, -1] / z
 
 
+_BLOCK = 256  # columns per block of the two-level cumulative sum
+
+
 def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Column of each row whose cumulative weight first exceeds ``u`` x the row's total weight."""
-    cum = w.cumsum(dim=-1, dtype=torch.float64)
-    x = (u * cum[:, -1])[:, None]  # < the total, since u < 1
-    return torch.searchsorted(cum, x, right=True)[:, 0].clamp_(max=w.shape[1] - 1)
+    """Column of each row whose cumulative weight first exceeds ``u`` x the row's total weight.
+
+    The sums are float64 (a float32 running sum over 49,152 columns drifts by up to ~1e-3 of the
+    total), but a float64 cumsum of a whole vocabulary costs ~11 ms for 32 rows here, a tenth of a
+    decode step. So wide rows go in two levels: float64 sums of 256-column blocks pick the block,
+    and only that block is summed column by column.
+    """
+    n, cols = w.shape
+    if cols <= 2 * _BLOCK:
+        cum = w.cumsum(dim=-1, dtype=torch.float64)
+        x = (u * cum[:, -1])[:, None]  # < the total, since u < 1
+        return torch.searchsorted(cum, x, right=True)[:, 0].clamp_(max=cols - 1)
+    nb = -(-cols // _BLOCK)
+    if nb * _BLOCK != cols:
+        w = torch.nn.functional.pad(w, (0, nb * _BLOCK - cols))  # zero weight: never drawn
+    blocks = w.view(n, nb, _BLOCK)
+    block_mass = blocks.sum(dim=-1, dtype=torch.float64)
+    cum_blocks = block_mass.cumsum(dim=-1)
+    x = (u * cum_blocks[:, -1])[:, None]
+    # The first block whose running mass exceeds x: it has positive mass, and x falls inside it.
+    b = torch.searchsorted(cum_blocks, x, right=True).clamp_(max=nb - 1)
+    before = cum_blocks.gather(1, b) - block_mass.gather(1, b)
+    inner = blocks.gather(1, b[:, :, None].expand(n, 1, _BLOCK))[:, 0].double()
+    cum = inner.cumsum(dim=-1) + before
+    # Rounding between the two levels must not move x out of the block: below it would pick a
+    # zero-weight column at its start, past it would run off its end.
+    x = torch.maximum(x, before)
+    j = torch.searchsorted(cum, x, right=True)
+    last = _BLOCK - 1 - (inner > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    return (b * _BLOCK + torch.minimum(j, last))[:, 0]

@@ -351,3 +351,26 @@ def test_truncation_keeps_exactly_the_reference_candidates(monkeypatch, vocab, s
     monkeypatch.setattr(Sampler, "_uniforms", lambda self, rows, dev: torch.cat([grid, grid[:1]]))
     mixed = make_sampler(vocab).sample(torch.cat([logits.repeat(len(grid), 1), logits[None]]), rows)
     assert [o.token_id for o in mixed[:-1]] == outs
+
+
+def test_two_level_inverse_cdf_picks_what_one_cumulative_sum_picks() -> None:
+    # Wide rows (here 3000 columns: 12 blocks, the last one padded) are drawn block first, then
+    # inside the block; the column must be the one a plain float64 cumulative sum gives, and never
+    # a zero-weight column, for uniforms spread over [0, 1) including both edges.
+    from engine_worker.sampler import _inverse_cdf
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.rand(6, 3000, generator=g) ** 8
+    w[w < 0.05] = 0.0  # many zero-weight columns, whole zero blocks included
+    w[1, :2000] = 0.0
+    w[2] = 0.0
+    w[2, 2999] = 1.0  # all the mass in the padded last block
+    edges = torch.tensor([0.0, 1e-12, 1 - 1e-12], dtype=torch.float64)  # uniforms are in [0, 1)
+    u = torch.cat([edges, torch.rand(197, generator=g, dtype=torch.float64)])
+    for ui in u:
+        rows_u = ui.expand(6).clone()
+        got = _inverse_cdf(w, rows_u)
+        cum = w.cumsum(dim=-1, dtype=torch.float64)
+        want = torch.searchsorted(cum, (rows_u * cum[:, -1])[:, None], right=True)[:, 0].clamp(max=2999)
+        assert bool((w.gather(1, got[:, None]) > 0).all()), (float(ui), got)
+        assert got.tolist() == want.tolist(), float(ui)
