@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from zserve.config import config_from_json
+
 from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
 from .text.reasoning import REASONING_PARSERS
 from .text.tool_parsers import TOOL_PARSERS
@@ -49,10 +51,4 @@ class GatewayConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> GatewayConfig:
-        data = orjson.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError("a gateway configuration is a JSON object")
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown gateway configuration field(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
+        return config_from_json(cls, text, "gateway")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -74,14 +74,22 @@ class EngineConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> EngineConfig:
-        """Decode and check; unknown fields are an error (a supervisor newer than this engine)."""
-        data = orjson.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError("an engine configuration is a JSON object")
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown engine configuration field(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
+        return config_from_json(cls, text, "engine")
+
+
+C = TypeVar("C")
+
+
+def config_from_json(cls: type[C], text: str | bytes, tier: str) -> C:
+    """A tier's configuration from the JSON its ``to_json`` wrote, checked by its constructor;
+    unknown fields are an error (a supervisor newer than the child it started)."""
+    data = orjson.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"a {tier} configuration is a JSON object")
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise ValueError(f"unknown {tier} configuration field(s): {', '.join(sorted(unknown))}")
+    return cls(**data)
 
 
 def _int(value: Any, lo: int, hi: int) -> bool:
