@@ -22,6 +22,7 @@ import torch
 
 from engine_worker.attention import AttentionBackend, SeqLayout, select_backend
 from engine_worker.cuda_graphs import DecodeGraphs
+from engine_worker.grammar import GrammarHandle
 from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import LoadedModel
 from engine_worker.sampler import PromptLogprobs, SampleOut, Sampler
@@ -47,6 +48,7 @@ class SeqInput:
     prompt_ids: list[int] = field(default_factory=list)  # full prompt (repetition penalty, prompt logprobs)
     sample: bool = True  # False for a non-final prefill chunk: fill the cache, sample nothing
     generator: torch.Generator | None = None  # seeded requests: the request's own generator
+    grammar: GrammarHandle | None = None  # structured output: the tokens it allows are the only candidates
     # Prompt logprobs of the tokens following the first ``prompt_logprobs_rows`` new tokens.
     prompt_logprobs_rows: int = 0
 

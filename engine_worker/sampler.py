@@ -2,6 +2,7 @@
 
 Order of operations (as vLLM's V1 sampler does):
 
+0. structured output: tokens the request's grammar does not allow get -inf (``grammar.fill_masks``);
 1. ``logit_bias`` and the ``min_tokens`` mask (EOS and ``stop_token_ids`` get -inf until the
    request has produced ``min_tokens`` tokens);
 2. penalties: repetition over prompt + output tokens (divide positive logits, multiply negative
@@ -36,6 +37,7 @@ from typing import Protocol
 
 import torch
 
+from engine_worker.grammar import GrammarHandle, fill_masks
 from protocol.messages import SamplingParams
 
 
@@ -46,6 +48,7 @@ class SamplingRow(Protocol):
     prompt_ids: list[int]
     past_output_ids: list[int]
     generator: torch.Generator | None
+    grammar: GrammarHandle | None
 
 
 @dataclass
@@ -86,7 +89,7 @@ def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -
 def _plain_greedy(row: SamplingRow) -> bool:
     """Greedy, with no bias, penalty, min_tokens mask or logprobs to apply first."""
     p = row.sampling
-    return (p.greedy and not p.logit_bias and p.logprobs is None and p.repetition_penalty == 1.0
+    return (p.greedy and row.grammar is None and not p.logit_bias and p.logprobs is None and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty and len(row.past_output_ids) >= p.min_tokens)
 
 
@@ -123,8 +126,23 @@ class Sampler:
             return [SampleOut(t, None, None, None) for t in logits.argmax(dim=-1).tolist()]
         dev = logits.device
 
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            allowed = fill_masks([rows[i].grammar for i in constrained], vocab).to(dev)
+            if len(constrained) == b:
+                logits.masked_fill_(~allowed, float("-inf"))
+            else:
+                logits[constrained] = logits[constrained].masked_fill_(~allowed, float("-inf"))
         self._apply_bias_and_min_tokens(logits, rows, vocab)
         self._apply_penalties(logits, rows, vocab)
+        if constrained:
+            # Rows that can be left with no finite logit: an empty grammar mask, or min_tokens
+            # banning the only tokens the grammar allows (a -100 bias leaves logits finite).
+            at_risk = {j for j, i in enumerate(constrained) if len(rows[i].past_output_ids) < params[i].min_tokens}
+            at_risk.update((~allowed.any(dim=-1)).nonzero()[:, 0].tolist())
+            if at_risk:
+                at_risk = sorted(at_risk)
+                self._revive_dead_rows(logits, [constrained[j] for j in at_risk], allowed[at_risk])
 
         greedy = [p.greedy for p in params]
         tokens = torch.empty(b, dtype=torch.long, device=dev)
@@ -196,6 +214,20 @@ class Sampler:
             logits.index_put_(idx, torch.tensor(b_vals, dtype=logits.dtype, device=dev), accumulate=True)
         if m_rows:
             logits[torch.tensor(m_rows, device=dev), torch.tensor(m_cols, device=dev)] = float("-inf")
+
+    @staticmethod
+    def _revive_dead_rows(logits: torch.Tensor, constrained: list[int], allowed: torch.Tensor) -> None:
+        """A constrained row left with no finite logit (min_tokens or a -100 bias took the only
+        tokens its grammar allows) samples among the grammar's tokens alone: the grammar wins. A row
+        whose grammar allows nothing draws any token, which the scheduler then ends as a dead end."""
+        sub = logits[constrained]
+        dead = torch.isneginf(sub).all(dim=-1)
+        if not bool(dead.any()):
+            return
+        revived = torch.zeros_like(sub[dead]).masked_fill_(~allowed[dead], float("-inf"))
+        revived[~allowed[dead].any(dim=-1)] = 0.0
+        sub[dead] = revived
+        logits[constrained] = sub
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
         idx = [i for i, r in enumerate(rows)

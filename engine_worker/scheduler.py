@@ -17,6 +17,11 @@ recomputes prompt + output (its own blocks are often still in the prefix cache),
 exactly where it stopped: the sample at the end of the recompute is the next token, drawn from
 the request's own generator, so preemption changes no output.
 
+A request with structured output waits in the queue (skipped, not blocking the others) until its
+grammar has compiled on the compile thread (``grammar.Grammars``); one whose grammar fails ends with
+an error output. After every sampled token the scheduler feeds the token to the request's matcher:
+a complete grammar ends the request with "stop".
+
 Requests with the same prompt (``n > 1`` fanned out by the gateway) share the prompt's full
 blocks: a request whose next uncached block is being computed by a running request waits one
 step until that block is cached, instead of computing it twice.
@@ -36,6 +41,7 @@ from typing import Protocol
 from protocol import RequestOutput, TopLogprobs
 
 from .block_manager import BlockManager, block_hashes
+from .grammar import Grammars
 from .runner import SampleOut, SeqInput
 from .sequence import Sequence, SequenceStatus
 
@@ -70,7 +76,7 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, runner: Executor, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, grammars: Grammars | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
@@ -80,6 +86,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
+        self.grammars = grammars
+        self._failed: list[Sequence] = []  # ended while waiting (their grammar failed), reported by step()
         # Hashes of full prompt blocks that running sequences are computing right now.
         self._inflight: Counter[int] = Counter()
         self.generated_tokens = 0
@@ -100,6 +108,10 @@ class Scheduler:
             seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size)
         if seq.sampling.seed is not None and seq.generator is None:
             seq.generator = self.runner.make_generator(seq.sampling.seed)
+        if seq.sampling.structured is not None and seq.grammar is None:
+            if self.grammars is None:
+                return "structured output is not available on this engine"
+            seq.grammar = self.grammars.start(seq.sampling.structured)
         self._enqueue(seq, front=False)
         self.by_id[seq.request_id] = seq
         return None
@@ -159,15 +171,17 @@ class Scheduler:
         """Schedule, run the forward pass, apply its samples: the outputs of this step. A failed
         forward pass fails the requests in it (with an ``error`` output each), not the engine."""
         step = self.schedule()
+        failed = [RequestOutput(s.request_id, (), "error", error=s.grammar.error[:4000]) for s in self._failed]
+        self._failed.clear()
         if not step.seqs:
-            return []
+            return failed
         try:
             results = self.runner.execute(step.inputs)
         except Exception as e:
             log.exception("forward pass failed; failing the %d requests in it", len(step.seqs))
-            failed = [s for s in step.seqs if self.abort(s.request_id) is not None]
-            return [RequestOutput(s.request_id, (), "error", error=f"engine error: {e}"[:4000]) for s in failed]
-        return [out for _, out in self.update(step, results)]
+            return failed + [RequestOutput(s.request_id, (), "error", error=f"engine error: {e}"[:4000])
+                             for s in step.seqs if self.abort(s.request_id) is not None]
+        return failed + [out for _, out in self.update(step, results)]
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
@@ -193,11 +207,13 @@ class Scheduler:
         # Admit newcomers only when nothing had to be preempted: otherwise they would take the
         # blocks the preempted sequence needs back.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
+            if seq is None:
+                break
             n = self._admit(seq, budget)
             if n is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
             chosen[id(seq)] = (seq, n)
             budget -= n
@@ -205,6 +221,22 @@ class Scheduler:
         seqs = [s for s, _ in chosen.values()]
         inputs = [self._input(s, n) for s, n in chosen.values()]
         return ScheduledStep(seqs, inputs)
+
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence that can run: not still compiling its grammar. Those whose
+        grammar failed leave the queue here, to be reported by ``step``."""
+        for seq in list(self.waiting):
+            g = seq.grammar
+            if g is None:
+                return seq
+            if not g.ready:
+                continue
+            if g.error is None:
+                return seq
+            self.abort(seq.request_id)
+            seq.finish_reason = "error"
+            self._failed.append(seq)
+        return None
 
     def _reserve(self, seq: Sequence, n: int, chosen: dict[int, tuple[Sequence, int]]) -> bool:
         """Give ``seq`` the blocks for ``n`` more tokens, preempting the newest unscheduled
@@ -279,6 +311,7 @@ class Scheduler:
             prompt_ids=seq.prompt_ids,
             sample=end == seq.total_len,
             generator=seq.generator,  # type: ignore[arg-type]
+            grammar=seq.grammar,  # type: ignore[arg-type]
             prompt_logprobs_rows=prompt_rows,
         )
 
@@ -336,6 +369,7 @@ class Scheduler:
             prompt_logprobs=prompt_lp,
             prompt_top_logprobs=prompt_top,
             num_cached_tokens=seq.num_cached_tokens if first else 0,
+            error=seq.grammar.error if seq.finish_reason == "error" else None,  # type: ignore[union-attr]
         )
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
@@ -355,6 +389,10 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling
         n = len(seq.output_ids)
+        if seq.grammar is not None:
+            done = seq.grammar.accept(token)  # type: ignore[union-attr]
+            if done is not None:
+                return done
         if n >= sp.min_tokens:
             if not sp.ignore_eos and token in self.runner.eos_token_ids:
                 return "stop"
@@ -396,4 +434,7 @@ def run_until_done(scheduler: Scheduler, on_step=None) -> dict[str, list[Request
                 raise RuntimeError(f"request {out.request_id}: {out.error}")
             outs.setdefault(out.request_id, []).append(out)
         if scheduler.steps == steps:
-            raise RuntimeError("the scheduler has work but scheduled nothing (not enough KV blocks?)")
+            compiling = [s.grammar for s in scheduler.waiting if s.grammar is not None and not s.grammar.ready]
+            if not compiling:
+                raise RuntimeError("the scheduler has work but scheduled nothing (not enough KV blocks?)")
+            compiling[0].wait(60.0)

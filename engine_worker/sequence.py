@@ -35,6 +35,7 @@ class Sequence:
     prompt_block_hashes: list[int] = field(default_factory=list)
     inflight: set[int] = field(default_factory=set)  # its prompt-block hashes counted in Scheduler._inflight
     generator: object | None = None  # seeded requests: their own torch.Generator
+    grammar: object | None = None  # structured output: its ``grammar.GrammarHandle``
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     # Prompt logprobs gathered chunk by chunk until they go out with the first token.

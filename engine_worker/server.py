@@ -68,6 +68,7 @@ class EngineServer:
         self.draining = False
         self.loop_tick = time.monotonic()  # the step loop's last sign of life
         self.step_started: float | None = None  # set while a forward pass runs
+        self._stalled = False  # the last step had work but ran nothing (grammars still compiling)
 
     def send(self, client: bytes, msg) -> None:
         try:
@@ -131,10 +132,12 @@ class EngineServer:
     def step(self) -> None:
         """One engine step; each client gets the outputs of its requests in one message."""
         self.step_started = time.monotonic()
+        steps = self.scheduler.steps
         try:
             outs = self.scheduler.step()
         finally:
             self.step_started = None
+        self._stalled = self.scheduler.steps == steps and not outs
         per_client: dict[bytes, list[RequestOutput]] = {}
         for out in outs:
             done = out.finish_reason is not None
@@ -178,7 +181,8 @@ class EngineServer:
         while not (self.draining and not self.scheduler.has_work):
             self.loop_tick = time.monotonic()
             busy = self.scheduler.has_work
-            self.poll_inbound(0 if busy else int(self.stats_interval * 1000))
+            # Waiting only for grammars to compile: do not spin, but look again soon.
+            self.poll_inbound((2 if self._stalled else 0) if busy else int(self.stats_interval * 1000))
             if self.scheduler.has_work:
                 self.step()
             self.publish_stats()
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(f"engine {a.rank}")
 
     from .device import configure_cpu_threads, parse_memory, resolve_dtype, select_device
+    from .grammar import Grammars, tokenizer_json_loader
     from .loader import load_model
     from .runner import ModelRunner
 
@@ -264,8 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s", a.rank,
              runner.num_blocks, cfg.block_size, runner.kv_cache_bytes / (1 << 20),
              "on" if cfg.enable_prefix_caching else "off")
+    grammars = Grammars(tokenizer_json_loader(source.tokenizer_path), runner.vocab_size, runner.eos_token_ids)
     scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-                          enable_prefix_caching=cfg.enable_prefix_caching)
+                          enable_prefix_caching=cfg.enable_prefix_caching, grammars=grammars)
     hello = EngineHello(
         rank=a.rank,
         model_id=source.model_id,
@@ -284,4 +290,5 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_heartbeat, args=(server, status, a.heartbeat_interval), daemon=True,
                      name="heartbeat").start()
     status.send(Ready(index=a.rank, endpoint=a.endpoint, device=hello.device, dtype=hello.dtype))
+    grammars.prepare()
     server.serve_forever()

@@ -9,12 +9,12 @@ from aiohttp import web
 
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
+from zserve.tokenizer import Tokenizer
 
 from .engine_client import EngineClient
 from .store import ResponseStore
 from .text.chat_template import ChatTemplate
 from .text.reasoning import ReasoningParser
-from .text.tokenizer import Tokenizer
 from .text.tool_parsers import ToolParser
 
 

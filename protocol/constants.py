@@ -19,3 +19,6 @@ ERR_BAD_FRAME = "bad_frame"
 
 # -- limits shared by the HTTP schemas and the engine protocol -----------------------------------
 MAX_LOGIT_BIAS = 1024
+
+MAX_GRAMMAR_CHARS = 1 << 18
+"""The longest structured-output spec (a JSON schema, regex or grammar text) a request may carry."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .constants import MAX_LOGIT_BIAS
+from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
@@ -25,6 +25,14 @@ MAX_TOP_LOGPROBS = 20
 MAX_BATCH_ITEMS = 65536
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# What ``SamplingParams.structured`` constrains the output to: (kind, spec) with kind one of
+#   json  - spec is a JSON schema (JSON text); the output is one JSON value it accepts
+#   regex - spec is a regular expression (Rust ``regex`` syntax) the whole output matches
+#   lark  - spec is a Lark grammar (llguidance's dialect: ``%json{...}`` embeds a schema)
+# The gateway turns OpenAI's response_format, vLLM's structured_outputs (json, regex, choice,
+# grammar) and forced tool calls into one of these; the engine compiles it into token masks.
+STRUCTURED_KINDS = ("json", "regex", "lark")
 
 
 def _metric(kind: str, name: str, doc: str, **default: Any) -> Any:
@@ -85,6 +93,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k = the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob and the top k
     priority: int = 0  # lower runs sooner; ties are first come, first served (vLLM's convention)
+    structured: tuple[str, str] | None = None  # (kind, spec): see STRUCTURED_KINDS
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens out of range")
@@ -115,6 +124,11 @@ class SamplingParams:
                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
                "prompt_logprobs out of range")
         _check(_is_int(self.priority) and -(1 << 31) <= self.priority < (1 << 31), "priority out of range")
+        if self.structured is not None:
+            _check(isinstance(self.structured, tuple) and len(self.structured) == 2
+                   and self.structured[0] in STRUCTURED_KINDS and isinstance(self.structured[1], str),
+                   f"structured must be (kind, spec) with kind one of {STRUCTURED_KINDS}")
+            _check(0 < len(self.structured[1]) <= MAX_GRAMMAR_CHARS, "structured spec empty or too long")
 
     @property
     def greedy(self) -> bool:
@@ -124,6 +138,7 @@ class SamplingParams:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(p) for p in self.logit_bias]
+        d["structured"] = None if self.structured is None else list(self.structured)
         return d
 
     @classmethod
@@ -139,6 +154,9 @@ class SamplingParams:
             _check(isinstance(kw["logit_bias"], list), "logit_bias must be a list of pairs")
             _check(all(isinstance(p, list) for p in kw["logit_bias"]), "logit_bias must be a list of pairs")
             kw["logit_bias"] = tuple(tuple(p) for p in kw["logit_bias"])
+        if kw.get("structured") is not None:
+            _check(isinstance(kw["structured"], list), "structured must be a [kind, spec] pair")
+            kw["structured"] = tuple(kw["structured"])
         return cls(**kw)
 
 

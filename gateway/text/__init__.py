@@ -7,6 +7,6 @@ process starts fast and stays small.
 from gateway.text.chat_template import ChatTemplate, ChatTemplateError
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop import StopChecker
-from gateway.text.tokenizer import Tokenizer
+from zserve.tokenizer import Tokenizer
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "IncrementalDetokenizer", "StopChecker", "Tokenizer"]

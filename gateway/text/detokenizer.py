@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.text.tokenizer import Tokenizer
+from zserve.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 

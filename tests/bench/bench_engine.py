@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import time
 
 import torch
 
 from engine_worker.device import configure_cpu_threads, dtype_name, resolve_dtype, select_device
+from engine_worker.grammar import Grammars, tokenizer_json_loader
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
 from engine_worker.scheduler import Scheduler
@@ -50,7 +52,16 @@ from protocol.messages import SamplingParams
 from zserve.catalog import resolve, smollm2_gguf_path
 
 # --sampling presets: (temperature, top_p, top_k); zserve and transformers get the same settings.
-PRESETS = {"greedy": (0.0, 1.0, 0), "t1": (1.0, 1.0, 0), "t07p09": (0.7, 0.9, 0), "t07k40": (0.7, 1.0, 40)}
+PRESETS = {"greedy": (0.0, 1.0, 0), "t1": (1.0, 1.0, 0), "t07p09": (0.7, 0.9, 0), "t07k40": (0.7, 1.0, 40),
+           "t1json": (1.0, 1.0, 0)}
+# Structured-output presets (zserve only; transformers runs them unconstrained): a JSON schema that
+# cannot be complete within the requested tokens, so every request still produces exactly its count.
+STRUCTURED = {"t1json": ("json", json.dumps({
+    "type": "array", "minItems": 1000,
+    "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "id": {"type": "integer"},
+                                                "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+              "required": ["name", "id", "tags"], "additionalProperties": False}}))}
+GRAMMARS: Grammars | None = None  # made in main() for the structured presets
 
 SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
 
@@ -77,7 +88,7 @@ def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timing
                in_flight: int | None = None, preset: str = "greedy") -> dict:
     """Run ``work`` through the engine loop; at most ``in_flight`` requests at a time (a closed
     loop: the next request arrives the moment one finishes), all at once without it."""
-    sched = Scheduler(runner, max_num_seqs, budget)  # a fresh one: an empty prefix cache
+    sched = Scheduler(runner, max_num_seqs, budget, grammars=GRAMMARS)  # a fresh one: an empty prefix cache
     pending = list(enumerate(work))[::-1]
     arrival: dict[str, float] = {}
 
@@ -85,8 +96,9 @@ def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timing
         i, (prompt, n) = pending.pop()
         arrival[f"r{i}"] = now
         temp, top_p, top_k = PRESETS[preset]
-        sched.add(Sequence(f"r{i}", list(prompt), SamplingParams(temperature=temp, top_p=top_p, top_k=top_k,
-                                                                 max_tokens=n, ignore_eos=True), arrival=now))
+        sp = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, max_tokens=n, ignore_eos=True,
+                            structured=STRUCTURED.get(preset))
+        sched.add(Sequence(f"r{i}", list(prompt), sp, arrival=now))
 
     t0 = time.perf_counter()
     for _ in range(min(in_flight or len(work), len(work))):
@@ -276,23 +288,29 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="where a decode step's time goes, at the largest concurrency")
     ap.add_argument("--profile-concurrency", type=int, default=None, help="profile at this concurrency instead")
-    ap.add_argument("--sampling", nargs="+", choices=list(PRESETS), default=list(PRESETS),
+    ap.add_argument("--sampling", nargs="+", choices=list(PRESETS), default=[p for p in PRESETS if p not in STRUCTURED],
                     help="sampling presets, each run by both engines: greedy, t1 (temperature 1.0), t07p09 "
-                         "(temperature 0.7, top_p 0.9), t07k40 (temperature 0.7, top_k 40)")
+                         "(temperature 0.7, top_p 0.9), t07k40 (temperature 0.7, top_k 40); t1json: t1 constrained "
+                         "by a JSON schema (structured output; transformers runs it unconstrained)")
     args = ap.parse_args()
+    global GRAMMARS
 
     threads = configure_cpu_threads(args.threads)
     device = select_device(None)
     dtype = resolve_dtype(args.dtype, device)
-    loaded = load_model(resolve(args.model), dtype, device)
+    source = resolve(args.model)
+    loaded = load_model(source, dtype, device)
     max_c = max(args.concurrency)
     runner = ModelRunner(loaded, device, dtype, max_num_seqs=max_c, max_model_len=512)
+    GRAMMARS = Grammars(tokenizer_json_loader(source.tokenizer_path), runner.vocab_size, runner.eos_token_ids)
     hf = None if args.no_hf else load_hf(dtype)
     print(f"{loaded.model_id} on {device}, {dtype_name(dtype)}, {threads} threads; KV {runner.num_blocks} blocks "
           f"of {runner.block_size}; outputs {args.min_new}-{args.max_new} tokens; budget {args.max_num_batched_tokens}")
 
     warm = make_workload(4, 8, 8, seed=99)  # warm-up: first calls allocate and pick kernels
     run_zserve(runner, warm, max_c, args.max_num_batched_tokens)
+    for preset in set(args.sampling) & set(STRUCTURED):  # and builds the grammar engine's vocabulary
+        run_zserve(runner, warm, max_c, args.max_num_batched_tokens, preset=preset)
     if hf is not None:
         run_hf(hf, warm, dtype)
 
@@ -339,7 +357,9 @@ def main() -> None:
         for mode, c, preset, _, z, h, _ in rows:
             g = greedy.get((mode, c))
             gh = next((hh for m, cc, p, _, _, hh, _ in rows if (m, cc, p) == (mode, c, "greedy")), None)
-            print(f"| {mode} | {c} | {preset} | {z['tok_s'] / g['tok_s']:.2f} | "
+            t1 = next((zz for m, cc, p, _, zz, _, _ in rows if (m, cc, p) == (mode, c, "t1")), None)
+            vs_t1 = f" ({z['tok_s'] / t1['tok_s']:.2f} of t1)" if preset in STRUCTURED and t1 else ""
+            print(f"| {mode} | {c} | {preset} | {z['tok_s'] / g['tok_s']:.2f}{vs_t1} | "
                   + (f"{h['tok_s'] / gh['tok_s']:.2f} | {z['tok_s'] / h['tok_s']:.2f}x |" if h and gh else "- | - |"))
     print("\nzserve step time split (s): " + "; ".join(
         f"{mode} c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} "

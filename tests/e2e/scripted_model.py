@@ -212,11 +212,11 @@ def successor_table(token_id) -> dict[int, int]:
 
 
 def build_tokenizer():
-    """SmolLM2's tokenizer with the scripts' added tokens (a ``gateway.text.tokenizer.Tokenizer``)."""
+    """SmolLM2's tokenizer with the scripts' added tokens (a ``zserve.tokenizer.Tokenizer``)."""
     from tokenizers import AddedToken
 
-    from gateway.text.tokenizer import Tokenizer
     from zserve.catalog import smollm2_gguf_path
+    from zserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(str(smollm2_gguf_path()))
     if tok.eos_token != EOS_TOKEN or tok.bos_token != BOS_TOKEN:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import orjson
 import zmq
@@ -64,3 +66,33 @@ def test_engine_survives_bad_frames_and_keeps_serving(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/completions", json={"model": "tiny-random", "prompt": "hi", "max_tokens": 2},
                    timeout=30)
     assert r.status_code == 200
+
+
+def test_engine_constrains_a_request_to_its_grammar_over_the_wire(tiny_server):
+    """A live engine process compiles the spec on its compile thread (building the grammar's view of
+    the vocabulary from the model's tokenizer) and ends the request when the grammar is complete."""
+    from zserve.catalog import smollm2_gguf_path
+    from zserve.tokenizer import Tokenizer
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(_endpoint(tiny_server.url))
+    try:
+        sock.send_multipart(encode(ClientHello("grammar-client")))
+        _recv_until(sock, lambda m: m.TYPE == "engine_hello")
+        sp = SamplingParams(max_tokens=50, temperature=1.0, structured=("regex", r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"))
+        sock.send_multipart(encode(AddRequest("mail", (1, 2, 3), sp)))
+        toks: list[int] = []
+        while True:
+            m = _recv_until(sock, lambda m: isinstance(m, StepOutputs)
+                            and any(o.request_id == "mail" for o in m.outputs), timeout_ms=60000)
+            out = next(o for o in m.outputs if o.request_id == "mail")
+            toks += out.new_token_ids
+            if out.finish_reason:
+                break
+    finally:
+        sock.close(0)
+    text = Tokenizer.from_gguf(smollm2_gguf_path()).decode(toks)
+    assert out.finish_reason == "stop", out.error
+    assert re.fullmatch(r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", text), text

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 def hf_dir(tmp_path_factory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from gateway.text.tokenizer import Tokenizer
     from zserve.catalog import smollm2_gguf_path
+    from zserve.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("tiny-llama-hf")
     cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.text.tokenizer import Tokenizer
 from zserve.catalog import ModelNotFound, smollm2_gguf_path
+from zserve.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.text.chat_template import ChatTemplate, ChatTemplateError
-from gateway.text.tokenizer import Tokenizer
+from zserve.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "What is the capital of France?"}

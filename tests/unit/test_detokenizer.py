@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.text.detokenizer import IncrementalDetokenizer
-from gateway.text.tokenizer import Tokenizer
+from zserve.tokenizer import Tokenizer
 
 TEXTS = [
     "The capital of France is Paris.",

@@ -23,6 +23,7 @@ class Row:
     prompt_ids: list[int] = field(default_factory=list)
     past_output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: object | None = None
 
 
 def make_sampler(vocab: int = V) -> Sampler:

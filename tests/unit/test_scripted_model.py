@@ -10,9 +10,9 @@ import pytest
 
 from gateway.text.chat_template import ChatTemplate
 from gateway.text.detokenizer import IncrementalDetokenizer
-from gateway.text.tokenizer import Tokenizer
 from tests.e2e import scripted_model as sm
 from zserve.catalog import ModelNotFound, smollm2_gguf_path
+from zserve.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

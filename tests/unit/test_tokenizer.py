@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.text import tokenizer as tokenizer_module
-from gateway.text.tokenizer import Tokenizer
+from zserve import tokenizer as tokenizer_module
 from zserve.catalog import ModelNotFound, smollm2_gguf_path
+from zserve.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,14 @@
-"""The gateway's tokenizer: text <-> token ids, built from a GGUF file or a Hugging Face directory.
+"""A model's tokenizer: text <-> token ids, built from a GGUF file or a Hugging Face directory.
 
 The gateway tokenizes prompts and detokenizes generated ids, so it needs the model's exact
-tokenizer without importing torch or transformers. A GGUF file carries no ``tokenizer.json``, only
-llama.cpp metadata (vocabulary, merges, token types, special ids), so ``Tokenizer.from_gguf`` turns
-that metadata into a ``tokenizers.Tokenizer`` (Rust) with the pre-tokenizer the model was trained
-with. Reading the metadata with ``gguf.GGUFReader`` costs ~2 s, so the built tokenizer can be cached
-on disk and later gateway starts load it in milliseconds.
+tokenizer without importing torch or transformers. Engines read it only for structured output:
+the grammar engine needs every token's bytes to turn a grammar into token masks.
+
+A GGUF file carries no ``tokenizer.json``, only llama.cpp metadata (vocabulary, merges, token
+types, special ids), so ``Tokenizer.from_gguf`` turns that metadata into a ``tokenizers.Tokenizer``
+(Rust) with the pre-tokenizer the model was trained with. Reading the metadata with
+``gguf.GGUFReader`` costs ~2 s, so the built tokenizer can be cached on disk and later starts load
+it in milliseconds.
 """
 
 from __future__ import annotations

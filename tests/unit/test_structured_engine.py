@@ -1,0 +1,176 @@
+"""Structured output inside the engine, on the tiny random model (random weights: nothing but the
+grammar's masks can make its output valid): JSON schemas, regexes and Lark grammars constrain
+sampled output exactly, a complete grammar ends the request, constrained and free requests share a
+batch without touching each other, compiled grammars are cached, and a grammar that cannot compile
+or reaches a dead end ends its request with an error while the engine goes on."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from engine_worker.grammar import Grammars
+from engine_worker.loader import load_model
+from engine_worker.runner import ModelRunner
+from engine_worker.scheduler import Scheduler, run_until_done
+from engine_worker.sequence import Sequence
+from protocol.messages import SamplingParams
+from zserve.catalog import resolve
+from zserve.grammar import choice_grammar
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def runner():
+    loaded = load_model(resolve("tiny-random"), torch.float32, CPU)
+    return ModelRunner(loaded, CPU, torch.float32, max_num_seqs=8, max_model_len=512, num_blocks=512, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def grammars(runner, smollm2_tokenizer):
+    g = Grammars(smollm2_tokenizer.backend.to_str, runner.vocab_size, runner.eos_token_ids)
+    yield g
+    g.close()
+
+
+@pytest.fixture
+def prompt(smollm2_tokenizer):
+    return smollm2_tokenizer.encode("<|im_start|>user\nAnswer in JSON.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def run(runner, grammars, requests: list[SamplingParams], prompt: list[int]) -> dict[str, list[int]]:
+    sched = Scheduler(runner, 8, 256, grammars=grammars)
+    for i, sp in enumerate(requests):
+        assert sched.add(Sequence(f"r{i}", list(prompt), sp)) is None
+    outs = run_until_done(sched)
+    return {rid: [t for o in o_list for t in o.new_token_ids] for rid, o_list in outs.items()} | {
+        f"{rid}:finish": o_list[-1].finish_reason for rid, o_list in outs.items()}
+
+
+def text(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer",
+     "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+     "minItems": 1, "maxItems": 3}, "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+     "required": ["ok"], "additionalProperties": False}}, "required": ["tags", "inner"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 4},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["object", "nested", "array"])
+def test_sampled_output_follows_the_json_schema_and_ends_with_it(runner, grammars, prompt, smollm2_tokenizer, schema):
+    sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured=("json", json.dumps(schema)))
+          for s in range(4)]
+    out = run(runner, grammars, sp, prompt)
+    for i in range(4):
+        assert out[f"r{i}:finish"] == "stop"
+        value = json.loads(text(smollm2_tokenizer, out[f"r{i}"]))
+        jsonschema.validate(value, schema)
+
+
+def test_regex_and_choice_constrain_the_whole_output(runner, grammars, prompt, smollm2_tokenizer):
+    regex = r"[A-Z][a-z]{2,6}-\d{3}"
+    choices = ["positive", "negative", "it's \"neutral\""]
+    sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=("regex", regex)) for s in range(3)]
+    sp += [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=("lark", choice_grammar(choices)))
+           for s in range(3)]
+    out = run(runner, grammars, sp, prompt)
+    for i in range(3):
+        assert re.fullmatch(regex, text(smollm2_tokenizer, out[f"r{i}"])), text(smollm2_tokenizer, out[f"r{i}"])
+        assert text(smollm2_tokenizer, out[f"r{i + 3}"]) in choices
+        assert out[f"r{i}:finish"] == out[f"r{i + 3}:finish"] == "stop"
+
+
+def test_a_constrained_request_leaves_its_batch_mates_alone(runner, grammars, prompt):
+    free = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    alone = run(runner, grammars, [free], prompt)["r0"]
+    mixed = run(runner, grammars, [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=24, structured=("json", json.dumps(SCHEMAS[0]))),
+        free,
+        SamplingParams(temperature=0.0, max_tokens=24, structured=("regex", r"\d+")),
+    ], prompt)
+    assert mixed["r1"] == alone
+
+
+def test_greedy_and_logprobs_see_only_the_allowed_tokens(runner, grammars, prompt, smollm2_tokenizer):
+    sched = Scheduler(runner, 8, 256, grammars=grammars)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=5, structured=("regex", "(yes|no)"))
+    assert sched.add(Sequence("r", list(prompt), sp)) is None
+    outs = run_until_done(sched)["r"]
+    assert text(smollm2_tokenizer, [t for o in outs for t in o.new_token_ids]) in ("yes", "no")
+    first = outs[0]
+    allowed_first = {smollm2_tokenizer.decode([t]) for t in first.top_logprobs.token_ids
+                     if first.top_logprobs.logprobs[first.top_logprobs.token_ids.index(t)] > float("-inf")}
+    assert allowed_first and all("yes".startswith(s) or "no".startswith(s) for s in allowed_first)
+
+
+def test_a_grammar_is_compiled_once_and_compiling_does_not_hold_back_other_requests(runner, grammars, prompt):
+    schema = json.dumps({"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
+                         "additionalProperties": False, "description": "unique to this test"})
+    before = grammars.compiled
+    out = run(runner, grammars, [SamplingParams(temperature=1.0, seed=s, max_tokens=30, structured=("json", schema))
+                                 for s in range(4)], prompt)
+    assert all(out[f"r{i}:finish"] == "stop" for i in range(4))
+    assert grammars.compiled == before + 1
+
+    # A compile that cannot finish yet: the free request runs to its end meanwhile.
+    gate = threading.Event()
+    slow = Grammars(lambda: (gate.wait(30), grammars._tokenizer_json())[1], runner.vocab_size, runner.eos_token_ids)
+    try:
+        sched = Scheduler(runner, 8, 256, grammars=slow)
+        assert sched.add(Sequence("c", list(prompt), SamplingParams(max_tokens=20, structured=("regex", r"\d+")))) \
+            is None
+        assert sched.add(Sequence("f", list(prompt), SamplingParams(max_tokens=5, ignore_eos=True))) is None
+        finished = set()
+        for _ in range(20):
+            finished |= {o.request_id for o in sched.step() if o.finish_reason}
+        assert finished == {"f"} and [s.request_id for s in sched.waiting] == ["c"]
+        gate.set()
+        outs = run_until_done(sched)
+        assert outs["c"][-1].finish_reason in ("stop", "length")
+    finally:
+        gate.set()
+        slow.close()
+
+
+def test_a_spec_that_does_not_compile_fails_its_request_not_the_engine(runner, grammars, prompt):
+    sched = Scheduler(runner, 8, 256, grammars=grammars)
+    assert sched.add(Sequence("bad", list(prompt), SamplingParams(structured=("regex", "(unclosed")))) is None
+    assert sched.add(Sequence("ok", list(prompt), SamplingParams(max_tokens=3, ignore_eos=True))) is None
+    sched.waiting[0].grammar.wait(30)
+    outs = {}
+    while sched.has_work:
+        for o in sched.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["bad"][-1].finish_reason == "error" and "regex" in outs["bad"][-1].error
+    assert outs["ok"][-1].finish_reason == "length" and len(outs["ok"]) == 3
+
+
+def test_a_dead_end_ends_the_request_with_an_error(runner, grammars, prompt):
+    """min_tokens cannot outlast a complete grammar: here the grammar wins and the request stops;
+    a matcher fed a token it does not allow (a dead end) ends the request with an error."""
+    sched = Scheduler(runner, 8, 256, grammars=grammars)
+    sp = SamplingParams(temperature=1.0, max_tokens=10, min_tokens=5, structured=("regex", "ab"))
+    assert sched.add(Sequence("r", list(prompt), sp)) is None
+    outs = run_until_done(sched)["r"]
+    assert outs[-1].finish_reason == "stop" and len(outs) <= 2
+
+    handle = grammars.start(("regex", "ab"))
+    assert handle.wait(30)
+    assert handle.accept(runner.eos_token_ids[0]) == "error" and "does not continue" in handle.error
+
+
+def test_engines_without_grammars_refuse_structured_requests(runner, prompt):
+    sched = Scheduler(runner, 8, 256)
+    err = sched.add(Sequence("r", list(prompt), SamplingParams(structured=("regex", "a"))))
+    assert err is not None and "structured output" in err
