@@ -230,7 +230,7 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
     patches = [(cpu_kernels, n, f"{n} (native)") for n in ("decode_attention", "add_rms_norm", "rope_and_store",
                                                              "silu_and_mul")]
     patches += [(layers.Linear, "forward", "linear layers (oneDNN)"), (runner.sampler, "sample", "sampling"),
-                (runner.kv, "plan", "step layout (plan)")]
+                (runner.attention, "plan", "step layout (plan)")]
     with contextlib.ExitStack() as undo:
         for owner, attr, label in patches:
             orig = getattr(owner, attr)
@@ -249,12 +249,16 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
           f"{100 * (total - known) / total:5.1f}%")
 
 
-def profile_step(runner: ModelRunner, work, max_num_seqs: int, budget: int) -> None:
+def profile_step(runner: ModelRunner, work, max_num_seqs: int, budget: int, preset: str = "greedy") -> None:
     """Bring C requests to steady decoding, then split ten decode steps' wall time by component
     and list the top torch ops of one."""
-    sched = Scheduler(runner, max_num_seqs, budget)
+    print(f"\nprofile: {preset}")
+    sched = Scheduler(runner, max_num_seqs, budget, grammars=GRAMMARS)
+    temp, top_p, top_k = PRESETS[preset]
     for i, (prompt, n) in enumerate(work):
-        sched.add(Sequence(f"p{i}", list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+        sched.add(Sequence(f"p{i}", list(prompt), SamplingParams(temperature=temp, top_p=top_p, top_k=top_k,
+                                                                 max_tokens=n, ignore_eos=True,
+                                                                 structured=STRUCTURED.get(preset))))
     while any(s.in_prefill for s in sched.running) or sched.waiting:
         sched.step()
     for _ in range(20):  # some context, as mid-generation
@@ -366,8 +370,9 @@ def main() -> None:
         f"over {t['steps']} steps" for mode, c, _, _, _, _, t in rows))
     if args.profile:
         c = args.profile_concurrency or max_c
-        profile_step(runner, make_workload(c, args.min_new, args.max_new, args.seed + 1), max_c,
-                     args.max_num_batched_tokens)
+        for preset in args.sampling:
+            profile_step(runner, make_workload(c, args.min_new, args.max_new, args.seed + 1), max_c,
+                         args.max_num_batched_tokens, preset)
 
 
 if __name__ == "__main__":
