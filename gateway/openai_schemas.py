@@ -52,6 +52,14 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)] = 0  # lower is scheduled sooner
+    # Structured output (gateway/structured.py reads and checks these): OpenAI's response_format,
+    # vLLM's structured_outputs and its older guided_* names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -119,7 +127,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .. import structured
 from ..errors import APIError, bad_request, error_shape
 from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, SamplingFields, parse
 from ..sse import open_stream, send_event
@@ -353,7 +354,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     prompt, use = _prompt(state, req)
     max_tokens = check_prompt_ids(state, prompt.ids, req.max_tokens, param="messages")
     fields = req.sampling_fields()
-    c = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0),
+    constraint = await structured.check(prompt.forced)  # a forced call's arguments follow the tool's input_schema
+    c = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0, structured=constraint),
                msg=message_parser(state, use, prompt.prefill))
     rid = f"msg_{uuid.uuid4().hex}"
     admit(state)

@@ -25,9 +25,10 @@ from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob, generate_text
 from ..openai_schemas import SamplingFields
 from ..state import GatewayState
+from ..structured import StructuredSpec, sized
 from ..text.chat_template import ChatTemplateError, content_text
 from ..text.message import MessageParser, MessagePiece
-from ..text.tool_parsers import TOOL_PARSERS, ToolCall
+from ..text.tool_parsers import TOOL_PARSERS, ToolCall, function_tools
 
 
 def dumps(obj: Any) -> str:
@@ -65,8 +66,10 @@ def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None
 
 
 def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, logprobs: int | None,
-                   choice: int, prompt_logprobs: int | None = None, where: str = "") -> SamplingParams:
-    """The engine's SamplingParams; ``where`` prefixes the field named in errors (e.g. ``sampling_params.``)."""
+                   choice: int, prompt_logprobs: int | None = None, where: str = "",
+                   structured: tuple[str, str] | None = None) -> SamplingParams:
+    """The engine's SamplingParams; ``where`` prefixes the field named in errors (e.g. ``sampling_params.``).
+    ``structured`` is the checked constraint (``structured.check``) the output must follow."""
     vocab = state.tokenizer.vocab_size
     bias = []
     for k, v in (req.logit_bias or {}).items():
@@ -95,6 +98,7 @@ def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, lo
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         priority=req.priority,
+        structured=structured,
     )
 
 
@@ -123,12 +127,7 @@ NO_TOOLS = ToolUse("none")
 
 def tool_names(tools: list[dict] | None) -> list[str]:
     """Names of OpenAI-style function tools ({"type": "function", "function": {"name", ...}})."""
-    names = []
-    for t in tools or ():
-        fn = t.get("function") if isinstance(t, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            names.append(fn["name"])
-    return names
+    return [name for name, _ in function_tools(tools)]
 
 
 def tool_use(state: GatewayState, tools: list[dict] | None, mode: str, function: str | None = None,
@@ -157,6 +156,7 @@ class ChatPrompt:
     ids: list[int]
     text: str
     prefill: str = ""  # opening of a forced tool call, appended after the generation prompt
+    forced: StructuredSpec | None = None  # the grammar of the rest of a forced tool call (not yet checked)
 
 
 def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] | None = None,
@@ -166,7 +166,9 @@ def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] 
 
     ``continue_final_message`` renders the conversation up to the end of the last (assistant)
     message's text, without closing it, so the model continues that text (as vLLM does; Anthropic's
-    assistant prefill). A forced tool call appends the parser's opening of a call.
+    assistant prefill). A forced tool call appends the parser's opening of a call, and ``forced``
+    holds the grammar that makes the rest of the output a call whose arguments follow the tool's
+    schema (``structured.check`` compiles it; it names ``tools`` when a schema cannot be compiled).
     """
     if state.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", param=param)
@@ -193,12 +195,14 @@ def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] 
             raise bad_request("the chat template does not render the final message's text, so it cannot be "
                               "continued", param="continue_final_message")
         text = text[: cut + len(final)]
-    prefill = ""
+    prefill, forced = "", None
     if use.forced:
         assert state.tool_parser is not None
-        prefill = state.tool_parser.prefill(use.function)
+        prefill = state.tool_parser.forced_prefill(tools or [], use.function)
         text += prefill
-    return ChatPrompt(state.tokenizer.encode(text), text, prefill)
+        grammar = state.tool_parser.forced_grammar(tools or [], use.function, parallel=use.parallel)
+        forced = sized("lark", grammar, "tools")
+    return ChatPrompt(state.tokenizer.encode(text), text, prefill, forced)
 
 
 def message_parser(state: GatewayState, use: ToolUse, prefill: str = "") -> MessageParser | None:
@@ -208,8 +212,11 @@ def message_parser(state: GatewayState, use: ToolUse, prefill: str = "") -> Mess
 
 
 def final_tool_calls(use: ToolUse, calls: list[ToolCall]) -> list[ToolCall]:
-    """The calls a response carries; a forced call that the model did not produce is a server error
-    (until structured output constrains it, the prefill only steers the model)."""
+    """The calls a response carries; a forced call that the model did not produce is a server error.
+
+    The forced call's grammar (``ChatPrompt.forced``) makes the model write a valid call, so this is
+    a safety net: it still fires when generation stops before the call is complete (max_tokens, a
+    stop string) or an engine did not apply the grammar."""
     if use.forced:
         if not calls:
             raise APIError(500, "the model did not produce a valid tool call although tool_choice requires one",

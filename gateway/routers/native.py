@@ -3,7 +3,9 @@
 ``/tokenize`` with ``messages`` renders the chat template exactly as ``/v1/chat/completions`` does
 (``common.chat_prompt``), so its ids are the ones the chat route would feed the engine.
 ``/inference/v1/generate`` is token ids in, token ids out: the shared pipeline runs without
-detokenizing, for clients (RL trainers, disaggregated front-ends) that do their own text work.
+detokenizing, for clients (RL trainers, disaggregated front-ends) that do their own text work; its
+``sampling_params`` take vLLM's ``structured_outputs`` (and ``response_format``, ``guided_*``) as
+the text routes do.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import TextOptions, TokenLogprob
 from ..openai_schemas import ChatMessage, ChatTool, SamplingFields, parse
@@ -149,8 +152,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ids = list(req.token_ids)
     max_tokens = check_prompt_ids(state, ids, sp.max_tokens, param="token_ids",
                                   max_tokens_param="sampling_params.max_tokens")
+    constraint = await structured.check(structured.from_request(sp, where="sampling_params."))
     choices = [Choice(j, ids, build_sampling(state, sp, max_tokens, sp.logprobs, j, sp.prompt_logprobs,
-                                               "sampling_params."))
+                                               "sampling_params.", structured=constraint))
                for j in range(sp.n)]
     rid = req.request_id or f"gen-{uuid.uuid4().hex}"
     # The client's request_id is echoed, never used as the engine's: two requests naming the same id

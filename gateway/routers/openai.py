@@ -15,6 +15,7 @@ import uuid
 
 from aiohttp import web
 
+from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
@@ -310,6 +311,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts = list(p)  # type: ignore[arg-type]
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
+    constraint = await structured.check(structured.from_request(req))
     choices: list[Choice] = []
     prompt_tokens = 0
     for i, pr in enumerate(prompts):
@@ -320,7 +322,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_tokens += len(ids)
         prefix = (pr if isinstance(pr, str) else state.tokenizer.decode(ids)) if req.echo else ""
         for j in range(req.n):
-            sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs)
+            sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs, structured=constraint)
             choices.append(Choice(i * req.n + j, ids, sp, prefix))
     include, continuous = _stream_usage(req)
     shape = CompletionShape(token_text(request.app), req.logprobs is not None)
@@ -349,9 +351,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.read())
     model = check_model(state, req.model)
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request(f"response_format of type {req.response_format.get('type')!r} is not supported yet "
-                          "(structured output); use type 'text'", param="response_format")
+    requested = structured.from_request(req)
     use = chat_tool_use(state, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     add_generation_prompt = wants_generation_prompt(req.add_generation_prompt, req.continue_final_message,
@@ -363,7 +363,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j),
+    constraint = await structured.check(structured.with_forced_call(requested, prompt.forced))
+    choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j, structured=constraint),
                       msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
     include, continuous = _stream_usage(req)
     shape = ChatShape(token_text(request.app), req.logprobs, use)

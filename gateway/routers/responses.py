@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from .. import structured
 from ..errors import APIError, bad_request
 from ..openai_schemas import MAX_TOOLS, SamplingFields, parse
 from ..sse import encode_event, open_stream
@@ -200,6 +201,13 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def text_config(req: ResponsesRequest) -> dict:
+    """The response's ``text`` field: the request's, with its format (``{"type": "text"}`` by default)."""
+    text = dict(req.text or {})
+    text["format"] = text.get("format") or {"type": "text"}
+    return text
+
+
 def response_object(rid: str, model: str, req: ResponsesRequest, status: str, created: float) -> dict:
     return {
         "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
@@ -208,7 +216,7 @@ def response_object(rid: str, model: str, req: ResponsesRequest, status: str, cr
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
         "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
-        "metadata": req.metadata or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+        "metadata": req.metadata or {}, "text": text_config(req), "truncation": "disabled",
         "user": req.user, "usage": None,
     }
 
@@ -346,7 +354,12 @@ class Turn:
                                       max_tokens_param="max_output_tokens")
         fields = SamplingFields.model_construct(temperature=req.temperature, top_p=req.top_p)
         self.opts = text_options(fields)
-        self.choice = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0),
+        # Checked (compiled) by the caller before the turn runs: ``structured.check`` may await.
+        self.constraint = structured.with_forced_call(structured.from_text_format((req.text or {}).get("format")),
+                                                      prompt.forced)
+        self.choice = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0,
+                                                           structured=None if self.constraint is None
+                                                           else self.constraint.pair),
                              msg=message_parser(state, self.use, prompt.prefill))
         self.obj = response_object(self.rid, model, req, "in_progress", self.created)
 
@@ -507,10 +520,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: ResponsesRequest = parse(ResponsesRequest, await request.read())
     model = check_model(state, req.model)
-    fmt = (req.text or {}).get("format") or {}
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise bad_request(f"text.format of type {fmt.get('type')!r} is not supported yet (structured output); "
-                          "use type 'text'", param="text.format")
     if req.background and not req.store:
         raise bad_request("background responses must be stored (store: true)", param="background")
     if req.background and req.stream:
@@ -524,6 +533,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                               "finished response can be continued", param="previous_response_id")
         history = prev["messages"]
     turn = Turn(state, req, model, history)
+    await structured.check(turn.constraint)
     admit(state)
     if req.store and turn.announced:
         await _store_call(state.responses.put(turn.rid, turn.record(turn.obj)))

@@ -16,6 +16,10 @@ Streams emit content eagerly, holding back only a tail that could still become a
 stream must not emit what ``parse`` would strip). A call's deltas are emitted when its closing tag
 arrives, in one piece: re-serialising arguments (``json.dumps``) differs from the model's raw text,
 so fragments sent earlier could not be guaranteed to add up to the final arguments.
+
+A forced call (tool_choice "required" or a named function) is opened in the prompt by the parser's
+``forced_prefill`` and constrained by its ``forced_grammar``: a Lark grammar (llguidance's dialect)
+for the rest of the call, with the arguments held to the tool's ``parameters`` schema.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from zserve.grammar import json_in_lark, lark_string
 from zserve.registry import Registry
 
 from .streaming import Stripped, partial_tail
@@ -112,10 +117,41 @@ class ToolStream:
         return _call_deltas(len(self.calls) - 1, call)
 
 
+# How forced calls write their arguments: compact JSON, as json.dumps and the prefills do (a model
+# with random or weak weights could otherwise pad with whitespace forever). Tool schemas are written
+# for models, not for grammar engines: a keyword llguidance does not implement is ignored (lenient)
+# rather than refusing the request.
+_ARGUMENTS_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+
+
+def arguments_schema(parameters: Any) -> dict:
+    """The JSON schema a forced call's arguments follow: the tool's ``parameters``, always an object
+    (a tool without parameters takes any object)."""
+    schema = dict(parameters) if isinstance(parameters, dict) and parameters else {"type": "object"}
+    schema.setdefault("type", "object")
+    schema["x-guidance"] = _ARGUMENTS_OPTIONS
+    return schema
+
+
+def function_tools(tools: list[dict] | None) -> list[tuple[str, Any]]:
+    """(name, parameters) of OpenAI-style function tools ({"type": "function", "function": {...}})."""
+    out = []
+    for t in tools or ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out.append((fn["name"], fn.get("parameters")))
+    return out
+
+
 class ToolParser:
     """Base class: one model family's way of writing tool calls."""
 
     name: ClassVar[str]
+    # What ends a call after its arguments object (the call object's own closing brace included).
+    call_close: ClassVar[str]
+    # What stands between one call's close and the next call's prefill, for formats that write
+    # several calls in a row; None: a message holds one call.
+    call_separator: ClassVar[str | None] = None
 
     def prefill(self, function: str | None) -> str:
         """Text to put after the generation prompt so the model must answer with a call.
@@ -124,6 +160,51 @@ class ToolParser:
         a call to that function. The caller prepends it to the output before parsing.
         """
         raise NotImplementedError
+
+    def forced_prefill(self, tools: list[dict], function: str | None) -> str:
+        """The prefill of a forced call: ``prefill(function)``, and for tool_choice "required" with a
+        single tool, the opening of a call to that tool (the only call there is to make).
+
+        Why the single tool gets its whole opening: text the grammar leaves no choice about is
+        written by the grammar engine in its own (canonical) tokens, whatever the model prefers;
+        in the prompt it is simply read, as with a named function.
+        """
+        names = {name for name, _ in function_tools(tools)}
+        if function is None and len(names) == 1:
+            function = names.pop()
+        return self.prefill(function)
+
+    def forced_grammar(self, tools: list[dict], function: str | None, parallel: bool = True) -> str:
+        """A Lark grammar for the output that follows ``forced_prefill(tools, function)``: the rest
+        of a call to ``function`` (None: to any of ``tools``) whose arguments follow that tool's
+        ``parameters``, then the call's closing text. With ``function`` None and ``parallel``, more
+        calls (each to any tool) may follow where the format allows several (``call_separator``).
+
+        A call to NAME reads ``prefill(NAME)``, arguments, ``call_close``; ``prefill(None)`` is the
+        start of every such opening, so the grammar covers the rest of the opening too.
+        ValueError when ``function`` is not among ``tools``.
+        """
+        any_call = self.prefill(None)
+        opening = self.forced_prefill(tools, function)
+        calls: list[str] = []  # the rest of a call after prefill(None), one alternative per tool
+        first: list[str] = []  # the rest of the first call after ``opening``
+        for name, parameters in function_tools(tools):
+            if function is not None and name != function:
+                continue
+            lead = self.prefill(name)
+            assert lead.startswith(any_call), (self.name, lead, any_call)
+            rest = [json_in_lark(arguments_schema(parameters)), lark_string(self.call_close)]
+            calls.append(" ".join([lark_string(lead[len(any_call):]), *rest]))
+            if lead == opening:
+                first.append(" ".join(rest))
+        if not calls:
+            raise ValueError(f"no function tool named {function!r}" if function else "no function tools")
+        repeat = function is None and parallel and self.call_separator is not None
+        rules = ["start: first" + (f" ({lark_string(self.call_separator + any_call)} call)*" if repeat else ""),
+                 "first: " + ("call" if opening == any_call else "\n     | ".join(first))]
+        if repeat or opening == any_call:
+            rules.append("call: " + "\n    | ".join(calls))
+        return "\n".join(rules) + "\n"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """Whole output -> (content outside calls, stripped of surrounding whitespace; the calls)."""
@@ -153,6 +234,8 @@ _CLOSE = "</tool_call>"
 @_register
 class HermesToolParser(ToolParser):
     name = "hermes"
+    call_close = "}\n" + _CLOSE
+    call_separator = "\n"
 
     def prefill(self, function: str | None) -> str:
         if function is None:
@@ -252,6 +335,7 @@ _FENCED = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
 @_register
 class JsonToolParser(ToolParser):
     name = "json"
+    call_close = "}"  # several calls would be an array, which the prefill has already ruled out
 
     def prefill(self, function: str | None) -> str:
         if function is None:
@@ -331,5 +415,7 @@ __all__ = [
     "ToolCallDelta",
     "ToolParser",
     "ToolStream",
+    "arguments_schema",
+    "function_tools",
     "get_tool_parser",
 ]

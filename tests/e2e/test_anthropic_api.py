@@ -224,9 +224,11 @@ def test_streamed_text_then_two_tool_uses(scripted):
     assert [b.id for b in final.content[1:]] == [b.id for b in starts[1:]]
 
 
+# With a single tool, "any" opens the call to that tool just as naming it does (structured output
+# then holds the arguments to its input_schema).
 @pytest.mark.parametrize("tool_choice, expected", [
-    ({"type": "any"}, sm.EXPECTED_CALLS[sm.REQUIRED_PREFILL]),
-    ({"type": "any", "disable_parallel_tool_use": True}, sm.EXPECTED_CALLS[sm.REQUIRED_PREFILL][:1]),
+    ({"type": "any"}, sm.EXPECTED_CALLS[sm.NAMED_PREFILL]),
+    ({"type": "any", "disable_parallel_tool_use": True}, sm.EXPECTED_CALLS[sm.NAMED_PREFILL]),
     ({"type": "tool", "name": WEATHER}, sm.EXPECTED_CALLS[sm.NAMED_PREFILL]),
 ], ids=["any", "any-one", "named"])
 def test_forced_tool_choice(scripted, tool_choice, expected):

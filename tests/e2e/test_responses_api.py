@@ -403,6 +403,42 @@ def test_chain_across_gateways_with_redis(redis_gws, redis_port, model) -> None:
         assert any(r.id.encode() in key for key in db.scan_iter(count=1000))
 
 
+# -- structured output ---------------------------------------------------------------------------------
+
+VERDICT = {"type": "object", "properties": {"verdict": {"enum": ["yes", "no"]}, "score": {"type": "integer",
+           "minimum": 0, "maximum": 9}}, "required": ["verdict", "score"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_text_format_json_schema_is_followed_and_echoed(client, model, stream) -> None:
+    # The scripted model would stop at once here; only the grammar makes it write this object.
+    fmt = {"type": "json_schema", "name": "verdict", "schema": VERDICT, "strict": True}
+    if stream:
+        events = list(client.responses.create(model=model, input="Is it?", text={"format": fmt}, stream=True))
+        assert events[0].response.text.format.type == "json_schema"
+        r = events[-1].response
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == r.output_text
+    else:
+        r = client.responses.create(model=model, input="Is it?", text={"format": fmt})
+    assert r.status == "completed", r
+    answer = json.loads(r.output_text)
+    assert set(answer) == {"verdict", "score"} and answer["verdict"] in ("yes", "no") and 0 <= answer["score"] <= 9
+    echoed = r.text.format
+    assert (echoed.type, echoed.name, echoed.schema_, echoed.strict) == ("json_schema", "verdict", VERDICT, True)
+    assert client.responses.retrieve(r.id).text.format.name == "verdict"
+
+
+def test_text_format_json_object_and_text(client, model) -> None:
+    r = client.responses.create(model=model, input="Story? " + sm.STORY_TRIGGER, text={"format": {"type": "text"}})
+    assert r.output_text == sm.EXPECTED_STORY.strip() and r.text.format.type == "text"
+    r = client.responses.create(model=model, input="Anything", max_output_tokens=64,
+                                text={"format": {"type": "json_object"}})
+    assert r.text.format.type == "json_object"
+    if r.status == "completed":  # uniform over every JSON object: usually short, but not bounded
+        assert isinstance(json.loads(r.output_text), dict)
+
+
 # -- bad input -----------------------------------------------------------------------------------------
 
 BAD = [
@@ -413,8 +449,11 @@ BAD = [
     ({"input": "x", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"input": "x", "background": True, "store": False}, 400, "background"),
     ({"input": "x", "background": True, "stream": True}, 400, "stream"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}}},
-     400, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nope"}}}},
+     400, "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}, "tools": [WEATHER_FUNCTION],
+      "tool_choice": "required"}, 400, "text.format"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 100_000}, 400, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, 400, "temperature"),
@@ -449,5 +488,6 @@ def test_bad_json_and_sdk_errors(gws, model) -> None:
         a.sdk.responses.create(model="gpt-nope", input="x")
     assert ei.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as ei:
-        a.sdk.responses.create(model=model, input="x", text={"format": {"type": "json_object"}})
-    assert ei.value.body["param"] == "text.format"
+        a.sdk.responses.create(model=model, input="x", text={"format": {"type": "json_schema", "name": "a",
+                                                                         "schema": {"type": "object", "required": 1}}})
+    assert ei.value.body["param"] == "text.format.schema"

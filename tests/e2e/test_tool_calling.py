@@ -104,10 +104,11 @@ def test_parallel_tool_calls_false_keeps_the_first_call(chat):
     assert json.loads(calls[0]["arguments"]) == first[0]["arguments"]
 
 
-@pytest.mark.parametrize("tool_choice, start", [("required", sm.REQUIRED_PREFILL), (NAMED, sm.NAMED_PREFILL)],
+@pytest.mark.parametrize("tool_choice, start", [("required", sm.NAMED_PREFILL), (NAMED, sm.NAMED_PREFILL)],
                          ids=["required", "named"])
 def test_forced_tool_choice_streamed_and_not(chat, tool_choice, start):
-    # The question ends in no trigger: only the forced call's prefill makes the model call.
+    # The question ends in no trigger: only the forced call's prefill makes the model call. With a
+    # single tool, "required" opens the call to that tool just as naming it does.
     kw = dict(messages=ask("What is the weather?"), tools=TOOLS, tool_choice=tool_choice)
     full = chat(**kw).choices[0]
     assert full.finish_reason == "tool_calls" and full.message.content is None
@@ -186,10 +187,20 @@ def test_continuous_usage_stats_on_every_chunk(chat):
 
 # -- refusals -------------------------------------------------------------------------------------
 
-def test_response_format_json_is_refused(chat):
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_response_format_with_a_forced_tool_call_is_refused(chat, tool_choice):
+    # The forced call has its own grammar (the tool's schema); a second constraint cannot apply too.
     with pytest.raises(openai.BadRequestError) as ei:
-        chat(messages=ask("Hi " + sm.STORY_TRIGGER), response_format={"type": "json_object"})
-    assert ei.value.body["param"] == "response_format" and "response_format" in ei.value.body["message"]
+        chat(messages=ask("Weather?"), tools=TOOLS, tool_choice=tool_choice, response_format={"type": "json_object"})
+    assert ei.value.body["param"] == "response_format" and "forced tool call" in ei.value.body["message"]
+
+
+def test_forced_tool_call_with_a_schema_that_does_not_compile_is_refused(chat):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nope"}}}}}
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(messages=ask("Weather?"), tools=[tool], tool_choice="required")
+    assert ei.value.body["param"] == "tools"
 
 
 def test_unknown_named_function_is_refused(chat):

@@ -279,6 +279,128 @@ def test_json_prefill() -> None:
     assert names_args(calls) == [("now", {})]
 
 
+# --- forced calls: grammars -------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}},
+    "required": ["city"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: any object
+FORCED_TOOLS = [WEATHER, NOW]
+
+
+@pytest.fixture(scope="module")
+def matcher(smollm2_tokenizer):
+    """accepts(grammar, text): whether llguidance, on SmolLM2's tokens, takes ``text`` as a whole output
+    of ``grammar`` (the check the engine makes token by token)."""
+    llguidance = pytest.importorskip("llguidance")
+    ll = llguidance.LLTokenizer(smollm2_tokenizer.backend.to_str())
+
+    def accepts(grammar: str, text: str) -> bool:
+        assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
+        m = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        assert not m.is_error(), m.get_error()
+        return m.consume_tokens(smollm2_tokenizer.encode(text)) and m.is_accepting()
+
+    return accepts
+
+
+def call_text(parser: ToolParser, name: str, arguments: dict) -> str:
+    """A correct call as the parser's format writes it (compact JSON, as the grammar wants)."""
+    return parser.prefill(name) + json.dumps(arguments) + parser.call_close
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "json"])
+def test_forced_named_grammar_accepts_the_call_and_parses_back(matcher, parser_name: str) -> None:
+    parser = get_tool_parser(parser_name)
+    prefill = parser.prefill("get_weather")
+    grammar = parser.forced_grammar(FORCED_TOOLS, "get_weather")
+    output = call_text(parser, "get_weather", {"city": "Rome", "days": 3})[len(prefill):]
+    assert matcher(grammar, output)
+    _, calls = check(parser_name, prefill + output)
+    assert names_args(calls) == [("get_weather", {"city": "Rome", "days": 3})]
+    # Arguments outside the schema, loose whitespace and an unclosed call are not outputs of the grammar.
+    for bad in ({"days": 3}, {"city": "Rome", "days": 9}, {"city": 5}, {"city": "Rome", "extra": 1}):
+        assert not matcher(grammar, call_text(parser, "get_weather", bad)[len(prefill):]), bad
+    assert not matcher(grammar, '{"city":"Rome"}' + parser.call_close)
+    assert not matcher(grammar, output[: -len(parser.call_close)])
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "json"])
+def test_forced_required_grammar_accepts_any_tool_and_no_other_name(matcher, parser_name: str) -> None:
+    parser = get_tool_parser(parser_name)
+    prefill = parser.prefill(None)
+    grammar = parser.forced_grammar(FORCED_TOOLS, None)
+    for name, args in (("get_weather", {"city": "Oslo"}), ("now", {}), ("now", {"tz": ["UTC", 1]})):
+        output = call_text(parser, name, args)[len(prefill):]
+        assert matcher(grammar, output), (name, args)
+        _, calls = check(parser_name, prefill + output)
+        assert names_args(calls) == [(name, args)]
+    assert not matcher(grammar, call_text(parser, "get_time", {})[len(prefill):])
+    assert not matcher(grammar, call_text(parser, "get_weather", {})[len(prefill):])  # city is required
+    assert not matcher(grammar, call_text(parser, "now", [])[len(prefill):])  # arguments are an object
+
+
+def test_forced_required_hermes_grammar_allows_parallel_calls_unless_told_not_to(matcher) -> None:
+    parser = get_tool_parser("hermes")
+    prefill = parser.prefill(None)
+    two = (call_text(parser, "get_weather", {"city": "Oslo"}) + "\n" + call_text(parser, "now", {}))[len(prefill):]
+    assert matcher(parser.forced_grammar(FORCED_TOOLS, None), two)
+    assert not matcher(parser.forced_grammar(FORCED_TOOLS, None, parallel=False), two)
+    _, calls = check("hermes", prefill + two)
+    assert [c.name for c in calls] == ["get_weather", "now"]
+    # A named function is one call, whatever parallel says.
+    named = parser.prefill("now")
+    again = (call_text(parser, "now", {}) + "\n" + call_text(parser, "now", {}))[len(named):]
+    assert not matcher(parser.forced_grammar(FORCED_TOOLS, "now"), again)
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "json"])
+def test_forced_required_with_one_tool_opens_that_call_in_the_prompt(matcher, parser_name: str) -> None:
+    parser = get_tool_parser(parser_name)
+    assert parser.forced_prefill(FORCED_TOOLS, None) == parser.prefill(None)
+    assert parser.forced_prefill(FORCED_TOOLS, "now") == parser.prefill("now")
+    prefill = parser.forced_prefill([WEATHER], None)
+    assert prefill == parser.prefill("get_weather")
+    grammar = parser.forced_grammar([WEATHER], None)
+    output = call_text(parser, "get_weather", {"city": "Oslo"})[len(prefill):]
+    assert matcher(grammar, output)
+    _, calls = check(parser_name, prefill + output)
+    assert names_args(calls) == [("get_weather", {"city": "Oslo"})]
+    if parser.call_separator is not None:  # more calls may follow, each whole
+        more = output + parser.call_separator + call_text(parser, "get_weather", {"city": "Rome"})
+        assert matcher(grammar, more)
+        assert not matcher(parser.forced_grammar([WEATHER], None, parallel=False), more)
+        _, calls = check(parser_name, prefill + more)
+        assert [json.loads(c.arguments)["city"] for c in calls] == ["Oslo", "Rome"]
+
+
+def test_forced_grammar_of_json_parser_is_one_call() -> None:
+    parser = get_tool_parser("json")
+    assert parser.call_separator is None
+    assert "call)*" not in parser.forced_grammar(FORCED_TOOLS, None)
+
+
+def test_forced_grammar_needs_the_named_function() -> None:
+    with pytest.raises(ValueError, match="'nope'"):
+        get_tool_parser("hermes").forced_grammar(FORCED_TOOLS, "nope")
+    with pytest.raises(ValueError):
+        get_tool_parser("json").forced_grammar([], None)
+
+
+def test_arguments_schema_is_always_an_object_in_compact_json() -> None:
+    from gateway.text.tool_parsers import arguments_schema
+
+    assert arguments_schema(None)["type"] == "object"
+    assert arguments_schema({})["type"] == "object"
+    schema = arguments_schema({"properties": {"a": {"type": "string"}}})
+    assert schema["type"] == "object" and schema["properties"] == {"a": {"type": "string"}}
+    assert schema["x-guidance"]["whitespace_flexible"] is False
+    original = {"type": "object"}
+    arguments_schema(original)
+    assert original == {"type": "object"}  # the request's tool is left as it was
+
+
 # --- registry ---------------------------------------------------------------------------------------
 
 
