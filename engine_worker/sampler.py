@@ -160,7 +160,9 @@ class Sampler:
         logprobs = torch.log_softmax(logits[lp_idx], dim=-1) if lp_idx else None
 
         s_idx = [i for i in range(b) if not greedy[i]]
-        if s_idx:
+        if len(s_idx) == b:
+            tokens = self._draw(logits, rows)  # the common all-sampled batch: no row copy
+        elif s_idx:
             tokens[s_idx] = self._draw(logits[s_idx], [rows[i] for i in s_idx])
 
         token_list = tokens.tolist()
@@ -277,27 +279,32 @@ class Sampler:
         if not trunc:
             return tokens
         sub = logits if len(trunc) == n else logits[trunc]
+        # softmax makes the probabilities in two passes over memory.
+        probs = torch.softmax(sub, dim=-1)
         top_k = torch.tensor([ks[i] for i in trunc], device=dev)
         top_p = torch.tensor([params[i].top_p for i in trunc], dtype=torch.float64, device=dev)
         min_p = [params[i].min_p for i in trunc]
-        # The mass top_p is measured against: the tokens min_p and top_k leave. Rows with a top_k
-        # hold all of theirs among the candidates; the others need the whole row's (min_p-masked) sum.
-        total = torch.zeros(len(trunc), dtype=torch.float64, device=dev)
-        no_k = [j for j, i in enumerate(trunc) if not ks[i]]
-        if no_k:
-            rows_nk = sub[no_k]
-            w = (rows_nk - rows_nk.max(dim=-1, keepdim=True).values).exp_()
-            if any(min_p[j] > 0 for j in no_k):
-                w.masked_fill_(w < torch.tensor([min_p[j] for j in no_k], device=dev)[:, None], 0.0)
-            total[no_k] = w.sum(dim=-1, dtype=torch.float64)
-        # Candidates: the best max(top_k, _CANDIDATES[0]) tokens, rather than a full sort; rows
-        # whose candidates hold less than their top_p of the mass try the next size, then a sort.
+        # The mass top_p is measured against: what min_p and top_k leave. Rows with a top_k hold all
+        # of theirs among the candidates; the others hold the whole row's (1, less what min_p drops).
+        total = torch.ones(len(trunc), dtype=torch.float64, device=dev)
+        min_p_no_k = [j for j, i in enumerate(trunc) if not ks[i] and min_p[j] > 0]
+        if min_p_no_k:
+            pr = probs[min_p_no_k]
+            floor = torch.tensor([min_p[j] for j in min_p_no_k], device=dev)[:, None] * pr.amax(dim=-1, keepdim=True)
+            total[min_p_no_k] = pr.masked_fill(pr < floor, 0.0).sum(dim=-1, dtype=torch.float64)
+        # Candidates: the best top_k tokens, or (rows with top_p alone) the best _CANDIDATES[0],
+        # rather than a full sort; rows whose candidates hold less than their top_p of the mass try
+        # the next size, then a sort.
         out = torch.empty(len(trunc), dtype=torch.long, device=dev)
         todo = list(range(len(trunc)))
         for size in _CANDIDATES:
-            kc = min(vocab, max(max(ks), size))
+            need = max(ks[trunc[j]] or size for j in todo)
+            kc = min(vocab, need)
             part = sub if len(todo) == len(trunc) else sub[todo]
-            vals, ids = part.topk(kc, dim=-1) if kc < vocab else part.sort(dim=-1, descending=True)
+            # Ranked by logit, not probability: nearly equal logits can round to equal probabilities,
+            # and ties must not be broken differently by topk sizes that depend on the batch.
+            ids = part.topk(kc, dim=-1).indices if kc < vocab else part.argsort(dim=-1, descending=True)
+            vals = (probs if len(todo) == len(trunc) else probs[todo]).gather(1, ids)
             keep, w, mass = _truncate(vals, top_k[todo], top_p[todo], [min_p[j] for j in todo], total[todo], dev)
             done = keep[:, -1].logical_not() | (top_k[todo] > 0) | (mass >= top_p[todo]) | (kc == vocab)
             picked = ids.gather(1, _inverse_cdf(w, u[trunc][todo])[:, None])[:, 0]
@@ -314,9 +321,12 @@ class Sampler:
 
     def _draw_full(self, logits: torch.Tensor, min_p: list[float], u: torch.Tensor) -> torch.Tensor:
         """Rows without top_k / top_p: the whole vocabulary in token order, min_p applied."""
-        w = (logits - logits.max(dim=-1, keepdim=True).values).exp_()  # the max token has weight 1
+        # softmax runs max, exp and sum row by row while the row is in cache: two passes over the
+        # batch's logits in memory instead of the four of (logits - max).exp_().
+        w = torch.softmax(logits, dim=-1)
         if any(m > 0 for m in min_p):
-            w.masked_fill_(w < torch.tensor(min_p, device=logits.device)[:, None], 0.0)
+            threshold = torch.tensor(min_p, device=logits.device)[:, None] * w.amax(dim=-1, keepdim=True)
+            w.masked_fill_(w < threshold, 0.0)
         return _inverse_cdf(w, u)
 
 
@@ -327,15 +337,15 @@ _CANDIDATES = (256, 4096, 1 << 62)
 
 def _truncate(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: list[float],
               total: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For ``vals`` sorted best first: (kept mask, weights, candidate mass after min_p/top_k as a
-    fraction of the row's). ``total`` is the row's full min_p-masked weight, used where top_k is off."""
+    """For probabilities ``vals`` sorted best first: (kept mask, weights, candidate mass after
+    min_p/top_k as a fraction of the row's). ``total`` is the row's min_p-kept probability, used
+    where top_k is off."""
     kc = vals.shape[1]
-    w = (vals - vals[:, :1]).exp_()  # relative to the best token: min_p is a plain threshold
-    keep = torch.ones_like(w, dtype=torch.bool)
+    keep = torch.ones_like(vals, dtype=torch.bool)
     if any(m > 0 for m in min_p):
-        keep &= w >= torch.tensor(min_p, device=dev)[:, None]
+        keep &= vals >= torch.tensor(min_p, device=dev)[:, None] * vals[:, :1]
     keep &= torch.arange(kc, device=dev)[None, :] < torch.where(top_k > 0, top_k, kc)[:, None]
-    w = w.masked_fill(~keep, 0.0).double()
+    w = vals.masked_fill(~keep, 0.0).double()
     cum = w.cumsum(dim=-1)
     z = torch.where(top_k > 0, cum[:, -1], total)
     # top_p keeps the shortest best-first prefix holding at least top_p of the mass: token j
@@ -350,10 +360,11 @@ _BLOCK = 256  # columns per block of the two-level cumulative sum
 def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Column of each row whose cumulative weight first exceeds ``u`` x the row's total weight.
 
-    The sums are float64 (a float32 running sum over 49,152 columns drifts by up to ~1e-3 of the
-    total), but a float64 cumsum of a whole vocabulary costs ~11 ms for 32 rows here, a tenth of a
-    decode step. So wide rows go in two levels: float64 sums of 256-column blocks pick the block,
-    and only that block is summed column by column.
+    A float32 running sum over 49,152 columns drifts by up to ~1e-3 of the total, and a float64
+    cumsum of a whole vocabulary costs ~11 ms for 32 rows here, a tenth of a decode step. So wide
+    rows go in two levels: the 256-column block sums (float32 within a block, where the error is
+    ~1e-6 of the block, then a float64 running sum over the blocks) pick the block, and only that
+    block is summed column by column.
     """
     n, cols = w.shape
     if cols <= 2 * _BLOCK:
@@ -364,7 +375,7 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if nb * _BLOCK != cols:
         w = torch.nn.functional.pad(w, (0, nb * _BLOCK - cols))  # zero weight: never drawn
     blocks = w.view(n, nb, _BLOCK)
-    block_mass = blocks.sum(dim=-1, dtype=torch.float64)
+    block_mass = blocks.sum(dim=-1).double()  # 256 terms: float32 is exact to ~1e-6 of a block
     cum_blocks = block_mass.cumsum(dim=-1)
     x = (u * cum_blocks[:, -1])[:, None]
     # The first block whose running mass exceeds x: it has positive mass, and x falls inside it.
