@@ -150,6 +150,15 @@ def fill_masks(handles: Sequence[GrammarHandle], vocab_size: int) -> torch.Tenso
     return unpacked.view(len(handles), words * 32)[:, :vocab_size].view(torch.bool)
 
 
+_mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+
+def start_masks(handles: Sequence[GrammarHandle], vocab_size: int) -> Future:
+    """``fill_masks`` on a worker thread: the runner starts it before the forward pass, which it
+    overlaps (llguidance and torch both release the GIL), and the sampler takes the result."""
+    return _mask_thread.submit(fill_masks, list(handles), vocab_size)
+
+
 _BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.uint8)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from engine_worker.attention import AttentionBackend, SeqLayout, select_backend
 from engine_worker.cuda_graphs import DecodeGraphs
-from engine_worker.grammar import GrammarHandle
+from engine_worker.grammar import GrammarHandle, start_masks
 from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import LoadedModel
 from engine_worker.sampler import PromptLogprobs, SampleOut, Sampler
@@ -191,6 +191,9 @@ class ModelRunner:
         if min(flat) < 0 or max(flat) >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         ids = torch.tensor(flat, dtype=torch.long)
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        constrained = [seqs[i].grammar for i in sampled if seqs[i].grammar is not None]
+        masks = start_masks(constrained, self.vocab_size) if constrained else None  # during the forward pass
         if (self.graphs is not None and layout.num_decode == len(seqs)
                 and self.graphs.fits(len(seqs), layout.decode_tables.shape[1])):
             hidden = self.graphs.run(flat, layout.positions, layout.slot_mapping, layout.decode_tables,
@@ -198,7 +201,6 @@ class ModelRunner:
         else:
             hidden = self.model(ids.to(self.device), layout, self.attention)
 
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
         with_prompt = [i for i, s in enumerate(seqs) if s.prompt_logprobs_rows > 0]
         results: list[SampleOut | None] = [None] * len(seqs)
         if not sampled and not with_prompt:
@@ -210,7 +212,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
         if sampled:
-            outs = self.sampler.sample(logits[: len(sampled)], [seqs[i] for i in sampled])
+            outs = self.sampler.sample(logits[: len(sampled)], [seqs[i] for i in sampled],
+                                       allowed=masks.result() if masks is not None else None)
             for i, out in zip(sampled, outs):
                 results[i] = out
         at = len(sampled)

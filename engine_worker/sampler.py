@@ -112,8 +112,11 @@ class Sampler:
         g.manual_seed(seed)
         return g
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleOut]:
-        """One token per row of ``logits`` ([B, V]); ``logits`` may be modified in place."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               allowed: torch.Tensor | None = None) -> list[SampleOut]:
+        """One token per row of ``logits`` ([B, V]); ``logits`` may be modified in place.
+        ``allowed``: the grammar masks of the constrained rows, in row order, when the caller has
+        computed them already (``grammar.start_masks``); else they are computed here."""
         b, vocab = logits.shape
         if b != len(rows):
             raise ValueError(f"{b} logit rows for {len(rows)} sequences")
@@ -128,7 +131,9 @@ class Sampler:
 
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
-            allowed = fill_masks([rows[i].grammar for i in constrained], vocab).to(dev)
+            if allowed is None:
+                allowed = fill_masks([rows[i].grammar for i in constrained], vocab)
+            allowed = allowed.to(dev)
             if len(constrained) == b:
                 logits.masked_fill_(~allowed, float("-inf"))
             else:

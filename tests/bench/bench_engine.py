@@ -3,7 +3,7 @@
 Usage:
     .venv/bin/python tests/bench/bench_engine.py [--model SmolLM2-135M-Instruct] [--dtype auto]
         [--concurrency 1 8 32 64] [--mode burst sustained] [--waves 3] [--min-new 128] [--max-new 256]
-        [--threads N] [--no-hf] [--profile]
+        [--threads N] [--no-hf] [--profile] [--sampling greedy t1 ...] [--rounds R]
 
 Requests have a shared 20-token system prefix, then 20-60 random tokens (as chat traffic looks),
 and each asks for a number of tokens drawn uniformly from [--min-new, --max-new] (EOS ignored, so
@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -286,6 +287,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="run every preset this many times, interleaved; "
+                    "report medians of within-round ratios")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--torch-path", action="store_true",
                     help="also run zserve with its native CPU kernels off (the torch path), in the same run")
@@ -319,9 +322,10 @@ def main() -> None:
         run_hf(hf, warm, dtype)
 
     rows = []
+    rounds: dict[tuple[str, int, str], list[tuple[dict, dict | None]]] = {}  # per preset, (zserve, hf) by round
     for mode in args.mode:
         for c in args.concurrency:
-            for preset in args.sampling:
+            for _round, preset in [(r, p) for r in range(args.rounds) for p in args.sampling]:
                 sustained = mode == "sustained"
                 work = make_workload(c, args.min_new, args.max_new, args.seed,
                                      count=c * args.waves if sustained else c)
@@ -335,6 +339,7 @@ def main() -> None:
                                                        in_flight=c if sustained else None, preset=preset)["tok_s"]
                     set_native(runner, True)
                 rows.append((mode, c, preset, len(work), z, h, timings))
+                rounds.setdefault((mode, c, preset), []).append((z, h))
                 print(f"  {mode} c={c} {preset}: zserve {z['tok_s']:.1f} tok/s"
                       + (f", transformers {h['tok_s']:.1f} tok/s" if h else "")
                       + (f", zserve without native kernels {z['torch_path_tok_s']:.1f} tok/s"
@@ -353,18 +358,28 @@ def main() -> None:
         print(f"| {mode} | {c} | {preset} | {n} | {z['tok_s']:.1f} | {hf_tok} | {ratio} "
               f"| {z['ttft_p50']:.2f} / {z['ttft_p99']:.2f} "
               f"| {hf_ttft} | {z['itl_p50'] * 1e3:.1f} / {z['itl_p99'] * 1e3:.1f} | {hf_itl} | {z['preemptions']} |")
-    greedy = {(m, c): z for m, c, p, _, z, _, _ in rows if p == "greedy"}
-    if greedy and len(args.sampling) > 1:
-        print("\n| traffic | concurrency | sampling | zserve sampled / greedy | transformers sampled / greedy "
-              "| zserve / transformers (all) |")
-        print("|---|---|---|---|---|---|")
-        for mode, c, preset, _, z, h, _ in rows:
-            g = greedy.get((mode, c))
-            gh = next((hh for m, cc, p, _, _, hh, _ in rows if (m, cc, p) == (mode, c, "greedy")), None)
-            t1 = next((zz for m, cc, p, _, zz, _, _ in rows if (m, cc, p) == (mode, c, "t1")), None)
-            vs_t1 = f" ({z['tok_s'] / t1['tok_s']:.2f} of t1)" if preset in STRUCTURED and t1 else ""
-            print(f"| {mode} | {c} | {preset} | {z['tok_s'] / g['tok_s']:.2f}{vs_t1} | "
-                  + (f"{h['tok_s'] / gh['tok_s']:.2f} | {z['tok_s'] / h['tok_s']:.2f}x |" if h and gh else "- | - |"))
+    if "greedy" in args.sampling and len(args.sampling) > 1:
+        # Each round's runs against the same round's greedy run (noise on a shared machine comes in
+        # waves; a ratio within one round cancels most of it), medians over the rounds.
+        print(f"\nmedians over {args.rounds} round(s), each ratio taken within its round:\n")
+        print("| traffic | concurrency | sampling | zserve tok/s | transformers tok/s | zserve sampled / greedy "
+              "| transformers sampled / greedy | zserve / transformers |")
+        print("|---|---|---|---|---|---|---|---|")
+        med = statistics.median
+        for (mode, c, preset), runs in rounds.items():
+            base = rounds[(mode, c, "greedy")]
+            t1 = rounds.get((mode, c, "t1"))
+            zs = med(z["tok_s"] for z, _ in runs)
+            z_ratio = med(z["tok_s"] / g["tok_s"] for (z, _), (g, _) in zip(runs, base))
+            vs_t1 = (f" ({med(z['tok_s'] / t['tok_s'] for (z, _), (t, _) in zip(runs, t1)):.2f} of t1)"
+                     if preset in STRUCTURED and t1 else "")
+            if all(h is not None for _, h in runs):
+                hs = f"{med(h['tok_s'] for _, h in runs):.1f}"
+                h_ratio = f"{med(h['tok_s'] / gh['tok_s'] for (_, h), (_, gh) in zip(runs, base)):.2f}"
+                zh = f"{med(z['tok_s'] / h['tok_s'] for z, h in runs):.2f}x"
+            else:
+                hs = h_ratio = zh = "-"
+            print(f"| {mode} | {c} | {preset} | {zs:.1f} | {hs} | {z_ratio:.2f}{vs_t1} | {h_ratio} | {zh} |")
     print("\nzserve step time split (s): " + "; ".join(
         f"{mode} c={c}: schedule {t['schedule']:.2f}, execute {t['execute']:.2f}, update {t['update']:.2f} "
         f"over {t['steps']} steps" for mode, c, _, _, _, _, t in rows))
