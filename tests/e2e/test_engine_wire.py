@@ -24,14 +24,20 @@ def _recv_until(sock: zmq.Socket, pred, timeout_ms: int = 10000):
     raise AssertionError("no matching reply from the engine")
 
 
+def _client(url: str, name: str) -> zmq.Socket:
+    """A DEALER connected to the first engine behind ``url``, past the hello exchange."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(_endpoint(url))
+    sock.send_multipart(encode(ClientHello(name)))
+    _recv_until(sock, lambda m: m.TYPE == "engine_hello")
+    return sock
+
+
 def test_engine_survives_bad_frames_and_keeps_serving(tiny_server):
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(_endpoint(tiny_server.url))
+    sock = _client(tiny_server.url, "evil-client")
     try:
-        sock.send_multipart(encode(ClientHello("evil-client")))
-        _recv_until(sock, lambda m: m.TYPE == "engine_hello")
         # garbage, truncated, unknown version, wrong types, oversized
         good_head, good_toks = encode(AddRequest("victim", (1, 2, 3), SamplingParams(max_tokens=2)))
         sock.send_multipart([b"\x80garbage"])
@@ -74,13 +80,8 @@ def test_engine_constrains_a_request_to_its_grammar_over_the_wire(tiny_server):
     from zserve.catalog import smollm2_gguf_path
     from zserve.tokenizer import Tokenizer
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(_endpoint(tiny_server.url))
+    sock = _client(tiny_server.url, "grammar-client")
     try:
-        sock.send_multipart(encode(ClientHello("grammar-client")))
-        _recv_until(sock, lambda m: m.TYPE == "engine_hello")
         sp = SamplingParams(max_tokens=50, temperature=1.0, structured=("regex", r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"))
         sock.send_multipart(encode(AddRequest("mail", (1, 2, 3), sp)))
         toks: list[int] = []
