@@ -10,6 +10,9 @@ from .messages import (
     EngineStats,
     ErrorMessage,
     Message,
+    PoolOutput,
+    PoolOutputs,
+    PoolRequest,
     ProtocolError,
     RequestOutput,
     SamplingParams,
@@ -19,6 +22,7 @@ from .messages import (
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "AbortRequest", "AddRequest", "ClientHello", "EngineHello",
-    "EngineStats", "ErrorMessage", "Message", "ProtocolError", "RequestOutput", "SamplingParams",
+    "EngineStats", "ErrorMessage", "Message", "PoolOutput", "PoolOutputs", "PoolRequest",
+    "ProtocolError", "RequestOutput", "SamplingParams",
     "StepOutputs", "TopLogprobs", "decode", "encode",
 ]

@@ -2,7 +2,8 @@
 
 Frame 0 is an orjson header ``{"v": PROTOCOL_VERSION, "t": <type>, ...fields}``. Token ids and
 logprobs follow as raw little-endian int32 / float32 frames (StepOutputs: tokens, logprobs, top
-ids, top logprobs, then the same three for prompt logprobs), so a 4k-token prompt costs one
+ids, top logprobs, then the same three for prompt logprobs; PoolRequest: its tokens; PoolOutputs:
+every output's vector, one after another), so a 4k-token prompt costs one
 memcpy instead of a JSON array. Nothing here can execute code from a frame: no pickle, no eval.
 """
 
@@ -20,6 +21,9 @@ from .messages import (
     PROTOCOL_VERSION,
     AddRequest,
     Message,
+    PoolOutput,
+    PoolOutputs,
+    PoolRequest,
     ProtocolError,
     RequestOutput,
     SamplingParams,
@@ -64,6 +68,19 @@ def encode(msg: Message) -> list[bytes]:
         return [_header(msg, head), _pack("i", msg.prompt_token_ids)]
     if isinstance(msg, StepOutputs):
         return _encode_outputs(msg)
+    if isinstance(msg, PoolRequest):
+        head = {"request_id": msg.request_id, "n_prompt": len(msg.prompt_token_ids), "task": msg.task,
+                "normalize": msg.normalize, "dimensions": msg.dimensions}
+        return [_header(msg, head), _pack("i", msg.prompt_token_ids)]
+    if isinstance(msg, PoolOutputs):
+        items = []
+        for o in msg.outputs:
+            item: dict = {"rid": o.request_id, "n": len(o.data), "np": o.num_prompt_tokens}
+            if o.error is not None:
+                item["err"] = o.error
+            items.append(item)
+        return [_header(msg, {"rank": msg.rank, "items": items}),
+                _pack("f", [x for o in msg.outputs for x in o.data])]
     head = {f.name: getattr(msg, f.name) for f in fields(msg)}  # type: ignore[arg-type]
     return [_header(msg, head)]
 
@@ -134,6 +151,10 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
             return _decode_add(head, frames)
         if cls is StepOutputs:
             return _decode_outputs(head, frames)
+        if cls is PoolRequest:
+            return _decode_pool(head, frames)
+        if cls is PoolOutputs:
+            return _decode_pooled(head, frames)
         if len(frames) != 1:
             raise ProtocolError(f"{cls.TYPE} takes exactly one frame")
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
@@ -149,17 +170,51 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         raise ProtocolError(f"bad {cls.TYPE} message: {e}", rid) from None
 
 
-def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:
-    if set(head) != {"request_id", "n_prompt", "sampling"}:
-        raise ProtocolError("add needs exactly request_id, n_prompt, sampling")
+def _prompt_frame(head: dict, frames: Sequence[bytes | memoryview], what: str) -> tuple[int, ...]:
     if len(frames) != 2:
-        raise ProtocolError("add takes a header and one token frame")
+        raise ProtocolError(f"{what} takes a header and one token frame")
     ids = _unpack("i", frames[1], "prompt")
     if len(ids) != head["n_prompt"]:
         raise ProtocolError("prompt frame length does not match n_prompt")
     if any(t < 0 for t in ids):
         raise ProtocolError("negative token id in prompt")
-    return AddRequest(head["request_id"], tuple(ids), SamplingParams.from_wire(head["sampling"]))
+    return tuple(ids)
+
+
+def _decode_pool(head: dict, frames: Sequence[bytes | memoryview]) -> PoolRequest:
+    if set(head) != {"request_id", "n_prompt", "task", "normalize", "dimensions"}:
+        raise ProtocolError("pool needs exactly request_id, n_prompt, task, normalize, dimensions")
+    return PoolRequest(head["request_id"], _prompt_frame(head, frames, "pool"), head["task"], head["normalize"],
+                       head["dimensions"])
+
+
+def _decode_pooled(head: dict, frames: Sequence[bytes | memoryview]) -> PoolOutputs:
+    if set(head) != {"rank", "items"} or not isinstance(head["items"], list):
+        raise ProtocolError("pooled needs exactly rank and a list of items")
+    if len(frames) != 2:
+        raise ProtocolError("pooled takes a header and one data frame")
+    data = _unpack("f", frames[1], "pooled data")
+    at = 0
+    outs = []
+    for item in head["items"]:
+        if not isinstance(item, dict) or not set(item) <= {"rid", "n", "np", "err"}:
+            raise ProtocolError("malformed pooled item")
+        n = item.get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0 or at + n > len(data):
+            raise ProtocolError("pooled item size does not match the data frame")
+        outs.append(PoolOutput(item.get("rid"), tuple(data[at : at + n]), item.get("np", 0),  # type: ignore[arg-type]
+                               item.get("err")))
+        at += n
+    if at != len(data):
+        raise ProtocolError("the data frame holds more values than the items claim")
+    return PoolOutputs(head["rank"], tuple(outs))
+
+
+def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:
+    if set(head) != {"request_id", "n_prompt", "sampling"}:
+        raise ProtocolError("add needs exactly request_id, n_prompt, sampling")
+    ids = _prompt_frame(head, frames, "add")
+    return AddRequest(head["request_id"], ids, SamplingParams.from_wire(head["sampling"]))
 
 
 def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOutputs:

@@ -34,6 +34,14 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # grammar) and forced tool calls into one of these; the engine compiles it into token masks.
 STRUCTURED_KINDS = ("json", "regex", "lark")
 
+# What a model can be asked to do (EngineHello.tasks): generate tokens, or pool its hidden states
+# into one vector per input (embed), or score an input with a classification head (classify: one
+# logit per label; a single-label head is a cross-encoder's relevance score).
+MODEL_TASKS = ("generate", "embed", "classify")
+POOLING_TASKS = ("embed", "classify")
+MAX_LABELS = 4096
+MAX_POOLED_SIZE = 1 << 16  # floats in one pooled output
+
 
 def _metric(kind: str, name: str, doc: str, **default: Any) -> Any:
     """A message field that gateways export as a Prometheus metric: ``kind`` is gauge or counter."""
@@ -192,6 +200,9 @@ class EngineHello(Message):
     device: str
     dtype: str
     protocol_version: int = PROTOCOL_VERSION
+    tasks: tuple[str, ...] = ("generate",)
+    embed_size: int = 0  # length of an "embed" vector (0: the model does not embed)
+    labels: tuple[str, ...] = ()  # a "classify" head's labels, by index
 
     def __post_init__(self) -> None:
         _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
@@ -204,6 +215,11 @@ class EngineHello(Message):
         _check(isinstance(self.dtype, str) and len(self.dtype) <= 32, "dtype must be a short str")
         _check(self.protocol_version == PROTOCOL_VERSION,
                f"protocol version {self.protocol_version} is not {PROTOCOL_VERSION}")
+        _check(isinstance(self.tasks, tuple) and 0 < len(self.tasks) <= len(MODEL_TASKS)
+               and all(t in MODEL_TASKS for t in self.tasks), f"tasks must be a tuple of {MODEL_TASKS}")
+        _check(_is_int(self.embed_size) and 0 <= self.embed_size <= MAX_POOLED_SIZE, "embed_size out of range")
+        _check(isinstance(self.labels, tuple) and len(self.labels) <= MAX_LABELS
+               and all(isinstance(x, str) and len(x) <= 256 for x in self.labels), "labels must be short strs")
 
 
 @dataclass(frozen=True)
@@ -220,6 +236,60 @@ class AddRequest(Message):
         _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
                "prompt_token_ids must not be empty")
         _check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
+
+
+@dataclass(frozen=True)
+class PoolRequest(Message):
+    """Run one input through a pooling model: ``task`` embed (``normalize``: None = the model's
+    default; ``dimensions``: keep the first n, renormalised when normalised) or classify (the head's
+    logits). Token ids travel as a binary int32 frame; the answer is one PoolOutput."""
+
+    TYPE: ClassVar[str] = "pool"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    task: str = "embed"
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_request_id(self.request_id)
+        _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
+               "prompt_token_ids must not be empty")
+        _check(self.task in POOLING_TASKS, f"task must be one of {POOLING_TASKS}")
+        _check(self.normalize is None or isinstance(self.normalize, bool), "normalize must be a bool or null")
+        _check(self.dimensions is None or (_is_int(self.dimensions) and 0 < self.dimensions <= MAX_POOLED_SIZE),
+               "dimensions out of range")
+
+
+@dataclass(frozen=True)
+class PoolOutput:
+    """A pooling request's result: the vector (embed) or logits (classify), or an error."""
+
+    request_id: str
+    data: tuple[float, ...] = ()
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_request_id(self.request_id)
+        _check(isinstance(self.data, tuple) and len(self.data) <= MAX_POOLED_SIZE, "data too long")
+        _check(_is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
+        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= 4096),
+               "error must be a short str")
+        _check((self.error is None) == bool(self.data), "a pool output holds data or an error")
+
+
+@dataclass(frozen=True)
+class PoolOutputs(Message):
+    """The pooling results one engine step produced for the requests of one client."""
+
+    TYPE: ClassVar[str] = "pooled"
+    rank: int
+    outputs: tuple[PoolOutput, ...]
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        _check(isinstance(self.outputs, tuple) and len(self.outputs) <= MAX_BATCH_ITEMS, "too many outputs")
 
 
 @dataclass(frozen=True)
@@ -369,5 +439,6 @@ class ErrorMessage(Message):
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
-    ClientHello, EngineHello, AddRequest, AbortRequest, StepOutputs, EngineStats, ErrorMessage,
+    ClientHello, EngineHello, AddRequest, PoolRequest, AbortRequest, StepOutputs, PoolOutputs, EngineStats,
+    ErrorMessage,
 )

@@ -13,6 +13,9 @@ from protocol import (
     EngineHello,
     EngineStats,
     ErrorMessage,
+    PoolOutput,
+    PoolOutputs,
+    PoolRequest,
     ProtocolError,
     RequestOutput,
     SamplingParams,
@@ -51,6 +54,16 @@ SAMPLES = [
                 prefix_cache_hits=300, prompt_tokens=800, tokens_per_step=17.5),
     ErrorMessage("bad_frame", "nope"),
     ErrorMessage("bad_frame", "nope", request_id="r"),
+    AddRequest("req-4", (7,), SamplingParams(structured=("json", '{"type": "object"}'))),
+    EngineHello(rank=0, model_id="e", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
+                pid=42, device="cpu", dtype="float32", tasks=("embed",), embed_size=384),
+    EngineHello(rank=0, model_id="c", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
+                pid=42, device="cpu", dtype="float32", tasks=("classify",), labels=("neg", "pos")),
+    PoolRequest("e-1", (101, 7592, 102)),
+    PoolRequest("e-2", (101, 102), task="classify", normalize=False, dimensions=64),
+    PoolOutputs(0, (PoolOutput("e-1", (0.25, -0.5, 1.0), 3), PoolOutput("e-2", (), 0, "too long"),
+                    PoolOutput("e-3", (2.0,), 2))),
+    PoolOutputs(1, ()),
 ]
 
 
@@ -184,3 +197,16 @@ def test_prompt_top_logprobs_need_matching_sizes():
         RequestOutput("r", (1,), prompt_top_logprobs=TopLogprobs(1, (1,), (-1.0,)))
     with pytest.raises(ProtocolError):
         RequestOutput("r", (1,), num_cached_tokens=-1)
+
+
+def test_pooled_vectors_travel_as_one_float_frame_and_must_match_their_items():
+    frames = encode(PoolOutputs(0, (PoolOutput("a", (1.0,) * 384, 5), PoolOutput("b", (0.5,) * 384, 7))))
+    assert len(frames) == 2 and len(frames[1]) == 2 * 384 * 4
+    with pytest.raises(ProtocolError, match="data frame"):
+        decode([frames[0], frames[1] + b"\0\0\0\0"])
+    with pytest.raises(ProtocolError, match="does not match"):
+        decode([frames[0], frames[1][:-4]])
+    with pytest.raises(ProtocolError):
+        PoolOutput("c", (), 1)  # neither data nor an error
+    with pytest.raises(ProtocolError, match="task"):
+        PoolRequest("d", (1,), task="generate")
