@@ -162,6 +162,16 @@ class Scheduler:
         """Fraction of KV blocks held by requests (for EngineStats)."""
         return self.block_manager.num_used / self.block_manager.num_blocks
 
+    def stats_fields(self) -> dict:
+        """The EngineStats fields this engine reports (the server adds rank and timestamp)."""
+        bm = self.block_manager
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_used": min(1.0, max(0.0, float(self.kv_used))), "generated_tokens": self.generated_tokens,
+                "steps": self.steps, "preempted": self.num_preempted, "preemptions": self.preemptions,
+                "kv_blocks_used": bm.num_used, "kv_blocks_total": bm.num_blocks,
+                "prefix_cache_hit_rate": min(1.0, max(0.0, bm.hit_rate)), "prefix_cache_hits": bm.hits,
+                "prompt_tokens": self.prompt_tokens, "tokens_per_step": float(self.tokens_per_step)}
+
     @property
     def tokens_per_step(self) -> float:
         return sum(self._recent_tokens) / len(self._recent_tokens) if self._recent_tokens else 0.0

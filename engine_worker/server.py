@@ -28,6 +28,9 @@ from protocol import (
     EngineHello,
     EngineStats,
     ErrorMessage,
+    PoolOutput,
+    PoolOutputs,
+    PoolRequest,
     ProtocolError,
     RequestOutput,
     StepOutputs,
@@ -91,10 +94,13 @@ class EngineServer:
         self.clients[client] = time.monotonic()
         if isinstance(msg, AddRequest):
             self.add(client, msg)
+        elif isinstance(msg, PoolRequest):
+            self.add_pool(client, msg)
         elif isinstance(msg, AbortRequest):
             aborted = [rid for rid in msg.request_ids if self.scheduler.abort(rid) is not None]
             owners = {rid: self.requests.pop(rid, None) for rid in aborted}
             outs = tuple(RequestOutput(rid, (), "abort") for rid, owner in owners.items() if owner == client)
+            # (A pooling request has no stream to end: its client stops waiting when it aborts.)
             if outs:
                 self.send(client, StepOutputs(self.rank, outs))
         elif isinstance(msg, ClientHello):
@@ -107,15 +113,35 @@ class EngineServer:
         if self.draining:  # hand it back: the gateway sends it to another engine
             self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} is draining", msg.request_id))
             return
-        vocab = self.runner.vocab_size
-        bad = next((t for t in msg.prompt_token_ids if t >= vocab), None)
-        err = f"token id {bad} is outside the vocabulary ({vocab})" if bad is not None else None
+        err = self._check_ids(msg.prompt_token_ids)
         if err is None:
-            err = self.scheduler.add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
+            add = getattr(self.scheduler, "add", None)
+            err = ("this model does not generate (it serves: " + ", ".join(self.hello.tasks) + ")" if add is None
+                   else add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling)))
             if err is None:
                 self.requests[msg.request_id] = client
         if err is not None:
             self.send(client, StepOutputs(self.rank, (RequestOutput(msg.request_id, (), "error", error=err),)))
+
+    def add_pool(self, client: bytes, msg: PoolRequest) -> None:
+        if self.draining:
+            self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} is draining", msg.request_id))
+            return
+        err = self._check_ids(msg.prompt_token_ids)
+        if err is None:
+            add = getattr(self.scheduler, "add_pool", None)
+            err = ("this model does not pool (it serves: " + ", ".join(self.hello.tasks) + ")" if add is None
+                   else add(msg))
+            if err is None:
+                self.requests[msg.request_id] = client
+        if err is not None:
+            n = len(msg.prompt_token_ids)
+            self.send(client, PoolOutputs(self.rank, (PoolOutput(msg.request_id, (), n, err[:4000]),)))
+
+    def _check_ids(self, ids: tuple[int, ...]) -> str | None:
+        vocab = self.hello.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        return f"token id {bad} is outside the vocabulary ({vocab})" if bad is not None else None
 
     def poll_inbound(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for messages, then take every message already queued."""
@@ -138,35 +164,21 @@ class EngineServer:
         finally:
             self.step_started = None
         self._stalled = self.scheduler.steps == steps and not outs
-        per_client: dict[bytes, list[RequestOutput]] = {}
+        per_client: dict[bytes, list] = {}
         for out in outs:
-            done = out.finish_reason is not None
+            done = isinstance(out, PoolOutput) or out.finish_reason is not None
             client = self.requests.pop(out.request_id, None) if done else self.requests.get(out.request_id)
             if client is not None:
                 per_client.setdefault(client, []).append(out)
         for client, mine in per_client.items():
-            self.send(client, StepOutputs(self.rank, tuple(mine)))
+            pooled = tuple(o for o in mine if isinstance(o, PoolOutput))
+            if pooled:
+                self.send(client, PoolOutputs(self.rank, pooled))
+            if len(pooled) < len(mine):
+                self.send(client, StepOutputs(self.rank, tuple(o for o in mine if not isinstance(o, PoolOutput))))
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        bm = s.block_manager
-        return EngineStats(
-            rank=self.rank,
-            running=len(s.running),
-            waiting=len(s.waiting),
-            kv_used=min(1.0, max(0.0, float(s.kv_used))),
-            generated_tokens=s.generated_tokens,
-            steps=s.steps,
-            timestamp=time.time(),
-            preempted=s.num_preempted,
-            preemptions=s.preemptions,
-            kv_blocks_used=bm.num_used,
-            kv_blocks_total=bm.num_blocks,
-            prefix_cache_hit_rate=min(1.0, max(0.0, bm.hit_rate)),
-            prefix_cache_hits=bm.hits,
-            prompt_tokens=s.prompt_tokens,
-            tokens_per_step=float(s.tokens_per_step),
-        )
+        return EngineStats(rank=self.rank, timestamp=time.time(), **self.scheduler.stats_fields())
 
     def publish_stats(self) -> None:
         now = time.monotonic()

@@ -32,6 +32,9 @@ from protocol import (
     EngineHello,
     EngineStats,
     ErrorMessage,
+    PoolOutput,
+    PoolOutputs,
+    PoolRequest,
     ProtocolError,
     RequestOutput,
     SamplingParams,
@@ -230,7 +233,7 @@ class EngineClient:
             except ProtocolError as e:
                 log.warning("dropped a bad frame from engine %s: %s", eng.endpoint, e)
                 continue
-            if isinstance(msg, StepOutputs):
+            if isinstance(msg, StepOutputs | PoolOutputs):
                 for out in msg.outputs:
                     st = self._streams.get(out.request_id)
                     if st is not None and st.engine is eng:
@@ -306,12 +309,44 @@ class EngineClient:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if st.engine is not None:
-                eng = st.engine
-                self._detach(st)
-                if (not finished or st.failed_here) and eng.hello is not None:
-                    try:
-                        await eng.sock.send_multipart(encode(AbortRequest((request_id,))), flags=zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
+            await self._release(request_id, st, abort=not finished or st.failed_here)
+
+    async def _release(self, request_id: str, st: _Stream, abort: bool) -> None:
+        """Forget a request; with ``abort``, tell its engine to stop working on it."""
+        self._streams.pop(request_id, None)
+        if st.engine is not None:
+            eng = st.engine
+            self._detach(st)
+            if abort and eng.hello is not None:
+                try:
+                    await eng.sock.send_multipart(encode(AbortRequest((request_id,))), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
+                   normalize: bool | None = None, dimensions: int | None = None) -> PoolOutput:
+        """Run one input through a pooling engine; its vector (or logits). Like ``generate``, a
+        request an engine refuses or loses before answering goes to another engine."""
+        st = _Stream(asyncio.Queue())
+        self._streams[request_id] = st
+        frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions))
+        refused: set[str] = set()
+        answered = False
+        try:
+            await self._send(st, frames, refused)
+            while True:
+                out = await st.queue.get()
+                if isinstance(out, _HandBack):
+                    if out.engine is st.engine:
+                        refused.add(out.engine.endpoint)
+                        self._detach(st)
+                        await self._send(st, frames, refused)
+                    continue
+                answered = True
+                if isinstance(out, RequestOutput):  # failed here (shutdown) or refused with an error
+                    raise EngineRequestError(out.error or "the engine failed the request")
+                if out.error is not None:
+                    raise EngineRequestError(out.error)
+                return out
+        finally:
+            await self._release(request_id, st, abort=not answered)
