@@ -6,13 +6,16 @@ from aiohttp import web
 
 from .errors import error_middleware
 from .metrics import metrics_middleware
-from .routers import anthropic, control, core, native, openai, responses
+from .routers import anthropic, control, core, native, openai, pooling, render, responses, sagemaker
 from .routers.common import TOKEN_TEXT, TokenText
 from .state import STATE, GatewayState
 
 # Route families, each a module with a ``routes`` table (docs/api.md describes them).
+# A render-only gateway mounts them all too: its generation routes refuse with a clear 400 in their own
+# error shape (``common.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,
-                  "anthropic": anthropic, "native": native}
+                  "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
+                  "sagemaker": sagemaker}
 
 MAX_BODY_BYTES = 32 << 20
 

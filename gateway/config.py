@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from zserve.config import config_from_json
+from zserve.config import EngineConfig, config_from_json
 
 from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
 from .text.reasoning import REASONING_PARSERS
@@ -27,6 +27,10 @@ class GatewayConfig:
     state_url: str | None = None  # stored responses: None = SQLite in the run directory; redis://, sqlite:///
     responses_ttl: float = DEFAULT_TTL_S  # seconds a stored response lives after its last change
     responses_max_items: int = DEFAULT_MAX_ITEMS  # the oldest stored responses go first past this
+    # The context (prompt + output) requests are checked against while no engine reports its own: always on a
+    # render server, which has none (engines cap it to the model's own context; this value is taken as given).
+    max_model_len: int = EngineConfig.max_model_len
+    render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
@@ -45,6 +49,14 @@ class GatewayConfig:
             raise ValueError("responses_ttl must be a number of seconds in 1..31536000")
         if not (isinstance(self.responses_max_items, int) and 1 <= self.responses_max_items <= 10**8):
             raise ValueError("responses_max_items must be an integer in 1..100000000")
+        if not (isinstance(self.max_model_len, int) and not isinstance(self.max_model_len, bool)
+                and 16 <= self.max_model_len <= 1 << 20):
+            raise ValueError("max_model_len must be an integer in 16..1048576")
+        if not isinstance(self.render_only, bool):
+            raise ValueError("render_only must be true or false")
+
+    def replace(self, **changes) -> GatewayConfig:
+        return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
         return orjson.dumps(dataclasses.asdict(self)).decode()

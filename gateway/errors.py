@@ -61,8 +61,17 @@ def error_shape(body: ErrorBody):
     return mark
 
 
-def _shape_of(request: web.Request) -> ErrorBody:
-    return getattr(request.match_info.handler, _SHAPE_ATTR, APIError.body)
+def shape_of(handler) -> ErrorBody:
+    """How errors of ``handler`` are rendered (its ``@error_shape``, else OpenAI's)."""
+    return getattr(handler, _SHAPE_ATTR, APIError.body)
+
+
+def routing_error(status: int, method: str, path: str, reason: str = "", allow: str | None = None) -> APIError:
+    """What the app answers for a route it cannot serve (404 no route, 405 wrong method, 413 body too large)."""
+    msg = {404: f"no route for {method} {path}",
+           405: f"method {method} is not allowed on {path}",
+           413: "request body too large"}.get(status, reason)
+    return APIError(status, msg, headers={"Allow": allow} if allow is not None else None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -79,15 +88,12 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return error_response(e, _shape_of(request))
+        return error_response(e, shape_of(request.match_info.handler))
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = {404: f"no route for {request.method} {request.path}",
-               405: f"method {request.method} is not allowed on {request.path}",
-               413: "request body too large"}.get(e.status, e.reason)
-        return error_response(APIError(e.status, msg, headers={k: v for k, v in e.headers.items() if k == "Allow"}),
-                              _shape_of(request))
+        err = routing_error(e.status, request.method, request.path, e.reason, e.headers.get("Allow"))
+        return error_response(err, shape_of(request.match_info.handler))
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return error_response(APIError(500, "internal server error"), _shape_of(request))
+        return error_response(APIError(500, "internal server error"), shape_of(request.match_info.handler))

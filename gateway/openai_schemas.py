@@ -137,14 +137,20 @@ def _param(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in union_tags))
 
 
-def parse(model: type[BaseModel], body: bytes) -> Any:
-    """Decode and validate a JSON body, or raise a 400 naming the bad field."""
+def json_object(body: bytes) -> dict[str, Any]:
+    """Decode a JSON body that must be an object, or raise a 400."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    return data
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """Decode and validate a JSON body, or raise a 400 naming the bad field."""
+    data = json_object(body)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -4,7 +4,8 @@ Several gateways share one socket; the kernel spreads connections among them. Be
 gateway keeps two pipes to the supervisor: it reads the cluster state (engine membership, pause)
 from the control pipe and acknowledges each version, and it writes heartbeats from its event loop
 (so a blocked loop stops them). SIGTERM drains: stop accepting, finish in-flight requests up to
-the shutdown timeout, fail the rest with an error, exit 0 only if nothing was cut off.
+the shutdown timeout, fail the rest with an error, exit 0 only if nothing was cut off. A
+render-only gateway (``launch render``) has no engine tier: it is ready as soon as it listens.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ async def serve(a: argparse.Namespace) -> int:
                          reasoning_parser=get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None,
                          responses=open_store(cfg.state_url,
                                               a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
-                                              ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items))
+                                              ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items),
+                         render_only=cfg.render_only, default_max_model_len=cfg.max_model_len)
     tasks: list[asyncio.Task] = []
 
     async def apply(cluster: ClusterState) -> None:
@@ -102,7 +104,8 @@ async def serve(a: argparse.Namespace) -> int:
         loop.add_reader(a.control_fd, reader.on_readable)
         tasks.append(asyncio.create_task(reader.run()))
     await engines.start()
-    await asyncio.wait_for(engines.any_ready.wait(), a.engine_timeout)
+    if not cfg.render_only:  # a render-only gateway has no engine to wait for
+        await asyncio.wait_for(engines.any_ready.wait(), a.engine_timeout)
 
     async def heartbeat() -> None:
         while True:

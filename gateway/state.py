@@ -33,6 +33,13 @@ class GatewayState:
     tool_parser: ToolParser | None = None  # --tool-call-parser: tools are refused without one
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     responses: ResponseStore | None = None  # stored Responses-API objects, shared by every gateway
+    render_only: bool = False  # no engine tier (launch render): generation is refused, rendering is not
+    default_max_model_len: int = 4096  # the context checked against while no engine reports one
+
+    @property
+    def can_serve(self) -> bool:
+        """Whether this gateway can do its job now: a render-only one always, otherwise an engine is ready."""
+        return self.render_only or bool(self.engines.ready_engines)
 
     @property
     def paused(self) -> bool:
@@ -45,7 +52,7 @@ class GatewayState:
     @property
     def max_model_len(self) -> int:
         ready = self.engines.ready_engines
-        return min((e.hello.max_model_len for e in ready if e.hello), default=4096)
+        return min((e.hello.max_model_len for e in ready if e.hello), default=self.default_max_model_len)
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -1,7 +1,9 @@
 """The ``launch`` command line.
 
-``launch api-server`` starts and supervises both tiers; ``launch scale``, ``launch status`` and
-``launch stop`` talk to a running supervisor over its owner-only control socket.
+``launch api-server`` starts and supervises both tiers; ``launch render`` the gateways alone (a
+CPU-only server that renders requests and never generates), through the same ``serve``.
+``launch scale``, ``launch status`` and ``launch stop`` talk to a running supervisor over its
+owner-only control socket.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 import os
 import sys
 import time
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import click
 
@@ -49,27 +51,52 @@ _ENGINE = EngineConfig()  # the defaults shown in --help come from the configura
 _GATEWAY = GatewayConfig()
 
 
+def _options(*options):
+    """Apply click options in the order written (the order --help shows them in)."""
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+# What every serving command takes: where to listen, how many gateways, the supervisor's timeouts, and the
+# options that change how a request is checked and rendered. Options named after a field of
+# zserve.config.EngineConfig or gateway.config.GatewayConfig fill that field (--max-model-len fills both).
+server_options = _options(
+    click.option("--count", type=click.IntRange(1, 256), default=1, show_default=True,
+                 help="Gateway (HTTP) processes."),
+    click.option("--model", default=DEFAULT_CHAT_MODEL, show_default=True,
+                 help="Model id from the catalog, 'tiny-random', a .gguf file or an HF directory."),
+    click.option("--host", default="127.0.0.1", show_default=True),
+    click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+                 help="0 picks a free port."),
+    click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
+                 help="Seconds a process may take to become ready."),
+    click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
+                 help="Seconds in-flight requests may take to finish on SIGTERM or scale-down."),
+    click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
+                 help="A process silent for this long is hung and gets replaced."),
+    click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+                 show_default=True),
+    click.option("--max-model-len", type=int, default=_ENGINE.max_model_len, show_default=True,
+                 help="Context length (prompt + output) per sequence; engines cap it to the model's own, a render "
+                      "server checks requests against it as given."),
+    click.option("--served-model-name", "served_model_names", multiple=True,
+                 help="Name(s) clients use for the model (default: the model id)."),
+    click.option("--tool-call-parser", default=_GATEWAY.tool_call_parser,
+                 help=f"Turn model output into tool calls: {TOOL_PARSERS.names()}. Without it, requests "
+                      "with tools are refused."),
+)
+
+
 @main.command("api-server")
-@click.option("--count", type=click.IntRange(1, 256), default=1, show_default=True, help="Gateway (HTTP) processes.")
+@server_options
 @click.option("--engines", type=click.IntRange(1, 64), default=1, show_default=True, help="Engine worker processes.")
-@click.option("--model", default=DEFAULT_CHAT_MODEL, show_default=True,
-              help="Model id from the catalog, 'tiny-random', a .gguf file or an HF directory.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
-@click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
-              help="Seconds a process may take to become ready.")
-@click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
-              help="Seconds in-flight requests may take to finish on SIGTERM or scale-down.")
-@click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
-              help="A process silent for this long is hung and gets replaced.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True)
 # -- engine tier: each option is a field of zserve.config.EngineConfig (named after it) --------------
 @click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True)
 @click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
               help="Sequences an engine runs at once.")
-@click.option("--max-model-len", type=int, default=_ENGINE.max_model_len, show_default=True,
-              help="Context length (prompt + output) per sequence.")
 @click.option("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens, show_default=True,
               help="Token budget of one engine step (chunked prefill).")
 @click.option("--block-size", type=int, default=_ENGINE.block_size, show_default=True, help="Tokens per KV block.")
@@ -85,11 +112,6 @@ _GATEWAY = GatewayConfig()
               help="Seed of the generator unseeded requests sample from (engine rank r uses seed + r), so a run "
                    "can be repeated; default: a fresh seed from the OS.")
 # -- gateway tier: each option is a field of gateway.config.GatewayConfig ----------------------------
-@click.option("--served-model-name", "served_model_names", multiple=True,
-              help="Name(s) clients use for the model (default: the model id).")
-@click.option("--tool-call-parser", default=_GATEWAY.tool_call_parser,
-              help=f"Turn model output into tool calls: {TOOL_PARSERS.names()}. Without it, requests "
-                   "with tools are refused.")
 @click.option("--reasoning-parser", default=_GATEWAY.reasoning_parser,
               help=f"Split reasoning from the answer: {REASONING_PARSERS.names()}.")
 @click.option("--state-url", default=_GATEWAY.state_url,
@@ -99,12 +121,30 @@ _GATEWAY = GatewayConfig()
               help="Seconds a stored response is kept after its last change.")
 @click.option("--responses-max-items", type=int, default=_GATEWAY.responses_max_items, show_default=True,
               help="Most stored responses kept; the oldest go first.")
-def api_server(count: int, engines: int, model: str, host: str, port: int, ready_timeout: float,
-               shutdown_timeout: float, heartbeat_timeout: float, log_level: str, **tier_options) -> None:
+def api_server(**options) -> None:
     """Serve MODEL over HTTP with COUNT gateways in front of ENGINES engine workers."""
+    serve(**options)
+
+
+@main.command("render")
+@server_options
+def render(**options) -> None:
+    """Serve MODEL's render routes with COUNT gateways and no engine (CPU only, no torch).
+
+    /v1/chat/completions/render and /v1/completions/render answer what a request would send to the
+    engine (prompt text, token ids, sampling parameters); /tokenize, /detokenize, /v1/models and
+    /health work as on an api-server; generation routes answer a 400 saying this server renders only."""
+    serve(engines=0, **options)
+
+
+def serve(*, count: int, engines: int, model: str, host: str, port: int, ready_timeout: float,
+          shutdown_timeout: float, heartbeat_timeout: float, log_level: str, **tier_options) -> NoReturn:
+    """Start a supervisor for COUNT gateways and ENGINES engines (0: a render server), serve until told to
+    stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
     gateway = _tier_config(GatewayConfig, tier_options)
-    assert not tier_options, f"options without a configuration field: {sorted(tier_options)}"
+    unknown = set(tier_options) - _field_names(EngineConfig) - _field_names(GatewayConfig)
+    assert not unknown, f"options without a configuration field: {sorted(unknown)}"
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
@@ -132,11 +172,15 @@ def api_server(count: int, engines: int, model: str, host: str, port: int, ready
     sys.exit(code)
 
 
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
 def _tier_config(cls: type[T], options: dict) -> T:
-    """Build a tier's configuration from the click options named after its fields (taking them out
-    of ``options``); its own checks become usage errors that name the option."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    values = {k: options.pop(k) for k in list(options) if k in names}
+    """Build a tier's configuration from the click options named after its fields; its own checks become
+    usage errors that name the option."""
+    names = _field_names(cls)
+    values = {k: v for k, v in options.items() if k in names}
     try:
         return cls(**values)
     except ValueError as e:
@@ -200,9 +244,9 @@ def status(port: int, as_json: bool) -> None:
 
         click.echo(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode())
         return
+    engines = f"{st['desired']['engine']} engines" if st["desired"]["engine"] else "no engine (render only)"
     click.echo(f"{st['model']} at {st['url']}  supervisor pid {st['pid']}  up {st['uptime_s']:.0f}s  "
-               f"{'PAUSED  ' if st['paused'] else ''}desired: {st['desired']['gateway']} gateways, "
-               f"{st['desired']['engine']} engines")
+               f"{'PAUSED  ' if st['paused'] else ''}desired: {st['desired']['gateway']} gateways, {engines}")
     click.echo(f"{'TIER':8} {'IDX':>3} {'PID':>7} {'STATE':10} {'RESTARTS':>8} {'UPTIME':>8}  LOAD")
     for p in st["processes"]:
         if p["tier"] == "engine":

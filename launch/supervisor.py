@@ -15,6 +15,7 @@ callback that handles it — then:
 Scaling is only a change of a desired count; draining is SIGTERM to the victim, which finishes its
 work and exits. Children run in their own session with a parent-death signal, so the terminal's
 Ctrl-C reaches only the supervisor and ``kill -9`` of the supervisor takes every child with it.
+A render server (``launch render``) is the same loop with an engine tier of 0 that cannot be scaled.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     gateways: int = 2
-    engines: int = 1
+    engines: int = 1  # 0: no engine tier at all, a render server (launch render)
     ready_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     heartbeat_timeout: float = 30.0
@@ -142,6 +143,11 @@ class Supervisor:
         os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
 
     @property
+    def render_only(self) -> bool:
+        """A server without an engine tier (launch render): gateways render requests and never generate."""
+        return self.cfg.engines == 0
+
+    @property
     def cache_dir(self) -> str:
         """Where gateways keep tokenizers built from GGUF metadata across restarts (2 s → 0.1 s a start);
         falls back to the run directory when the user's cache directory cannot be written."""
@@ -178,7 +184,8 @@ class Supervisor:
             fd = self.listener.fileno()
             args = ["--index", str(index), "--fd", str(fd), "--cache-dir", self.cache_dir,
                     "--control-socket", self.control_path, "--shutdown-timeout", str(c.shutdown_timeout), *common]
-            args += ["--config", c.gateway.to_json(), "--responses-db", os.path.join(self.run_dir, "responses.db")]
+            args += ["--config", c.gateway.replace(render_only=self.render_only).to_json(),
+                     "--responses-db", os.path.join(self.run_dir, "responses.db")]
             env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
             child = spawn(slot, "gateway", args, pass_fds=(fd,), env=env)
             child.send(ClusterUpdate(self.store.get()))
@@ -259,6 +266,8 @@ class Supervisor:
         if isinstance(cmd, StatusCommand):
             return self.status()
         if isinstance(cmd, ScaleCommand):
+            if cmd.tier_name == "engine" and self.render_only:
+                return ErrorReply("this is a render server (launch render): it has no engine tier to scale")
             self.scale(cmd.tier_name, cmd.count)
             return ScaleReply(cmd.tier_name, cmd.count)
         if isinstance(cmd, (PauseCommand, ResumeCommand)):
@@ -429,10 +438,15 @@ class Supervisor:
         with open(self.pointer, "w") as f:
             f.write(self.control_path)
         deadline = time.monotonic() + self.cfg.ready_timeout
-        self.num_gpus = cuda_device_count()
-        log.info("%s", f"{self.num_gpus} GPU(s) visible" if self.num_gpus else "no GPU visible: engines run on the CPU")
-        log.info("starting %d engine(s) for %s and %d gateway(s)", self.desired["engine"], self.cfg.source.model_id,
-                 self.desired["gateway"])
+        if self.render_only:
+            log.info("starting %d render-only gateway(s) for %s (no engine)", self.desired["gateway"],
+                     self.cfg.source.model_id)
+        else:
+            self.num_gpus = cuda_device_count()
+            log.info("%s", f"{self.num_gpus} GPU(s) visible" if self.num_gpus else
+                     "no GPU visible: engines run on the CPU")
+            log.info("starting %d engine(s) for %s and %d gateway(s)", self.desired["engine"],
+                     self.cfg.source.model_id, self.desired["gateway"])
         # Both tiers start at once: gateways build their tokenizer while engines load weights.
         while True:
             try:
@@ -448,8 +462,9 @@ class Supervisor:
             self._poll(0.2)
         self._check_health(deadline)
         n_gw, n_en = self.desired["gateway"], self.desired["engine"]
+        engines = "no engine: render only" if self.render_only else f"{n_en} engine{'s' * (n_en != 1)}"
         print(f"zserve: serving {self.cfg.source.model_id} at {self.url} ({n_gw} gateway{'s' * (n_gw != 1)}, "
-              f"{n_en} engine{'s' * (n_en != 1)}; ready in {time.monotonic() - t0:.1f}s)", flush=True)
+              f"{engines}; ready in {time.monotonic() - t0:.1f}s)", flush=True)
         systemd.notify(f"READY=1\nSTATUS=serving {self.cfg.source.model_id} at {self.url}")
         return self.url
 

@@ -1,8 +1,8 @@
 """Helpers shared by the tests (fixtures stay in the conftest.py files, which import these).
 
-Every test that starts a process goes through ``Server`` (a `launch api-server`, or any command that
-prints the ready line) or reads its output with ``read_line``: both give up after a deadline, so a
-process that never answers fails its test instead of hanging the suite.
+Every test that starts a process goes through ``Server`` (a `launch api-server` or `launch render`,
+or any command that prints the ready line) or reads its output with ``read_line``: both give up
+after a deadline, so a process that never answers fails its test instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ URL_RE = re.compile(r"zserve: serving (\S+) at (http://\S+) ")
 
 
 class Server:
-    """A running `launch api-server`; ``url`` is its base URL once ready."""
+    """A running `launch api-server` (or `launch render`); ``url`` is its base URL once ready."""
 
     def __init__(self, *args: str, ready_timeout: float = 240.0, log_name: str = "server", port: int = 0,
-                 command: list[str] | None = None, env: dict[str, str] | None = None, **popen):
-        """Start ``launch api-server --port PORT ARGS`` (or ``command``, which must print the same ready
+                 command: list[str] | None = None, env: dict[str, str] | None = None,
+                 subcommand: str = "api-server", **popen):
+        """Start ``launch SUBCOMMAND --port PORT ARGS`` (or ``command``, which must print the same ready
         line) with ``env`` added to the environment; ``popen`` goes to ``subprocess.Popen``."""
-        self.args = ["api-server", "--port", str(port), *args]
+        self.args = [subcommand, "--port", str(port), *args]
         log_dir = Path(os.environ.get("ZSERVE_TEST_LOGS", "/tmp/zserve-test-logs"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{log_name}-{os.getpid()}-{time.monotonic_ns()}.log"

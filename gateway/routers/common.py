@@ -282,8 +282,19 @@ class Choice:
                 self.msg.finish()
 
 
+RENDER_ONLY = ("this is a render-only server (launch render): it has no engine to run requests on; "
+               "/v1/chat/completions/render and /v1/completions/render take the same bodies and answer what the "
+               "engine would get")
+
+
 def admit(state: GatewayState) -> None:
-    """Refuse new generation work before any byte is sent: paused cluster, or no engine."""
+    """Refuse new generation work before any byte is sent: a render-only server, paused cluster, or no engine.
+
+    Every generation route comes through here after validating its body, so a render server answers a
+    valid request with this clear 400 in the route's own error shape (not retried by SDKs: retrying cannot
+    help), and an invalid one with the same 400 the api-server gives."""
+    if state.render_only:
+        raise bad_request(RENDER_ONLY, code="render_only")
     if state.paused:
         raise APIError(503, "the server is paused and admits no new requests; retry later",
                        code="server_paused", headers={"Retry-After": "1"})

@@ -1,4 +1,4 @@
-"""Core routes: liveness, readiness, version, load."""
+"""Core routes: health, version, load, metrics."""
 
 from __future__ import annotations
 
@@ -10,39 +10,27 @@ import zserve
 from protocol import PROTOCOL_VERSION
 
 from .. import metrics
-from ..errors import APIError
-from ..state import STATE
+from ..state import STATE, GatewayState
 
 routes = web.RouteTableDef()
 
 
-def _ready(request: web.Request) -> None:
-    if not request.app[STATE].engines.ready_engines:
-        raise APIError(503, "no engine is ready", headers={"Retry-After": "1"})
-
-
-def _health(state) -> dict:
+def health_response(state: GatewayState) -> web.Response:
+    """200 while this gateway can serve (an engine is ready, or it renders only: a render server desires 0
+    engines), else 503 — the answer of /health and of SageMaker's /ping. ``status`` says ``degraded`` when
+    some desired engines are missing."""
     ready = len(state.engines.ready_engines)
     desired = state.cluster.engines_desired if state.cluster else len(state.engines.engines)
-    status = "ok" if ready and ready >= desired else ("degraded" if ready else "unavailable")
-    return {"status": status, "engines_ready": ready, "engines_desired": desired, "paused": state.paused}
+    status = ("ok" if ready >= desired else "degraded") if state.can_serve else "unavailable"
+    body = {"status": status, "engines_ready": ready, "engines_desired": desired, "paused": state.paused}
+    headers = {"Retry-After": "1"} if status == "unavailable" else None
+    return web.json_response(body, status=200 if state.can_serve else 503, headers=headers)
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    """200 while at least one engine is ready (``status`` says ``degraded`` when some are missing),
-    503 when none is — what a load balancer's health check needs."""
-    body = _health(request.app[STATE])
-    headers = {"Retry-After": "1"} if body["status"] == "unavailable" else None
-    return web.json_response(body, status=200 if body["engines_ready"] else 503, headers=headers)
-
-
-@routes.get("/ping")
-@routes.post("/ping")
-async def ping(request: web.Request) -> web.Response:
-    """SageMaker's liveness probe: the same answer as /health."""
-    _ready(request)
-    return web.Response(status=200)
+    """What a load balancer's health check needs (``health_response``)."""
+    return health_response(request.app[STATE])
 
 
 @routes.get("/version")

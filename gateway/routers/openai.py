@@ -1,6 +1,7 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-Each handler validates its body, turns it into prompt ids and SamplingParams (``common``), runs
+Each handler validates its body and turns it into a ``Plan`` — prompt ids and SamplingParams for
+every choice (``common``), which is what the render routes show (``routers.render``) — then runs
 every choice through ``generation.generate_text`` concurrently, and shapes the deltas as the OpenAI
 API does, as one JSON body or as an SSE stream. Chat completions also carry tool calls and
 reasoning (``reasoning_content``) when the server runs a tool-call or reasoning parser.
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -24,6 +26,7 @@ from ..state import STATE, GatewayState
 from ..text.tool_parsers import ToolCall, ToolCallDelta
 from .common import (
     ENGINE_ERRORS,
+    NO_TOOLS,
     Choice,
     TokenText,
     ToolUse,
@@ -292,10 +295,26 @@ def _stream_usage(req) -> tuple[bool, bool]:
     return include, include and bool(opts and opts.continuous_usage_stats)
 
 
-@routes.post("/v1/completions")
-async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    req: CompletionRequest = parse(CompletionRequest, await request.read())
+@dataclass
+class Plan:
+    """A request made ready for the engine, before anything is generated: each prompt (its text and the ids the
+    engine gets) and one ``Choice`` per generation, ``n`` to a prompt (prompt i's are ``choices[i*n:(i+1)*n]``).
+    The generation routes run it; the render routes (``routers.render``) show it."""
+
+    request_id: str
+    model: str
+    prompts: list[tuple[str | None, list[int]]]  # (text, ids); text None for a prompt given as ids
+    n: int
+    choices: list[Choice]
+    opts: TextOptions
+    use: ToolUse = NO_TOOLS
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+
+async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
     model = check_model(state, req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
@@ -313,21 +332,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("prompt must not be empty", param="prompt")
     constraint = await structured.check(structured.from_request(req))
     choices: list[Choice] = []
-    prompt_tokens = 0
+    rendered: list[tuple[str | None, list[int]]] = []
     for i, pr in enumerate(prompts):
         ids = state.tokenizer.encode(pr) if isinstance(pr, str) else list(pr)
         max_tokens = check_prompt_ids(state, ids, req.max_tokens if req.max_tokens else None)
         if req.max_tokens == 0:
             raise bad_request("max_tokens must be at least 1", param="max_tokens")
-        prompt_tokens += len(ids)
+        rendered.append((pr if isinstance(pr, str) else None, ids))
         prefix = (pr if isinstance(pr, str) else state.tokenizer.decode(ids)) if req.echo else ""
         for j in range(req.n):
             sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs, structured=constraint)
             choices.append(Choice(i * req.n + j, ids, sp, prefix))
+    return Plan(f"cmpl-{uuid.uuid4().hex}", model, rendered, req.n, choices, text_options(req))
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    req: CompletionRequest = parse(CompletionRequest, await request.read())
+    plan = await plan_completion(request.app[STATE], req)
     include, continuous = _stream_usage(req)
     shape = CompletionShape(token_text(request.app), req.logprobs is not None)
-    return await respond(request, request_id=f"cmpl-{uuid.uuid4().hex}", model=model, choices=choices,
-                         opts=text_options(req), prompt_tokens=prompt_tokens, stream=req.stream, shape=shape,
+    return await respond(request, request_id=plan.request_id, model=plan.model, choices=plan.choices,
+                         opts=plan.opts, prompt_tokens=plan.prompt_tokens, stream=req.stream, shape=shape,
                          include_usage=include, continuous_usage=continuous)
 
 
@@ -346,10 +372,7 @@ def chat_tool_use(state: GatewayState, req: ChatCompletionRequest) -> ToolUse:
                       '{"name": ...}}', param="tool_choice")
 
 
-@routes.post("/v1/chat/completions")
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.read())
+async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
     model = check_model(state, req.model)
     requested = structured.from_request(req)
     use = chat_tool_use(state, req)
@@ -366,8 +389,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     constraint = await structured.check(structured.with_forced_call(requested, prompt.forced))
     choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j, structured=constraint),
                       msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
+    return Plan(f"chatcmpl-{uuid.uuid4().hex}", model, [(prompt.text, prompt.ids)], req.n, choices,
+                text_options(req), use)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.read())
+    plan = await plan_chat(request.app[STATE], req)
     include, continuous = _stream_usage(req)
-    shape = ChatShape(token_text(request.app), req.logprobs, use)
-    return await respond(request, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=model, choices=choices,
-                         opts=text_options(req), prompt_tokens=len(prompt.ids), stream=req.stream, shape=shape,
+    shape = ChatShape(token_text(request.app), req.logprobs, plan.use)
+    return await respond(request, request_id=plan.request_id, model=plan.model, choices=plan.choices,
+                         opts=plan.opts, prompt_tokens=plan.prompt_tokens, stream=req.stream, shape=shape,
                          include_usage=include, continuous_usage=continuous)

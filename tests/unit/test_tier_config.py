@@ -52,3 +52,14 @@ def test_gateway_config_round_trips_and_checks_names() -> None:
         GatewayConfig(responses_max_items=0)
     with pytest.raises(ValueError, match="unknown gateway configuration field"):
         GatewayConfig.from_json('{"api_key": "x"}')
+
+
+def test_gateway_config_carries_the_render_servers_context_and_mode() -> None:
+    cfg = GatewayConfig(max_model_len=2048).replace(render_only=True)
+    assert (cfg.max_model_len, cfg.render_only) == (2048, True)
+    assert GatewayConfig.from_json(cfg.to_json()) == cfg
+    assert GatewayConfig().max_model_len == EngineConfig().max_model_len
+    with pytest.raises(ValueError, match="max_model_len must be"):
+        GatewayConfig(max_model_len=8)
+    with pytest.raises(ValueError, match="render_only must be"):
+        GatewayConfig(render_only="yes")
