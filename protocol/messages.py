@@ -202,6 +202,7 @@ class EngineHello(Message):
     protocol_version: int = PROTOCOL_VERSION
     tasks: tuple[str, ...] = ("generate",)
     embed_size: int = 0  # length of an "embed" vector (0: the model does not embed)
+    matryoshka: bool = False  # trained so that the first n of its embedding's values embed too
     labels: tuple[str, ...] = ()  # a "classify" head's labels, by index
 
     def __post_init__(self) -> None:
@@ -218,6 +219,7 @@ class EngineHello(Message):
         _check(isinstance(self.tasks, tuple) and 0 < len(self.tasks) <= len(MODEL_TASKS)
                and all(t in MODEL_TASKS for t in self.tasks), f"tasks must be a tuple of {MODEL_TASKS}")
         _check(_is_int(self.embed_size) and 0 <= self.embed_size <= MAX_POOLED_SIZE, "embed_size out of range")
+        _check(isinstance(self.matryoshka, bool), "matryoshka must be a bool")
         _check(isinstance(self.labels, tuple) and len(self.labels) <= MAX_LABELS
                and all(isinstance(x, str) and len(x) <= 256 for x in self.labels), "labels must be short strs")
 

@@ -280,6 +280,10 @@ class Tokenizer:
         """Load a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json)."""
         directory = Path(path)
         backend = _Backend.from_file(str(directory / "tokenizer.json"))
+        # Some tokenizer.json files fix padding and truncation (all-MiniLM-L6-v2's pad and cut every
+        # input at 128): ids must be exactly the text's, and limits are the server's business.
+        backend.no_padding()
+        backend.no_truncation()
         config_file = directory / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
 

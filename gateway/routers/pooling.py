@@ -1,0 +1,312 @@
+"""The pooling family: embeddings, raw pooled vectors, scores, rerank and classification.
+
+Every route tokenizes its inputs here and sends each one to a pooling engine as its own
+``PoolRequest``, all at once: the engine batches them (with other clients' inputs) under its token
+budget, so a request of 64 inputs costs one or two forward passes, not 64.
+
+- ``/v1/embeddings`` (OpenAI): strings or token ids; ``encoding_format`` float or base64 (little-
+  endian float32, as OpenAI sends it); ``dimensions`` for Matryoshka models only.
+- ``/pooling`` (vLLM): the model's pooled vectors, not normalised.
+- ``/score``, ``/v1/score`` (vLLM): ``text_1`` against ``text_2`` (1:1, 1:N or N:N pairwise); a
+  bi-encoder scores by the cosine of the two embeddings, a cross-encoder (a classify model with one
+  label) by its head on the pair, through a sigmoid (as sentence-transformers' CrossEncoder does).
+- ``/rerank``, ``/v1/rerank`` (Jina) and ``/v2/rerank`` (Cohere): the documents by their score
+  against the query, best first; ``top_n`` and ``return_documents``.
+- ``/classify`` (vLLM): the label and class probabilities (softmax of the head's logits).
+
+Inputs longer than the model's context are a 400 unless the request sets ``truncate_prompt_tokens``
+(then each input keeps its first tokens, special tokens included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import time
+import uuid
+from array import array
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol import EngineHello, PoolOutput
+
+from ..errors import APIError, bad_request
+from ..openai_schemas import parse
+from ..state import STATE, GatewayState
+from .common import ENGINE_ERRORS, admit, check_model, dumps, engine_error
+
+routes = web.RouteTableDef()
+
+MAX_INPUTS = 2048  # items in one request
+MAX_INPUT_CHARS = 1 << 20  # characters in one text item (tokenizing more is wasted work)
+
+Text = Annotated[str, Field(max_length=MAX_INPUT_CHARS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Truncate = Annotated[int, Field(ge=1)] | None
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Truncate = None
+    normalize: bool | None = None  # vLLM: None = the model's default
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    text_1: Text | Annotated[list[Text], Field(min_length=1)]
+    text_2: Text | Annotated[list[Text], Field(min_length=1)]
+    truncate_prompt_tokens: Truncate = None
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: Text
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    query: Text
+    documents: Annotated[list[Text | RerankDocument], Field(min_length=1)]
+    top_n: Annotated[int, Field(ge=0)] | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: Truncate = None
+
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: Text | Annotated[list[Text], Field(min_length=1)]
+    truncate_prompt_tokens: Truncate = None
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def _hello(state: GatewayState, task: str, model: str) -> EngineHello:
+    """A ready engine's announcement for ``model``, which must serve ``task``; a 400 otherwise."""
+    admit(state)
+    hellos = [e.hello for e in state.engines.ready_engines if e.hello is not None]
+    if not any(task in h.tasks for h in hellos):
+        served = sorted({t for h in hellos for t in h.tasks})
+        raise bad_request(f"model {model!r} does not {task}: it serves {', '.join(served)}; a model that "
+                          f"does must be served for this route", param="model")
+    return next(h for h in hellos if task in h.tasks)
+
+
+def _items(value: Any) -> list:
+    """One input or a list of them, as a list (a list of token ids is one input)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
+        return [value]
+    return list(value)
+
+
+def _encode(state: GatewayState, item: str | list[int], limit: int, truncate: int | None, param: str,
+            pair: str | None = None) -> list[int]:
+    """Token ids of one input (with the model's special tokens), truncated only when asked."""
+    if isinstance(item, list):
+        ids = item[:truncate] if truncate else item
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in ids):
+            raise bad_request(f"a token id is outside the vocabulary ({vocab})", param=param)
+    else:
+        backend = state.tokenizer.backend
+        enc = backend.encode(item, pair, add_special_tokens=True)
+        if truncate and len(enc.ids) > truncate:
+            special = backend.num_special_tokens_to_add(pair is not None)
+            raw = backend.encode(item, pair, add_special_tokens=False)
+            raw.truncate(max(1, truncate - special))
+            enc = backend.post_process(raw, add_special_tokens=True)
+        ids = enc.ids
+    if not ids:
+        raise bad_request("an input is empty", param=param)
+    if len(ids) > limit:
+        raise bad_request(f"an input has {len(ids)} tokens; this model takes at most {limit}. Shorten it or set "
+                          "truncate_prompt_tokens", param=param)
+    return ids
+
+
+async def _pool(state: GatewayState, rid: str, inputs: list[list[int]], task: str, normalize: bool | None = None,
+                dimensions: int | None = None) -> list[PoolOutput]:
+    try:
+        return list(await asyncio.gather(*(state.engines.pool(f"{rid}-{i}", ids, task, normalize, dimensions)
+                                           for i, ids in enumerate(inputs))))
+    except ENGINE_ERRORS as e:
+        raise engine_error(e) from None
+
+
+def _check_count(n: int, param: str) -> None:
+    if n > MAX_INPUTS:
+        raise bad_request(f"{n} inputs; at most {MAX_INPUTS} per request", param=param)
+
+
+def _usage(outs: list[PoolOutput]) -> dict:
+    n = sum(o.num_prompt_tokens for o in outs)
+    return {"prompt_tokens": n, "total_tokens": n}
+
+
+def _cosine(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(y * y for y in b))
+    return dot / (na * nb) if na and nb else 0.0
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def _softmax(xs: tuple[float, ...]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    total = sum(e)
+    return [v / total for v in e]
+
+
+async def _scores(state: GatewayState, rid: str, model: str, queries: list[str], docs: list[str],
+                  truncate: int | None, param: str) -> tuple[list[float], dict]:
+    """The score of each (query, doc) pair (queries broadcast when there is one), and the usage."""
+    if len(queries) == 1:
+        queries = queries * len(docs)
+    elif len(queries) != len(docs):
+        raise bad_request(f"text_1 has {len(queries)} texts and text_2 {len(docs)}: give one text_1, or as many as "
+                          "text_2", param="text_2")
+    _check_count(len(docs) * 2, param)
+    admit(state)
+    hellos = [e.hello for e in state.engines.ready_engines if e.hello is not None]
+    cross = next((h for h in hellos if "classify" in h.tasks and len(h.labels) <= 1), None)
+    if cross is not None:  # a cross-encoder reads each pair together
+        pairs = [_encode(state, q, cross.max_model_len, truncate, param, pair=d) for q, d in zip(queries, docs)]
+        outs = await _pool(state, rid, pairs, "classify")
+        return [_sigmoid(o.data[0]) for o in outs], _usage(outs)
+    hello = _hello(state, "embed", model)
+    uniq = list(dict.fromkeys(queries + docs))  # embed each distinct text once
+    ids = [_encode(state, t, hello.max_model_len, truncate, param) for t in uniq]
+    outs = await _pool(state, rid, ids, "embed")
+    vec = {t: o.data for t, o in zip(uniq, outs)}
+    return [_cosine(vec[q], vec[d]) for q, d in zip(queries, docs)], _usage(outs)
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+@routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse(EmbeddingRequest, await request.read())
+    model = check_model(state, req.model)
+    hello = _hello(state, "embed", model)
+    if req.dimensions is not None and (not hello.matryoshka or req.dimensions > hello.embed_size):
+        why = (f"at most {hello.embed_size}" if hello.matryoshka else
+               "this model does not support other dimensions (it is not a Matryoshka model)")
+        raise bad_request(f"dimensions {req.dimensions}: {why}", param="dimensions")
+    items = _items(req.input)
+    _check_count(len(items), "input")
+    ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
+    outs = await _pool(state, f"embd-{uuid.uuid4().hex}", ids, "embed", req.normalize, req.dimensions)
+    data = []
+    for i, o in enumerate(outs):
+        vec: Any = list(o.data)
+        if req.encoding_format == "base64":
+            packed = array("f", o.data)
+            if packed.itemsize != 4:  # pragma: no cover - every platform we run on
+                raise APIError(500, "float32 is not 4 bytes here")
+            vec = base64.b64encode(packed.tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": vec})
+    return web.json_response({"object": "list", "data": data, "model": model, "usage": _usage(outs)}, dumps=dumps)
+
+
+@routes.post("/pooling")
+async def pooling(request: web.Request) -> web.Response:
+    """vLLM's raw pooled vectors: the embedding before normalisation."""
+    state = request.app[STATE]
+    req = parse(EmbeddingRequest, await request.read())
+    model = check_model(state, req.model)
+    hello = _hello(state, "embed", model)
+    items = _items(req.input)
+    _check_count(len(items), "input")
+    ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
+    rid = f"pool-{uuid.uuid4().hex}"
+    outs = await _pool(state, rid, ids, "embed", normalize=False if req.normalize is None else req.normalize)
+    data = [{"index": i, "object": "pooling", "data": list(o.data)} for i, o in enumerate(outs)]
+    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
+                              "data": data, "usage": _usage(outs)}, dumps=dumps)
+
+
+@routes.post("/score")
+@routes.post("/v1/score")
+async def score(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse(ScoreRequest, await request.read())
+    model = check_model(state, req.model)
+    rid = f"score-{uuid.uuid4().hex}"
+    scores, usage = await _scores(state, rid, model, _items(req.text_1), _items(req.text_2),
+                                  req.truncate_prompt_tokens, "text_2")
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
+                              "data": data, "usage": usage}, dumps=dumps)
+
+
+async def _rerank(request: web.Request) -> tuple[RerankRequest, str, str, list[tuple[int, str, float]], dict]:
+    state = request.app[STATE]
+    req = parse(RerankRequest, await request.read())
+    model = check_model(state, req.model)
+    docs = [d if isinstance(d, str) else d.text for d in req.documents]
+    rid = f"rerank-{uuid.uuid4().hex}"
+    scores, usage = await _scores(state, rid, model, [req.query], docs, req.truncate_prompt_tokens, "documents")
+    ranked = sorted(((i, docs[i], s) for i, s in enumerate(scores)), key=lambda r: -r[2])
+    if req.top_n:
+        ranked = ranked[: req.top_n]
+    return req, rid, model, ranked, usage
+
+
+@routes.post("/rerank")
+@routes.post("/v1/rerank")
+async def rerank_jina(request: web.Request) -> web.Response:
+    req, rid, model, ranked, usage = await _rerank(request)
+    results = [{"index": i, "relevance_score": s, **({"document": {"text": d}} if req.return_documents else {})}
+               for i, d, s in ranked]
+    return web.json_response({"id": rid, "model": model, "usage": {"total_tokens": usage["total_tokens"]},
+                              "results": results}, dumps=dumps)
+
+
+@routes.post("/v2/rerank")
+async def rerank_cohere(request: web.Request) -> web.Response:
+    req, rid, model, ranked, usage = await _rerank(request)
+    results = [{"index": i, "relevance_score": s, **({"document": {"text": d}} if req.return_documents else {})}
+               for i, d, s in ranked]
+    return web.json_response({"id": rid, "results": results, "meta": {
+        "api_version": {"version": "2"}, "billed_units": {"search_units": 1},
+        "tokens": {"input_tokens": usage["prompt_tokens"], "output_tokens": 0}}}, dumps=dumps)
+
+
+@routes.post("/classify")
+async def classify(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse(ClassifyRequest, await request.read())
+    model = check_model(state, req.model)
+    hello = _hello(state, "classify", model)
+    items = _items(req.input)
+    _check_count(len(items), "input")
+    ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
+    rid = f"classify-{uuid.uuid4().hex}"
+    outs = await _pool(state, rid, ids, "classify")
+    data = []
+    for i, o in enumerate(outs):
+        probs = _softmax(o.data)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        label = hello.labels[best] if best < len(hello.labels) else f"LABEL_{best}"
+        data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
+    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
+                              "data": data, "usage": _usage(outs)}, dumps=dumps)
