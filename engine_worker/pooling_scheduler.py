@@ -21,6 +21,8 @@ import torch
 
 from protocol import PoolOutput, PoolRequest
 
+from .pooling import truncate_dimensions
+
 log = logging.getLogger("zserve.engine")
 
 
@@ -35,6 +37,8 @@ class PoolingScheduler:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
+        pooling = getattr(runner, "pooling", None)
+        self.default_normalize = bool(pooling.normalize) if pooling is not None else False
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[_Pending] = deque()
@@ -46,7 +50,7 @@ class PoolingScheduler:
     # -- admission ------------------------------------------------------------------------------
     def add_pool(self, req: PoolRequest) -> str | None:
         """Queue a request; return an error message instead when it can never run."""
-        if req.task not in self.runner.tasks:
+        if req.task not in self.runner.tasks:  # (a runner may list more, e.g. "score"; the wire asks these)
             return f"this model does not {req.task} (it serves: {', '.join(self.runner.tasks)})"
         limit = self.runner.max_model_len
         if len(req.prompt_token_ids) > limit:
@@ -95,18 +99,22 @@ class PoolingScheduler:
 
     def _run(self, task: str, group: list[PoolRequest]) -> list[PoolOutput]:
         ids = [list(r.prompt_token_ids) for r in group]
+        types = None
+        if any(r.pair_start for r in group):  # segment ids: 0 for the first text, 1 from pair_start on
+            types = [[0] * (r.pair_start or len(i)) + [1] * (len(i) - (r.pair_start or len(i)))
+                     for r, i in zip(group, ids)]
         try:
             if task == "classify":
-                vectors = self.runner.classify(ids)
+                vectors = self.runner.classify(ids, token_type_ids=types)
             else:
-                vectors = self.runner.embed(ids, normalize=False)
+                vectors = self.runner.embed(ids, normalize=False, token_type_ids=types)
         except Exception as e:  # noqa: BLE001 - a failed batch fails its requests, not the engine
             log.exception("pooling forward pass failed; failing the %d requests in it", len(group))
             return [PoolOutput(r.request_id, (), len(r.prompt_token_ids), f"engine error: {e}"[:4000]) for r in group]
         outs = []
         for r, v in zip(group, vectors):
             if task == "embed":
-                v = _shape(v, r, self.runner.default_normalize)
+                v = _shape(v, r, self.default_normalize)
             self.pooled += 1
             outs.append(PoolOutput(r.request_id, tuple(v.tolist()), len(r.prompt_token_ids)))
         return outs
@@ -120,8 +128,7 @@ class PoolingScheduler:
 def _shape(v: torch.Tensor, r: PoolRequest, default_normalize: bool) -> torch.Tensor:
     """The vector the request asked for: the model's pooled vector (unnormalised), cut to
     ``dimensions`` (Matryoshka-style), then L2-normalised unless it asked otherwise."""
-    v = v.float()
-    if r.dimensions is not None:
-        v = v[: r.dimensions]
     normalize = default_normalize if r.normalize is None else r.normalize
-    return torch.nn.functional.normalize(v, dim=-1) if normalize else v
+    if r.dimensions is not None and r.dimensions < v.shape[-1]:
+        return truncate_dimensions(v.float(), r.dimensions, normalize)
+    return torch.nn.functional.normalize(v.float(), dim=-1) if normalize else v.float()

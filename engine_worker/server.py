@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import orjson
 import zmq
@@ -39,6 +40,7 @@ from protocol import (
 )
 from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_DRAINING
 from protocol.control import Heartbeat, Ready
+from protocol.messages import MODEL_TASKS
 from zserve.catalog import ModelSource
 from zserve.config import EngineConfig
 from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
@@ -219,9 +221,8 @@ def _heartbeat(server: EngineServer, status: StatusPipe, interval: float) -> Non
     """Beat while the step loop is healthy, so a long forward pass is not mistaken for a hang."""
     while True:
         if server.alive():
-            s = server.scheduler
-            status.send(Heartbeat(running=len(s.running), waiting=len(s.waiting),
-                                  kv_used=min(1.0, max(0.0, round(float(s.kv_used), 4))),
+            f = server.scheduler.stats_fields()
+            status.send(Heartbeat(running=f["running"], waiting=f["waiting"], kv_used=round(f["kv_used"], 4),
                                   draining=server.draining))
         time.sleep(interval)
 
@@ -268,6 +269,12 @@ def main(argv: list[str] | None = None) -> None:
         configure_cpu_threads(cfg.threads)
     t0 = time.monotonic()
     status = StatusPipe(a.status_fd)
+    if source.weights == "hf":
+        from .pooling import is_pooling_model
+
+        if is_pooling_model(source.path):
+            serve_pooling(a, cfg, source, device, dtype, status, t0)
+            return
     # A model that cannot load or a KV cache too small for one request can never start: exit with
     # EXIT_BOOT_ERROR, which the supervisor treats as fatal at once instead of reloading in a loop.
     with boot_phase(status, f"engine {a.rank}"):
@@ -296,11 +303,42 @@ def main(argv: list[str] | None = None) -> None:
         dtype=str(dtype).removeprefix("torch."),
     )
     server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
-    log.info("engine %d ready: %s on %s (%s) in %.1fs, endpoint %s", a.rank, source.model_id, device, hello.dtype,
-             time.monotonic() - t0, a.endpoint)
+    _serve(a, server, status, source, t0)
+    grammars.prepare()
+    server.serve_forever()
+
+
+def serve_pooling(a: argparse.Namespace, cfg: EngineConfig, source: ModelSource, device, dtype, status: StatusPipe,
+                  t0: float) -> None:
+    """An engine for an encoder (embed / classify): no KV cache, no sampler, batches of whole inputs.
+    Its step budget is at least 4096 tokens: one forward pass per step, however many inputs fill it."""
+    from .pooling import PoolingRunner
+    from .pooling_scheduler import PoolingScheduler
+
+    budget = max(cfg.max_num_batched_tokens, 4096)
+    with boot_phase(status, f"engine {a.rank}"):
+        runner = PoolingRunner(source.path, device, dtype, max_batch_tokens=budget)
+    scheduler = PoolingScheduler(runner, max(cfg.max_num_seqs, 256), budget)
+    config = orjson.loads((Path(source.path) / "config.json").read_bytes())
+    embeds = "embed" in runner.tasks
+    hello = EngineHello(
+        rank=a.rank, model_id=source.model_id, max_num_seqs=scheduler.max_num_seqs,
+        max_model_len=min(cfg.max_model_len, runner.max_model_len), vocab_size=runner.vocab_size, eos_token_ids=(),
+        pid=os.getpid(), device=str(device), dtype=str(dtype).removeprefix("torch."),
+        tasks=tuple(t for t in runner.tasks if t in MODEL_TASKS), embed_size=runner.hidden_size if embeds else 0,
+        labels=tuple(runner.labels or ()),
+        matryoshka=embeds and bool(config.get("matryoshka_dimensions") or config.get("is_matryoshka")))
+    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
+    _serve(a, server, status, source, t0)
+    server.serve_forever()
+
+
+def _serve(a: argparse.Namespace, server: EngineServer, status: StatusPipe, source: ModelSource, t0: float) -> None:
+    """Log the engine ready, install its SIGTERM drain and heartbeat, and tell the supervisor."""
+    hello = server.hello
+    log.info("engine %d ready: %s (%s) on %s (%s) in %.1fs, endpoint %s", a.rank, source.model_id,
+             ", ".join(hello.tasks), hello.device, hello.dtype, time.monotonic() - t0, a.endpoint)
     signal.signal(signal.SIGTERM, server.start_draining)
     threading.Thread(target=_heartbeat, args=(server, status, a.heartbeat_interval), daemon=True,
                      name="heartbeat").start()
     status.send(Ready(index=a.rank, endpoint=a.endpoint, device=hello.device, dtype=hello.dtype))
-    grammars.prepare()
-    server.serve_forever()

@@ -70,7 +70,7 @@ def encode(msg: Message) -> list[bytes]:
         return _encode_outputs(msg)
     if isinstance(msg, PoolRequest):
         head = {"request_id": msg.request_id, "n_prompt": len(msg.prompt_token_ids), "task": msg.task,
-                "normalize": msg.normalize, "dimensions": msg.dimensions}
+                "normalize": msg.normalize, "dimensions": msg.dimensions, "pair_start": msg.pair_start}
         return [_header(msg, head), _pack("i", msg.prompt_token_ids)]
     if isinstance(msg, PoolOutputs):
         items = []
@@ -182,10 +182,10 @@ def _prompt_frame(head: dict, frames: Sequence[bytes | memoryview], what: str) -
 
 
 def _decode_pool(head: dict, frames: Sequence[bytes | memoryview]) -> PoolRequest:
-    if set(head) != {"request_id", "n_prompt", "task", "normalize", "dimensions"}:
-        raise ProtocolError("pool needs exactly request_id, n_prompt, task, normalize, dimensions")
+    if set(head) != {"request_id", "n_prompt", "task", "normalize", "dimensions", "pair_start"}:
+        raise ProtocolError("pool needs exactly request_id, n_prompt, task, normalize, dimensions, pair_start")
     return PoolRequest(head["request_id"], _prompt_frame(head, frames, "pool"), head["task"], head["normalize"],
-                       head["dimensions"])
+                       head["dimensions"], head["pair_start"])
 
 
 def _decode_pooled(head: dict, frames: Sequence[bytes | memoryview]) -> PoolOutputs:

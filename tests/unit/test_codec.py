@@ -61,6 +61,7 @@ SAMPLES = [
                 pid=42, device="cpu", dtype="float32", tasks=("classify",), labels=("neg", "pos")),
     PoolRequest("e-1", (101, 7592, 102)),
     PoolRequest("e-2", (101, 102), task="classify", normalize=False, dimensions=64),
+    PoolRequest("e-3", (101, 7, 102, 8, 102), task="classify", pair_start=3),
     PoolOutputs(0, (PoolOutput("e-1", (0.25, -0.5, 1.0), 3), PoolOutput("e-2", (), 0, "too long"),
                     PoolOutput("e-3", (2.0,), 2))),
     PoolOutputs(1, ()),

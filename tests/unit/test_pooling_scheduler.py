@@ -14,13 +14,15 @@ from protocol import PoolRequest
 class FakeRunner:
     tasks = ("embed",)
     max_model_len = 16
-    default_normalize = True
+
+    class pooling:  # noqa: N801 - stands in for PoolingConfig
+        normalize = True
 
     def __init__(self, fail: bool = False):
         self.batches: list[list[list[int]]] = []
         self.fail = fail
 
-    def embed(self, batch, normalize=None):
+    def embed(self, batch, normalize=None, token_type_ids=None):
         assert normalize is False  # the scheduler shapes vectors itself
         self.batches.append(batch)
         if self.fail:
