@@ -324,12 +324,12 @@ class EngineClient:
                     pass
 
     async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
-                   normalize: bool | None = None, dimensions: int | None = None) -> PoolOutput:
+                   normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0) -> PoolOutput:
         """Run one input through a pooling engine; its vector (or logits). Like ``generate``, a
         request an engine refuses or loses before answering goes to another engine."""
         st = _Stream(asyncio.Queue())
         self._streams[request_id] = st
-        frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions))
+        frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions, pair_start))
         refused: set[str] = set()
         answered = False
         try:

@@ -287,19 +287,25 @@ RENDER_ONLY = ("this is a render-only server (launch render): it has no engine t
                "engine would get")
 
 
-def admit(state: GatewayState) -> None:
-    """Refuse new generation work before any byte is sent: a render-only server, paused cluster, or no engine.
+def admit(state: GatewayState, task: str = "generate") -> None:
+    """Refuse new work before any byte is sent: a render-only server, paused cluster, no engine, or a
+    model that does not do ``task`` (generate, embed, classify).
 
-    Every generation route comes through here after validating its body, so a render server answers a
-    valid request with this clear 400 in the route's own error shape (not retried by SDKs: retrying cannot
-    help), and an invalid one with the same 400 the api-server gives."""
+    Every generation and pooling route comes through here after validating its body, so a render
+    server answers a valid request with this clear 400 in the route's own error shape (not retried by
+    SDKs: retrying cannot help), and an invalid one with the same 400 the api-server gives."""
     if state.render_only:
         raise bad_request(RENDER_ONLY, code="render_only")
     if state.paused:
         raise APIError(503, "the server is paused and admits no new requests; retry later",
                        code="server_paused", headers={"Retry-After": "1"})
-    if not state.engines.ready_engines:
+    ready = state.engines.ready_engines
+    if not ready:
         raise engine_error(NoEngineAvailable("no engine is ready"))
+    tasks = {t for e in ready if e.hello is not None for t in e.hello.tasks}
+    if tasks and task not in tasks:
+        raise bad_request(f"model {state.model_id!r} does not {task}: it serves {', '.join(sorted(tasks))}",
+                          param="model", code="unsupported_task")
 
 
 def engine_error(e: Exception) -> APIError:

@@ -96,15 +96,10 @@ class ClassifyRequest(BaseModel):
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def _hello(state: GatewayState, task: str, model: str) -> EngineHello:
-    """A ready engine's announcement for ``model``, which must serve ``task``; a 400 otherwise."""
-    admit(state)
-    hellos = [e.hello for e in state.engines.ready_engines if e.hello is not None]
-    if not any(task in h.tasks for h in hellos):
-        served = sorted({t for h in hellos for t in h.tasks})
-        raise bad_request(f"model {model!r} does not {task}: it serves {', '.join(served)}; a model that "
-                          f"does must be served for this route", param="model")
-    return next(h for h in hellos if task in h.tasks)
+def _hello(state: GatewayState, task: str) -> EngineHello:
+    """A ready engine's announcement, from one that serves ``task`` (``admit`` refuses otherwise)."""
+    admit(state, task)
+    return next(e.hello for e in state.engines.ready_engines if e.hello is not None and task in e.hello.tasks)
 
 
 def _items(value: Any) -> list:
@@ -116,7 +111,14 @@ def _items(value: Any) -> list:
 
 def _encode(state: GatewayState, item: str | list[int], limit: int, truncate: int | None, param: str,
             pair: str | None = None) -> list[int]:
-    """Token ids of one input (with the model's special tokens), truncated only when asked."""
+    """Token ids of one input (with the model's special tokens), truncated only when asked; with
+    ``pair``, of the two texts together, as a cross-encoder reads them."""
+    return _encode_with_types(state, item, limit, truncate, param, pair)[0]
+
+
+def _encode_with_types(state: GatewayState, item: str | list[int], limit: int, truncate: int | None, param: str,
+                       pair: str | None = None) -> tuple[list[int], int]:
+    """``_encode``, and where the second text's tokens begin (0 for one text)."""
     if isinstance(item, list):
         ids = item[:truncate] if truncate else item
         vocab = state.tokenizer.vocab_size
@@ -131,19 +133,21 @@ def _encode(state: GatewayState, item: str | list[int], limit: int, truncate: in
             raw.truncate(max(1, truncate - special))
             enc = backend.post_process(raw, add_special_tokens=True)
         ids = enc.ids
+        pair_start = next((i for i, t in enumerate(enc.type_ids) if t), 0) if pair is not None else 0
     if not ids:
         raise bad_request("an input is empty", param=param)
     if len(ids) > limit:
         raise bad_request(f"an input has {len(ids)} tokens; this model takes at most {limit}. Shorten it or set "
                           "truncate_prompt_tokens", param=param)
-    return ids
+    return ids, (pair_start if isinstance(item, str) else 0)
 
 
 async def _pool(state: GatewayState, rid: str, inputs: list[list[int]], task: str, normalize: bool | None = None,
-                dimensions: int | None = None) -> list[PoolOutput]:
+                dimensions: int | None = None, pair_starts: list[int] | None = None) -> list[PoolOutput]:
+    starts = pair_starts or [0] * len(inputs)
     try:
-        return list(await asyncio.gather(*(state.engines.pool(f"{rid}-{i}", ids, task, normalize, dimensions)
-                                           for i, ids in enumerate(inputs))))
+        return list(await asyncio.gather(*(state.engines.pool(f"{rid}-{i}", ids, task, normalize, dimensions, start)
+                                           for i, (ids, start) in enumerate(zip(inputs, starts)))))
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None
 
@@ -184,14 +188,15 @@ async def _scores(state: GatewayState, rid: str, model: str, queries: list[str],
         raise bad_request(f"text_1 has {len(queries)} texts and text_2 {len(docs)}: give one text_1, or as many as "
                           "text_2", param="text_2")
     _check_count(len(docs) * 2, param)
-    admit(state)
     hellos = [e.hello for e in state.engines.ready_engines if e.hello is not None]
     cross = next((h for h in hellos if "classify" in h.tasks and len(h.labels) <= 1), None)
     if cross is not None:  # a cross-encoder reads each pair together
-        pairs = [_encode(state, q, cross.max_model_len, truncate, param, pair=d) for q, d in zip(queries, docs)]
-        outs = await _pool(state, rid, pairs, "classify")
+        admit(state, "classify")
+        pairs = [_encode_with_types(state, q, cross.max_model_len, truncate, param, pair=d)
+                 for q, d in zip(queries, docs)]
+        outs = await _pool(state, rid, [p[0] for p in pairs], "classify", pair_starts=[p[1] for p in pairs])
         return [_sigmoid(o.data[0]) for o in outs], _usage(outs)
-    hello = _hello(state, "embed", model)
+    hello = _hello(state, "embed")
     uniq = list(dict.fromkeys(queries + docs))  # embed each distinct text once
     ids = [_encode(state, t, hello.max_model_len, truncate, param) for t in uniq]
     outs = await _pool(state, rid, ids, "embed")
@@ -206,7 +211,7 @@ async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
     model = check_model(state, req.model)
-    hello = _hello(state, "embed", model)
+    hello = _hello(state, "embed")
     if req.dimensions is not None and (not hello.matryoshka or req.dimensions > hello.embed_size):
         why = (f"at most {hello.embed_size}" if hello.matryoshka else
                "this model does not support other dimensions (it is not a Matryoshka model)")
@@ -233,7 +238,7 @@ async def pooling(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
     model = check_model(state, req.model)
-    hello = _hello(state, "embed", model)
+    hello = _hello(state, "embed")
     items = _items(req.input)
     _check_count(len(items), "input")
     ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
@@ -296,7 +301,7 @@ async def classify(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(ClassifyRequest, await request.read())
     model = check_model(state, req.model)
-    hello = _hello(state, "classify", model)
+    hello = _hello(state, "classify")
     items = _items(req.input)
     _check_count(len(items), "input")
     ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]

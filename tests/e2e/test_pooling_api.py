@@ -118,6 +118,8 @@ def test_token_id_inputs_limits_and_truncation(embed_server, client):
     assert r.status_code == 400 and "at most" in r.json()["error"]["message"]
     r = post(embed_server, "/classify", {"model": MODEL, "input": "x"})
     assert r.status_code == 400 and "does not classify" in r.json()["error"]["message"]
+    r = post(embed_server, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert r.status_code == 400 and "does not generate: it serves embed" in r.json()["error"]["message"]
 
 
 def test_pooling_gives_the_raw_vector_and_score_is_the_cosine(embed_server, client):
@@ -181,7 +183,11 @@ def _write_tiny(tmp: Path, num_labels: int) -> Path:
     cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=128, num_labels=num_labels,
                                   id2label=labels, label2id={v: k for k, v in labels.items()})
-    transformers.BertForSequenceClassification(cfg).eval().save_pretrained(str(d), safe_serialization=True)
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    with torch.no_grad():  # make the segment ids matter, so a pair read without them scores differently
+        model.bert.embeddings.token_type_embeddings.weight.mul_(50)
+        model.classifier.weight.mul_(100)  # and logits far from 0, where differences show
+    model.save_pretrained(str(d), safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         if (_minilm_dir() / name).is_file():
             shutil.copy(_minilm_dir() / name, d / name)
@@ -198,14 +204,17 @@ def tiny_heads(tmp_path_factory):
         s.stop()
 
 
-def _hf_logits(d: Path, first: str, second: str | None = None) -> list[float]:
+def _hf_logits(d: Path, first: str, second: str | None = None, segments: bool = True) -> list[float]:
     import torch
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(d))
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(d)).eval()
+    enc = tok(first, second, return_tensors="pt")
+    if not segments:
+        enc["token_type_ids"] = torch.zeros_like(enc["token_type_ids"])
     with torch.inference_mode():
-        return model(**tok(first, second, return_tensors="pt")).logits[0].tolist()
+        return model(**enc).logits[0].tolist()
 
 
 def test_classify_gives_the_labels_and_probabilities_of_transformers(tiny_heads):
@@ -227,7 +236,9 @@ def test_a_cross_encoder_scores_the_pair_with_its_head(tiny_heads):
     body = post(servers[1], "/score", {"text_1": query, "text_2": docs}).json()
     for d, doc in zip(body["data"], docs):
         (logit,) = _hf_logits(dirs[1], query, doc)
-        assert abs(d["score"] - 1 / (1 + math.exp(-logit))) < 1e-4
+        (flat,) = _hf_logits(dirs[1], query, doc, segments=False)
+        assert abs(logit - flat) > 1e-3  # the pair's segment ids change the score...
+        assert abs(d["score"] - 1 / (1 + math.exp(-logit))) < 1e-5  # ...and the server reads them
     ranked = post(servers[1], "/v1/rerank", {"query": query, "documents": docs}).json()["results"]
     assert sorted(r["index"] for r in ranked) == [0, 1]
     assert ranked[0]["relevance_score"] >= ranked[1]["relevance_score"]
