@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 from engine_worker.models.bert import ENCODER_MODEL_TYPES, BertEncoder, EncoderLayout, load_encoder
 
-__all__ = ["PoolingConfig", "PoolingRunner", "is_pooling_model", "read_pooling_config", "truncate_dimensions"]
+__all__ = ["PoolingConfig", "PoolingRunner", "is_pooling_model", "read_pooling_config", "shape_embedding",
+           "truncate_dimensions"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,15 @@ def truncate_dimensions(vector: torch.Tensor, dimensions: int, normalize: bool) 
         raise ValueError(f"dimensions must be between 1 and {vector.shape[-1]}, not {dimensions}")
     out = vector[..., :dimensions]
     return F.normalize(out, dim=-1) if normalize else out.clone()
+
+
+def shape_embedding(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """What an embedding request gets: the pooled vector (fp32), cut to ``dimensions`` when asked
+    (Matryoshka-style), L2-normalised when ``normalize``."""
+    v = vector.float()
+    if dimensions is not None and dimensions < v.shape[-1]:
+        return truncate_dimensions(v, dimensions, normalize)
+    return F.normalize(v, dim=-1) if normalize else v
 
 
 class PoolingRunner:

@@ -17,11 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from protocol import PoolOutput, PoolRequest
 
-from .pooling import truncate_dimensions
+from .pooling import shape_embedding
 
 log = logging.getLogger("zserve.engine")
 
@@ -114,7 +112,7 @@ class PoolingScheduler:
         outs = []
         for r, v in zip(group, vectors):
             if task == "embed":
-                v = _shape(v, r, self.default_normalize)
+                v = shape_embedding(v, r.dimensions, self.default_normalize if r.normalize is None else r.normalize)
             self.pooled += 1
             outs.append(PoolOutput(r.request_id, tuple(v.tolist()), len(r.prompt_token_ids)))
         return outs
@@ -123,12 +121,3 @@ class PoolingScheduler:
         """The EngineStats fields this engine reports (no KV cache, nothing generated)."""
         return {"running": 0, "waiting": len(self.waiting), "kv_used": 0.0, "generated_tokens": 0,
                 "steps": self.steps, "prompt_tokens": self.prompt_tokens}
-
-
-def _shape(v: torch.Tensor, r: PoolRequest, default_normalize: bool) -> torch.Tensor:
-    """The vector the request asked for: the model's pooled vector (unnormalised), cut to
-    ``dimensions`` (Matryoshka-style), then L2-normalised unless it asked otherwise."""
-    normalize = default_normalize if r.normalize is None else r.normalize
-    if r.dimensions is not None and r.dimensions < v.shape[-1]:
-        return truncate_dimensions(v.float(), r.dimensions, normalize)
-    return torch.nn.functional.normalize(v.float(), dim=-1) if normalize else v.float()

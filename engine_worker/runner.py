@@ -51,6 +51,7 @@ class SeqInput:
     grammar: GrammarHandle | None = None  # structured output: the tokens it allows are the only candidates
     # Prompt logprobs of the tokens following the first ``prompt_logprobs_rows`` new tokens.
     prompt_logprobs_rows: int = 0
+    pool: bool = False  # an embedding request: at its last token, return the hidden state, sample nothing
 
 
 class ModelRunner:
@@ -191,7 +192,8 @@ class ModelRunner:
         if min(flat) < 0 or max(flat) >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         ids = torch.tensor(flat, dtype=torch.long)
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        pooled = [i for i, s in enumerate(seqs) if s.sample and s.pool]
+        sampled = [i for i, s in enumerate(seqs) if s.sample and not s.pool]
         constrained = [seqs[i].grammar for i in sampled if seqs[i].grammar is not None]
         masks = start_masks(constrained, self.vocab_size) if constrained else None  # during the forward pass
         if (self.graphs is not None and layout.num_decode == len(seqs)
@@ -203,6 +205,11 @@ class ModelRunner:
 
         with_prompt = [i for i, s in enumerate(seqs) if s.prompt_logprobs_rows > 0]
         results: list[SampleOut | None] = [None] * len(seqs)
+        if pooled:  # last-token pooling: the hidden state the LM head would read, after the final norm
+            vectors = self.model.norm(hidden[torch.tensor([layout.last_token_index[i] for i in pooled],
+                                                          device=self.device)]).float().cpu()
+            for i, v in zip(pooled, vectors.unbind(0)):
+                results[i] = SampleOut(None, None, None, None, pooled=v)
         if not sampled and not with_prompt:
             return results
         rows = [layout.last_token_index[i] for i in sampled]

@@ -67,6 +67,7 @@ class SampleOut:
     top_ids: list[int] | None  # the ``logprobs`` most likely ids, best first
     top_logprobs: list[float] | None
     prompt: PromptLogprobs | None = None
+    pooled: torch.Tensor | None = None  # an embedding request: the final-norm hidden state of its last token
 
 
 def _pad(rows: list[Sequence[int]], fill: int, device: torch.device) -> torch.Tensor:

@@ -38,10 +38,11 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from protocol import RequestOutput, TopLogprobs
+from protocol import PoolOutput, PoolRequest, RequestOutput, SamplingParams, TopLogprobs
 
 from .block_manager import BlockManager, block_hashes
 from .grammar import Grammars
+from .pooling import shape_embedding
 from .runner import SampleOut, SeqInput
 from .sequence import Sequence, SequenceStatus
 
@@ -115,6 +116,15 @@ class Scheduler:
         self._enqueue(seq, front=False)
         self.by_id[seq.request_id] = seq
         return None
+
+    def add_pool(self, req: PoolRequest) -> str | None:
+        """An embedding request on a generating model: its prompt runs like any other (chunked, in
+        the batch, through the prefix cache) and, instead of a token, its last token's hidden state
+        after the final norm comes back (last-token pooling, as decoder embedding models use)."""
+        if req.task != "embed":
+            return f"this model does not {req.task} (it serves: generate, embed)"
+        return self.add(Sequence(req.request_id, list(req.prompt_token_ids),
+                                 SamplingParams(max_tokens=1, temperature=0.0), pool=req))
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
         """Into the waiting queue, ordered by priority: behind its equals (a new request) or
@@ -322,6 +332,7 @@ class Scheduler:
             sample=end == seq.total_len,
             generator=seq.generator,  # type: ignore[arg-type]
             grammar=seq.grammar,  # type: ignore[arg-type]
+            pool=seq.pool is not None,
             prompt_logprobs_rows=prompt_rows,
         )
 
@@ -343,6 +354,9 @@ class Scheduler:
                 for ids, lps in zip(res.prompt.top_ids, res.prompt.top_logprobs):
                     seq.prompt_top_ids.extend(ids)  # type: ignore[union-attr]
                     seq.prompt_top_lps.extend(lps)  # type: ignore[union-attr]
+            if res is not None and res.pooled is not None and seq.pool is not None:
+                outputs.append((seq, self._pooled(seq, res.pooled)))
+                continue
             if res is None or res.token_id is None:
                 continue
             outputs.append((seq, self._emit(seq, res)))
@@ -352,6 +366,18 @@ class Scheduler:
                 self.by_id.pop(seq.request_id, None)
                 self._release(seq)
         return outputs
+
+    def _pooled(self, seq: Sequence, vector) -> PoolOutput:
+        """End an embedding request with its vector (normalised unless it asked otherwise)."""
+        req = seq.pool
+        assert req is not None
+        seq.finish_reason = "stop"
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.by_id.pop(seq.request_id, None)
+        self._release(seq)
+        v = shape_embedding(vector, req.dimensions, True if req.normalize is None else req.normalize)
+        return PoolOutput(seq.request_id, tuple(v.tolist()), len(seq.prompt_ids))
 
     def _emit(self, seq: Sequence, res: SampleOut) -> RequestOutput:
         first = not seq.output_ids
@@ -440,7 +466,7 @@ def run_until_done(scheduler: Scheduler, on_step=None) -> dict[str, list[Request
             return outs
         steps = scheduler.steps
         for out in scheduler.step():
-            if out.finish_reason == "error":
+            if getattr(out, "finish_reason", None) == "error" or (isinstance(out, PoolOutput) and out.error):
                 raise RuntimeError(f"request {out.request_id}: {out.error}")
             outs.setdefault(out.request_id, []).append(out)
         if scheduler.steps == steps:

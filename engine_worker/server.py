@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         pid=os.getpid(),
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
+        tasks=("generate", "embed"),  # embeddings by last-token pooling (Scheduler.add_pool)
+        embed_size=loaded.config.hidden_size,
     )
     server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
     _serve(a, server, status, source, t0)

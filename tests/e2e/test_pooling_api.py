@@ -242,3 +242,19 @@ def test_a_cross_encoder_scores_the_pair_with_its_head(tiny_heads):
     ranked = post(servers[1], "/v1/rerank", {"query": query, "documents": docs}).json()["results"]
     assert sorted(r["index"] for r in ranked) == [0, 1]
     assert ranked[0]["relevance_score"] >= ranked[1]["relevance_score"]
+
+
+def test_a_generating_model_embeds_too_by_last_token_pooling(tiny_server):
+    """The tiny random decoder answers /v1/embeddings beside generation: its last token's final-norm
+    hidden state, normalised; /pooling gives it raw, and /classify is refused with what it serves."""
+    r = post(tiny_server, "/v1/embeddings", {"model": "tiny-random", "input": ["hello there", "hello there"]})
+    assert r.status_code == 200, r.text
+    a, b = (d["embedding"] for d in r.json()["data"])
+    assert a == b and abs(sum(x * x for x in a) - 1.0) < 1e-5
+    raw = post(tiny_server, "/pooling", {"model": "tiny-random", "input": "hello there"}).json()["data"][0]["data"]
+    norm = math.sqrt(sum(x * x for x in raw))
+    assert close([x / norm for x in raw], a, 1e-5)
+    r = post(tiny_server, "/classify", {"model": "tiny-random", "input": "x"})
+    assert r.status_code == 400 and "it serves embed, generate" in r.json()["error"]["message"]
+    gen = post(tiny_server, "/v1/completions", {"model": "tiny-random", "prompt": "hi", "max_tokens": 2})
+    assert gen.status_code == 200

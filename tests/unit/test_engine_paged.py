@@ -387,3 +387,36 @@ def test_a_block_id_outside_the_pool_is_refused_before_any_kernel_reads_it():
         for table in ([3, 8], [-1, 2]):
             with pytest.raises(ValueError, match="outside the pool"):
                 backend(cache, 4).plan([SeqLayout(table, 5, 1)])
+
+
+def test_a_generating_model_embeds_by_last_token_pooling_alone_and_in_a_busy_batch(loaded):
+    """An embedding request on a decoder: the final-norm hidden state of its last prompt token, the
+    very vector the LM head reads, so the head's argmax over it is the first greedy token."""
+    from protocol import PoolRequest
+
+    runner = make_runner(loaded, num_blocks=128)
+
+    def pooled(reqs, gen=()):
+        sched = Scheduler(runner, 8, 64)
+        for r in reqs:
+            assert sched.add_pool(r) is None
+        for i, sp in enumerate(gen):
+            assert sched.add(Sequence(f"g{i}", list(PROMPT[: 5 + i]), sp)) is None
+        outs = run_until_done(sched)
+        return {rid: o[-1] for rid, o in outs.items()}
+
+    raw = pooled([PoolRequest("e", tuple(PROMPT), normalize=False)])["e"]
+    assert raw.num_prompt_tokens == len(PROMPT) and len(raw.data) == loaded.config.hidden_size
+    greedy = toks(run(runner, [(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))])[0][0])
+    with torch.inference_mode():
+        logits = runner.model.lm_head(torch.tensor(raw.data)[None])
+    assert int(logits.argmax()) == greedy[0]
+
+    unit = pooled([PoolRequest("e", tuple(PROMPT))])["e"]
+    assert abs(sum(x * x for x in unit.data) - 1.0) < 1e-5
+    busy = pooled([PoolRequest("e", tuple(PROMPT)), PoolRequest("c", tuple(PROMPT), dimensions=16)],
+                  gen=[hot(1, 20), hot(None, 20), hot(2, 20)])
+    assert max(abs(a - b) for a, b in zip(busy["e"].data, unit.data)) < 1e-4
+    assert len(busy["c"].data) == 16
+    sched = Scheduler(runner, 8, 64)
+    assert "does not classify" in sched.add_pool(PoolRequest("x", (1, 2), task="classify"))
