@@ -87,14 +87,15 @@ def test_invocations_streams_a_completion(http):
     {"model": MODEL, "query": "capital of France", "documents": ["Paris", "Berlin"]},
 ], ids=["chat-invalid", "unknown-model", "too-long", "embeddings", "rerank"])
 def test_invocations_answers_exactly_as_the_route_it_names(http, body):
-    """Errors included, and whether or not the route exists on this server: embeddings and rerank need a
-    pooling model (their families may not even be mounted), so here they answer what the route answers."""
+    """Errors included: the first three are refusals. The tiny decoder embeds by last-token pooling, so
+    embeddings and rerank succeed, deterministically: the same answer but for rerank's fresh id."""
     path = {"messages": "/v1/chat/completions", "prompt": "/v1/completions", "input": "/v1/embeddings",
             "query": "/v1/rerank"}[next(k for k in ("messages", "prompt", "input", "query") if k in body)]
     direct = http.post(path, json=body)
     via = http.post("/invocations", json=body)
-    assert via.status_code == direct.status_code and via.status_code >= 400, via.text
-    assert via.json() == direct.json()
+    assert via.status_code == direct.status_code, via.text
+    assert (via.status_code >= 400) == ("input" not in body and "query" not in body)
+    assert {k: v for k, v in via.json().items() if k != "id"} == {k: v for k, v in direct.json().items() if k != "id"}
 
 
 @pytest.mark.parametrize("content, fragment", [
