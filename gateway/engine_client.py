@@ -294,13 +294,7 @@ class EngineClient:
         try:
             await self._send(st, frames, refused)
             while True:
-                out = await st.queue.get()
-                if isinstance(out, _HandBack):
-                    if out.engine is st.engine:
-                        refused.add(out.engine.endpoint)
-                        self._detach(st)
-                        await self._send(st, frames, refused)
-                    continue
+                out = await self._next_output(st, frames, refused)
                 if out.finish_reason == "error":
                     finished = True
                     raise EngineRequestError(out.error or "the engine failed the request")
@@ -310,6 +304,18 @@ class EngineClient:
                     return
         finally:
             await self._release(request_id, st, abort=not finished or st.failed_here)
+
+    async def _next_output(self, st: _Stream, frames: list[bytes], refused: set[str]):
+        """The request's next output. A hand-back (its engine refused or lost it before any output)
+        first sends it to another engine that has not refused it."""
+        while True:
+            out = await st.queue.get()
+            if not isinstance(out, _HandBack):
+                return out
+            if out.engine is st.engine:
+                refused.add(out.engine.endpoint)
+                self._detach(st)
+                await self._send(st, frames, refused)
 
     async def _release(self, request_id: str, st: _Stream, abort: bool) -> None:
         """Forget a request; with ``abort``, tell its engine to stop working on it."""
@@ -334,19 +340,12 @@ class EngineClient:
         answered = False
         try:
             await self._send(st, frames, refused)
-            while True:
-                out = await st.queue.get()
-                if isinstance(out, _HandBack):
-                    if out.engine is st.engine:
-                        refused.add(out.engine.endpoint)
-                        self._detach(st)
-                        await self._send(st, frames, refused)
-                    continue
-                answered = True
-                if isinstance(out, RequestOutput):  # failed here (shutdown) or refused with an error
-                    raise EngineRequestError(out.error or "the engine failed the request")
-                if out.error is not None:
-                    raise EngineRequestError(out.error)
-                return out
+            out = await self._next_output(st, frames, refused)
+            answered = True
+            if isinstance(out, RequestOutput):  # failed here (shutdown) or refused with an error
+                raise EngineRequestError(out.error or "the engine failed the request")
+            if out.error is not None:
+                raise EngineRequestError(out.error)
+            return out
         finally:
             await self._release(request_id, st, abort=not answered)

@@ -152,6 +152,16 @@ async def _pool(state: GatewayState, rid: str, inputs: list[list[int]], task: st
         raise engine_error(e) from None
 
 
+def _inputs(state: GatewayState, req: EmbeddingRequest | ClassifyRequest, task: str
+            ) -> tuple[str, EngineHello, list[list[int]]]:
+    """The model name, an engine's announcement for ``task`` and the token ids of every input."""
+    model = check_model(state, req.model)
+    hello = _hello(state, task)
+    items = _items(req.input)
+    _check_count(len(items), "input")
+    return model, hello, [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
+
+
 def _check_count(n: int, param: str) -> None:
     if n > MAX_INPUTS:
         raise bad_request(f"{n} inputs; at most {MAX_INPUTS} per request", param=param)
@@ -210,15 +220,11 @@ async def _scores(state: GatewayState, rid: str, model: str, queries: list[str],
 async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
-    model = check_model(state, req.model)
-    hello = _hello(state, "embed")
+    model, hello, ids = _inputs(state, req, "embed")
     if req.dimensions is not None and (not hello.matryoshka or req.dimensions > hello.embed_size):
         why = (f"at most {hello.embed_size}" if hello.matryoshka else
                "this model does not support other dimensions (it is not a Matryoshka model)")
         raise bad_request(f"dimensions {req.dimensions}: {why}", param="dimensions")
-    items = _items(req.input)
-    _check_count(len(items), "input")
-    ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
     outs = await _pool(state, f"embd-{uuid.uuid4().hex}", ids, "embed", req.normalize, req.dimensions)
     data = []
     for i, o in enumerate(outs):
@@ -237,11 +243,7 @@ async def pooling(request: web.Request) -> web.Response:
     """vLLM's raw pooled vectors: the embedding before normalisation."""
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
-    model = check_model(state, req.model)
-    hello = _hello(state, "embed")
-    items = _items(req.input)
-    _check_count(len(items), "input")
-    ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
+    model, _, ids = _inputs(state, req, "embed")
     rid = f"pool-{uuid.uuid4().hex}"
     outs = await _pool(state, rid, ids, "embed", normalize=False if req.normalize is None else req.normalize)
     data = [{"index": i, "object": "pooling", "data": list(o.data)} for i, o in enumerate(outs)]
@@ -300,11 +302,7 @@ async def rerank_cohere(request: web.Request) -> web.Response:
 async def classify(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(ClassifyRequest, await request.read())
-    model = check_model(state, req.model)
-    hello = _hello(state, "classify")
-    items = _items(req.input)
-    _check_count(len(items), "input")
-    ids = [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
+    model, hello, ids = _inputs(state, req, "classify")
     rid = f"classify-{uuid.uuid4().hex}"
     outs = await _pool(state, rid, ids, "classify")
     data = []
