@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.models.layers import Linear, onednn_packing_available
+from engine_worker.models.layers import Linear, copy_checkpoint, onednn_packing_available
 
 ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 _ROBERTA_TYPES = ("roberta", "xlm-roberta")
@@ -339,26 +339,10 @@ class BertEncoder(nn.Module):
         """Copy checkpoint tensors in (any dtype/device); fails unless every weight arrives once."""
         if self.packed:
             raise RuntimeError("weights were packed for serving; load into a fresh model")
-        targets = self._targets()
-        missing = set(targets)
-        for raw, tensor in weights:
-            name = self.checkpoint_name(raw)
-            if name is None:
-                continue
-            if name not in targets:
-                raise ValueError(f"unexpected weight {raw!r} for a {self.config.num_layers}-layer "
-                                 f"{self.config.model_type} (config and weights do not match)")
-            if name not in missing:
-                raise ValueError(f"weight {raw!r} given twice")
-            dest, row, rows = targets[name]
-            expected = (rows, *dest.shape[1:])
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"weight {raw!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            dest[row : row + rows].copy_(tensor)
-            missing.remove(name)
-        if missing:
-            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]} "
-                             "(config and weights do not match)")
+        targets = {name: (dest, row, (rows, *dest.shape[1:])) for name, (dest, row, rows) in self._targets().items()}
+        named = ((self.checkpoint_name(raw), tensor) for raw, tensor in weights)
+        copy_checkpoint(((n, t) for n, t in named if n is not None), targets,
+                        f"a {self.config.num_layers}-layer {self.config.model_type}")
 
 
 def load_encoder(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> BertEncoder:

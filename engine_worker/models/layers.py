@@ -91,6 +91,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin).addcmul_(x, cos)
 
 
+def copy_checkpoint(weights, targets: dict[str, tuple[torch.Tensor, int, tuple[int, ...]]], what: str) -> None:
+    """Copy ``(name, tensor)`` pairs into ``targets`` (name -> destination, first row, expected
+    shape), each exactly once: an unknown, repeated, misshapen or missing weight is a ValueError
+    naming it (``what`` describes the model in the message)."""
+    missing = set(targets)
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name not in targets:
+                raise ValueError(f"unexpected weight {name!r} for {what} (config and weights do not match)")
+            if name not in missing:
+                raise ValueError(f"weight {name!r} given twice")
+            dest, row, expected = targets[name]
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            dest[row : row + expected[0]].copy_(tensor)
+            missing.remove(name)
+    if missing:
+        raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]} "
+                         "(config and weights do not match)")
+
+
 def new_weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised on purpose: every weight is overwritten by load_weights.
     return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)

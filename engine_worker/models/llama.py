@@ -32,6 +32,7 @@ from engine_worker.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
+    copy_checkpoint,
     new_weight,
     onednn_packing_available,
 )
@@ -268,20 +269,5 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in (any dtype/device); fails unless every weight arrives once."""
         if self.packed:
             raise RuntimeError("weights were packed for serving; load into a fresh model")
-        targets = self._targets()
-        missing = set(targets)
-        for name, tensor in weights:
-            if name not in targets:
-                raise ValueError(f"unexpected weight {name!r} for a {self.config.num_layers}-layer "
-                                 f"{self.config.architecture} (config and weights do not match)")
-            if name not in missing:
-                raise ValueError(f"weight {name!r} given twice")
-            dest, row = targets[name]
-            expected = self._shape(name, dest)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            dest[row : row + expected[0]].copy_(tensor)
-            missing.remove(name)
-        if missing:
-            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]} "
-                             "(config and weights do not match)")
+        targets = {name: (dest, row, self._shape(name, dest)) for name, (dest, row) in self._targets().items()}
+        copy_checkpoint(weights, targets, f"a {self.config.num_layers}-layer {self.config.architecture}")
