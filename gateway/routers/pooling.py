@@ -167,6 +167,12 @@ def _check_count(n: int, param: str) -> None:
         raise bad_request(f"{n} inputs; at most {MAX_INPUTS} per request", param=param)
 
 
+def _listing(rid: str, model: str, data: list[dict], usage: dict) -> web.Response:
+    """vLLM's envelope of the pooling, score and classify answers."""
+    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
+                              "data": data, "usage": usage}, dumps=dumps)
+
+
 def _usage(outs: list[PoolOutput]) -> dict:
     n = sum(o.num_prompt_tokens for o in outs)
     return {"prompt_tokens": n, "total_tokens": n}
@@ -247,8 +253,7 @@ async def pooling(request: web.Request) -> web.Response:
     rid = f"pool-{uuid.uuid4().hex}"
     outs = await _pool(state, rid, ids, "embed", normalize=False if req.normalize is None else req.normalize)
     data = [{"index": i, "object": "pooling", "data": list(o.data)} for i, o in enumerate(outs)]
-    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
-                              "data": data, "usage": _usage(outs)}, dumps=dumps)
+    return _listing(rid, model, data, _usage(outs))
 
 
 @routes.post("/score")
@@ -261,38 +266,34 @@ async def score(request: web.Request) -> web.Response:
     scores, usage = await _scores(state, rid, model, _items(req.text_1), _items(req.text_2),
                                   req.truncate_prompt_tokens, "text_2")
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
-                              "data": data, "usage": usage}, dumps=dumps)
+    return _listing(rid, model, data, usage)
 
 
-async def _rerank(request: web.Request) -> tuple[RerankRequest, str, str, list[tuple[int, str, float]], dict]:
+async def _rerank(request: web.Request) -> tuple[str, str, list[dict], dict]:
+    """(id, model, results best first, usage): what both rerank shapes carry."""
     state = request.app[STATE]
     req = parse(RerankRequest, await request.read())
     model = check_model(state, req.model)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     rid = f"rerank-{uuid.uuid4().hex}"
     scores, usage = await _scores(state, rid, model, [req.query], docs, req.truncate_prompt_tokens, "documents")
-    ranked = sorted(((i, docs[i], s) for i, s in enumerate(scores)), key=lambda r: -r[2])
-    if req.top_n:
-        ranked = ranked[: req.top_n]
-    return req, rid, model, ranked, usage
+    ranked = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or None]
+    results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}} if req.return_documents
+                                                             else {})} for i in ranked]
+    return rid, model, results, usage
 
 
 @routes.post("/rerank")
 @routes.post("/v1/rerank")
 async def rerank_jina(request: web.Request) -> web.Response:
-    req, rid, model, ranked, usage = await _rerank(request)
-    results = [{"index": i, "relevance_score": s, **({"document": {"text": d}} if req.return_documents else {})}
-               for i, d, s in ranked]
+    rid, model, results, usage = await _rerank(request)
     return web.json_response({"id": rid, "model": model, "usage": {"total_tokens": usage["total_tokens"]},
                               "results": results}, dumps=dumps)
 
 
 @routes.post("/v2/rerank")
 async def rerank_cohere(request: web.Request) -> web.Response:
-    req, rid, model, ranked, usage = await _rerank(request)
-    results = [{"index": i, "relevance_score": s, **({"document": {"text": d}} if req.return_documents else {})}
-               for i, d, s in ranked]
+    rid, _, results, usage = await _rerank(request)
     return web.json_response({"id": rid, "results": results, "meta": {
         "api_version": {"version": "2"}, "billed_units": {"search_units": 1},
         "tokens": {"input_tokens": usage["prompt_tokens"], "output_tokens": 0}}}, dumps=dumps)
@@ -311,5 +312,4 @@ async def classify(request: web.Request) -> web.Response:
         best = max(range(len(probs)), key=probs.__getitem__)
         label = hello.labels[best] if best < len(hello.labels) else f"LABEL_{best}"
         data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
-                              "data": data, "usage": _usage(outs)}, dumps=dumps)
+    return _listing(rid, model, data, _usage(outs))

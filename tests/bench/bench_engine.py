@@ -219,15 +219,6 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
 
     spent: collections.Counter = collections.Counter()
 
-    def timed(name, fn):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[name] += time.perf_counter() - t
-        return wrapper
-
     patches = [(cpu_kernels, n, f"{n} (native)") for n in ("decode_attention", "add_rms_norm", "rope_and_store",
                                                              "silu_and_mul")]
     patches += [(layers.Linear, "forward", "linear layers (oneDNN)"), (runner.sampler, "sample", "sampling"),
@@ -235,7 +226,7 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
     with contextlib.ExitStack() as undo:
         for owner, attr, label in patches:
             orig = getattr(owner, attr)
-            setattr(owner, attr, timed(label, orig))
+            setattr(owner, attr, _timed(spent, label, orig))
             undo.callback(setattr, owner, attr, orig)
         n = len(sched.running)
         t = time.perf_counter()
