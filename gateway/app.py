@@ -7,7 +7,6 @@ from aiohttp import web
 from .errors import error_middleware
 from .metrics import metrics_middleware
 from .routers import anthropic, control, core, native, openai, pooling, render, responses, sagemaker
-from .routers.common import TOKEN_TEXT, TokenText
 from .state import STATE, GatewayState
 
 # Route families, each a module with a ``routes`` table (docs/api.md describes them).
@@ -23,7 +22,6 @@ MAX_BODY_BYTES = 32 << 20
 def build_app(state: GatewayState, families: list[str] | None = None) -> web.Application:
     app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
-    app[TOKEN_TEXT] = TokenText(state)
     app.on_response_prepare.append(_close_while_draining)
     for name in families or list(ROUTE_FAMILIES):
         app.add_routes(ROUTE_FAMILIES[name].routes)

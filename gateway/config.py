@@ -6,7 +6,7 @@ engine tier's twin). A new gateway option is a field here, a click option and th
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 
@@ -19,9 +19,8 @@ from .text.tool_parsers import TOOL_PARSERS
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """What every gateway process is started with (besides its index and the sockets it inherits)."""
+    """What every gateway process is started with (besides its index, its models and the sockets it inherits)."""
 
-    served_model_names: tuple[str, ...] = field(default_factory=tuple)  # names clients use; () = the model id
     tool_call_parser: str | None = None  # tools are refused without one
     reasoning_parser: str | None = None
     state_url: str | None = None  # stored responses: None = SQLite in the run directory; redis://, sqlite:///
@@ -33,9 +32,6 @@ class GatewayConfig:
     render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
-        if not all(isinstance(n, str) and n for n in self.served_model_names):
-            raise ValueError("served model names must be non-empty strings")
         for name, registry in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             value = getattr(self, name)
             if value is not None and value not in registry:

@@ -6,7 +6,10 @@ A socket monitor tells us the moment an engine's connection drops: every request
 it then ends with an error at once, and the engine is not routed to until it (or its
 replacement, on the same endpoint) says hello again.
 
-``generate`` sends a request to the least-loaded routable engine (outstanding work, not
+Each engine serves one model (the supervisor's cluster state says which); ``ModelEngines`` is one
+model's share of the client, so a request only ever reaches its own model's engines.
+
+``generate`` sends a request to the least-loaded routable engine of its model (outstanding work, not
 round-robin) and yields its outputs; leaving the iterator early aborts the request in the
 engine. A request that an engine refuses (draining) or loses (dies) before producing any output
 goes to another engine; one that was already streaming ends with an error.
@@ -79,7 +82,11 @@ class EngineConnection:
     stats: EngineStats | None = None
     outstanding: int = 0  # this gateway's requests in flight on the engine
     known_rank: int | None = None  # kept after the engine is gone, for messages
+    model: str | None = None  # the model it serves, from the cluster state; None = standalone (any)
     tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or self.model is None or self.model == model
 
     @property
     def routable(self) -> bool:
@@ -98,7 +105,7 @@ class EngineConnection:
     def describe(self) -> dict:
         """This gateway's view of the engine, as /load and /status report it."""
         st = self.stats
-        return {"endpoint": self.endpoint, "rank": self.rank, "state": self.cluster_state,
+        return {"endpoint": self.endpoint, "rank": self.rank, "model": self.model, "state": self.cluster_state,
                 "connected": self.hello is not None, "routable": self.routable,
                 "running": st.running if st else None, "waiting": st.waiting if st else None,
                 "kv_used": st.kv_used if st else None}
@@ -110,6 +117,7 @@ class _Stream:
     engine: EngineConnection | None = None
     failed_here: bool = False  # ended by this gateway (shutdown, engine lost), not by the engine
     started: bool = False  # the engine has sent output for it
+    model: str | None = None  # routed only to engines of this model
 
 
 class EngineClient:
@@ -163,10 +171,21 @@ class EngineClient:
             if eng.cluster_state != info.state:
                 log.info("engine %d at %s is %s", info.rank, ep, info.state)
             eng.cluster_state = info.state
+            eng.model = info.model or None
         for ep, eng in list(self.engines.items()):
             if ep not in wanted:
                 await self._drop(eng, f"lost engine {eng.rank} while serving the request")
         self._update_ready()
+
+    async def wait_hello(self, endpoints: list[str], timeout: float) -> bool:
+        """Wait up to ``timeout`` s until every engine at ``endpoints`` has said hello; whether they all did."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            if all((e := self.engines.get(ep)) is not None and e.hello is not None for ep in endpoints):
+                return True
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.01)
 
     def _update_ready(self) -> None:
         if any(e.routable for e in self.engines.values()):
@@ -186,10 +205,10 @@ class EngineClient:
     def in_flight(self) -> int:
         return len(self._streams)
 
-    def pick_engine(self, exclude: set[str] = frozenset()) -> EngineConnection:
-        ready = [e for e in self.ready_engines if e.endpoint not in exclude]
+    def pick_engine(self, exclude: set[str] = frozenset(), model: str | None = None) -> EngineConnection:
+        ready = [e for e in self.ready_engines if e.endpoint not in exclude and e.serves(model)]
         if not ready:
-            raise NoEngineAvailable("no engine is ready")
+            raise NoEngineAvailable("no engine is ready" + (f" for model {model!r}" if model else ""))
         least = min(e.load for e in ready)
         tied = [e for e in ready if e.load == least]
         self._turn += 1  # ties rotate, so light sequential traffic still reaches every engine
@@ -263,11 +282,11 @@ class EngineClient:
         return len(self._streams)
 
     async def _send(self, st: _Stream, frames: list[bytes], refused: set[str]) -> None:
-        """Send the request to the least-loaded engine that has not refused it."""
+        """Send the request to the least-loaded engine of its model that has not refused it."""
         while True:
             if len(refused) > MAX_HANDBACKS:
                 raise NoEngineAvailable("no engine would take the request")
-            eng = self.pick_engine(refused)
+            eng = self.pick_engine(refused, st.model)
             try:
                 await eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # the connection dropped between the pick and the send
@@ -283,10 +302,10 @@ class EngineClient:
             st.engine.outstanding -= 1
             st.engine = None
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                       model: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until one carries a finish reason."""
-        st = _Stream(asyncio.Queue())
+        st = _Stream(asyncio.Queue(), model=model)
         self._streams[request_id] = st
         frames = encode(AddRequest(request_id, tuple(prompt_token_ids), sampling))
         refused: set[str] = set()
@@ -330,10 +349,11 @@ class EngineClient:
                     pass
 
     async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
-                   normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0) -> PoolOutput:
+                   normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0,
+                   model: str | None = None) -> PoolOutput:
         """Run one input through a pooling engine; its vector (or logits). Like ``generate``, a
         request an engine refuses or loses before answering goes to another engine."""
-        st = _Stream(asyncio.Queue())
+        st = _Stream(asyncio.Queue(), model=model)
         self._streams[request_id] = st
         frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions, pair_start))
         refused: set[str] = set()
@@ -349,3 +369,43 @@ class EngineClient:
             return out
         finally:
             await self._release(request_id, st, abort=not answered)
+
+
+class ModelEngines:
+    """One model's engines: what a ``ModelState`` calls ``engines`` (routing, readiness, tasks)."""
+
+    def __init__(self, client: EngineClient, model: str | None):
+        self.client = client
+        self.model = model
+
+    @property
+    def ready_engines(self) -> list[EngineConnection]:
+        return [e for e in self.client.ready_engines if e.serves(self.model)]
+
+    @property
+    def engines(self) -> dict[str, EngineConnection]:
+        return {ep: e for ep, e in self.client.engines.items() if e.serves(self.model)}
+
+    @property
+    def tasks(self) -> set[str]:
+        """What the model's ready engines do (generate, embed, classify)."""
+        return {t for e in self.ready_engines if e.hello is not None for t in e.hello.tasks}
+
+    @property
+    def primary_task(self) -> str | None:
+        """What the model is made for: the first task its engines announce (generate for a chat model that
+        also embeds)."""
+        return next((e.hello.tasks[0] for e in self.ready_engines if e.hello is not None and e.hello.tasks), None)
+
+    @property
+    def in_flight(self) -> int:
+        return self.client.in_flight
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+                 ) -> AsyncIterator[RequestOutput]:
+        return self.client.generate(request_id, prompt_token_ids, sampling, self.model)
+
+    async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
+                   normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0) -> PoolOutput:
+        return await self.client.pool(request_id, prompt_token_ids, task, normalize, dimensions, pair_start,
+                                      self.model)

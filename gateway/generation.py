@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from protocol import RequestOutput, SamplingParams
 
 from .metrics import IN_FLIGHT, PROMPT_TOKENS, TokenTimer
-from .state import GatewayState
+from .state import ModelState
 from .text.detokenizer import IncrementalDetokenizer
 from .text.stop import StopChecker
 
@@ -65,7 +65,7 @@ def _pair_logprobs(ids, lps, top) -> list[TokenLogprob] | None:
     return res
 
 
-async def generate_text(state: GatewayState, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+async def generate_text(state: ModelState, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                         opts: TextOptions) -> AsyncIterator[Delta]:
     """Yield text deltas until the request finishes; closing early aborts it in the engine."""
     detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens) \

@@ -49,18 +49,19 @@ class EngineCollector:
 
     def collect(self):
         state = self.app[STATE]
-        families = {name: _FAMILY[kind](metric, doc, labels=["engine"])
+        labels = ["engine", "model"]
+        families = {name: _FAMILY[kind](metric, doc, labels=labels)
                     for name, (kind, metric, doc) in ENGINE_METRICS.items()}
-        up = GaugeMetricFamily("zserve_engine_up", "1 when the engine is connected and routable.", labels=["engine"])
+        up = GaugeMetricFamily("zserve_engine_up", "1 when the engine is connected and routable.", labels=labels)
         for e in state.engines.engines.values():
             if e.hello is None:
                 continue
-            rank = str(e.hello.rank)
-            up.add_metric([rank], 1.0 if e.routable else 0.0)
+            values = [str(e.hello.rank), e.hello.model_id]
+            up.add_metric(values, 1.0 if e.routable else 0.0)
             if e.stats is None:
                 continue
             for key, fam in families.items():
-                fam.add_metric([rank], float(getattr(e.stats, key)))
+                fam.add_metric(values, float(getattr(e.stats, key)))
         yield from families.values()
         yield up
 

@@ -31,13 +31,15 @@ from zserve.proc import StatusPipe, die_with_parent, ignore_terminal_signals, se
 
 from .app import build_app
 from .config import GatewayConfig
-from .engine_client import EngineClient
-from .state import GatewayState, load_text
+from .engine_client import EngineClient, ModelEngines
+from .state import GatewayState, ServedModel, load_text
 from .store import open_store
 from .text.reasoning import get_reasoning_parser
 from .text.tool_parsers import get_tool_parser
 
 log = logging.getLogger("zserve.gateway")
+
+HELLO_WAIT = 2.0  # seconds a cluster-state ack waits for the engines it calls ready to say hello
 
 
 class ControlReader:
@@ -79,12 +81,15 @@ class ControlReader:
 async def serve(a: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     status = StatusPipe(a.status_fd)
-    source = ModelSource.from_json(orjson.loads(a.model_source))
-    tokenizer, template = await loop.run_in_executor(None, load_text, source, a.cache_dir)
     engines = EngineClient(a.engine or [], client_id=f"gw{a.index}-{os.getpid()}")
+    models = []
+    for entry in a.served_model:
+        source = ModelSource.from_json(entry["source"])
+        tokenizer, template = await loop.run_in_executor(None, load_text, source, a.cache_dir)
+        models.append(ServedModel(source, list(entry.get("names") or [source.model_id]), tokenizer, template,
+                                  ModelEngines(engines, source.model_id)))
     cfg: GatewayConfig = a.config
-    names = list(cfg.served_model_names) or [source.model_id]
-    state = GatewayState(a.index, source, names, tokenizer, template, engines, control_socket=a.control_socket,
+    state = GatewayState(a.index, models, engines, control_socket=a.control_socket,
                          tool_parser=get_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None,
                          reasoning_parser=get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None,
                          responses=open_store(cfg.state_url,
@@ -95,6 +100,9 @@ async def serve(a: argparse.Namespace) -> int:
 
     async def apply(cluster: ClusterState) -> None:
         await engines.apply_cluster(cluster)
+        # Acknowledge once the engines the supervisor calls ready answer here too (they bound their socket
+        # before saying so: a hello follows within milliseconds), so "every gateway applied it" means routable.
+        await engines.wait_hello([e.endpoint for e in cluster.engines if e.state == "ready"], HELLO_WAIT)
         state.cluster = cluster
         status.send(Ack(cluster.version))
 
@@ -161,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--fd", type=int, required=True, help="inherited listening socket")
     p.add_argument("--engine", action="append", default=None, help="engine endpoint, when not told by a supervisor")
-    p.add_argument("--model-source", required=True)
+    p.add_argument("--served-model", action="append", required=True, type=orjson.loads,
+                   help='one model every request may name, as JSON: {"source": ModelSource.to_json(), '
+                        '"names": [...]}; repeated for each model')
     p.add_argument("--config", default=None,
                    help="JSON from gateway.config.GatewayConfig.to_json() (default: defaults)")
     p.add_argument("--cache-dir", default=None)

@@ -1,9 +1,17 @@
-"""Everything a gateway's handlers share, built once at start-up (``gateway.server`` builds it)."""
+"""Everything a gateway's handlers share, built once at start-up (``gateway.server`` builds it).
+
+A gateway serves every model of its server. ``GatewayState`` is the gateway's own state (its engines,
+cluster state, parsers, stored responses) plus one ``ServedModel`` per model (names, tokenizer, chat
+template, token texts). A handler binds ``state = state.for_model(req.model)`` once it has read the
+body: the ``ModelState`` it gets has the same attributes, seen through that model, so ``state.tokenizer``
+is the model's tokenizer and ``state.engines`` routes only to the model's engines.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from aiohttp import web
 
@@ -11,21 +19,39 @@ from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
 from zserve.tokenizer import Tokenizer
 
-from .engine_client import EngineClient
+from .engine_client import EngineClient, ModelEngines
+from .errors import APIError
 from .store import ResponseStore
 from .text.chat_template import ChatTemplate
 from .text.reasoning import ReasoningParser
+from .text.token_text import TokenText
 from .text.tool_parsers import ToolParser
+
+
+@dataclass
+class ServedModel:
+    """One model this gateway serves: the names clients use for it, its text side, and its engines."""
+
+    source: ModelSource
+    names: list[str]
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    engines: ModelEngines
+
+    @property
+    def model_id(self) -> str:
+        return self.source.model_id
+
+    @cached_property
+    def token_text(self) -> TokenText:
+        return TokenText(self.tokenizer)
 
 
 @dataclass
 class GatewayState:
     index: int
-    source: ModelSource
-    served_model_names: list[str]
-    tokenizer: Tokenizer
-    chat_template: ChatTemplate | None
-    engines: EngineClient
+    models: list[ServedModel]  # the first is the default of a request that names none
+    engines: EngineClient  # every model's engines
     started_at: float = field(default_factory=time.time)
     control_socket: str | None = None  # the supervisor's, for cluster-wide operations
     cluster: ClusterState | None = None  # the latest state the supervisor broadcast
@@ -35,6 +61,9 @@ class GatewayState:
     responses: ResponseStore | None = None  # stored Responses-API objects, shared by every gateway
     render_only: bool = False  # no engine tier (launch render): generation is refused, rendering is not
     default_max_model_len: int = 4096  # the context checked against while no engine reports one
+
+    def __post_init__(self) -> None:
+        self._by_name = {name: m for m in self.models for name in m.names}
 
     @property
     def can_serve(self) -> bool:
@@ -46,13 +75,89 @@ class GatewayState:
         return bool(self.cluster and self.cluster.paused)
 
     @property
+    def served_names(self) -> list[str]:
+        return list(self._by_name)
+
+    def for_model(self, name: str | None, task: str | tuple[str, ...] = ()) -> ModelState:
+        """The state as a request for model ``name`` sees it: 404 ``model_not_found`` for a name no model has,
+        400 ``unsupported_task`` for a model whose engines do none of ``task``. A request that names no model
+        gets the first model made for ``task`` (an embedding model for embed, though a chat model embeds too),
+        else the first that does it, else the first model."""
+        tasks = (task,) if isinstance(task, str) else task
+        if name is None:
+            model = next((m for m in self.models if m.engines.primary_task in tasks), None) or next(
+                (m for m in self.models if m.engines.tasks.intersection(tasks)), self.models[0])
+            view = ModelState(self, model, model.names[0])
+        else:
+            model = self._by_name.get(name)
+            if model is None:
+                raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            view = ModelState(self, model, name)
+        if tasks:
+            view.check_task(*tasks)
+        return view
+
+    def models_serving(self, *tasks: str) -> list[str]:
+        """The names of the models whose ready engines do one of ``tasks`` (a refusal says where to go)."""
+        return [name for m in self.models if m.engines.tasks.intersection(tasks) for name in m.names]
+
+
+class ModelState:
+    """A ``GatewayState`` seen through one model: its names, tokenizer, template, context and engines;
+    every other attribute is the gateway's."""
+
+    def __init__(self, gateway: GatewayState, model: ServedModel, name: str):
+        self.gateway = gateway
+        self.model = model
+        self.name = name  # the name the request used: responses echo it
+        self.engines = model.engines
+
+    def __getattr__(self, attr: str):
+        return getattr(self.gateway, attr)
+
+    @property
+    def source(self) -> ModelSource:
+        return self.model.source
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.model.tokenizer
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self.model.chat_template
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return self.model.names
+
+    @property
     def model_id(self) -> str:
-        return self.served_model_names[0]
+        return self.name
+
+    @property
+    def token_text(self) -> TokenText:
+        return self.model.token_text
+
+    @property
+    def can_serve(self) -> bool:
+        return self.render_only or bool(self.engines.ready_engines)
+
+    def check_task(self, *wanted: str) -> None:
+        """400 ``unsupported_task`` when the model's ready engines do none of ``wanted``, naming the models
+        that do (nothing is known, so nothing is refused, while no engine of the model is ready)."""
+        tasks = self.engines.tasks
+        if tasks and not tasks.intersection(wanted):
+            task = " or ".join(wanted)
+            others = self.gateway.models_serving(*wanted)
+            where = f"; models that {task}: {', '.join(others)}" if others else f"; no model here does {task}"
+            raise APIError(400, f"model {self.name!r} does not {task}: it serves {', '.join(sorted(tasks))}{where}",
+                           param="model", code="unsupported_task")
 
     @property
     def max_model_len(self) -> int:
         ready = self.engines.ready_engines
-        return min((e.hello.max_model_len for e in ready if e.hello), default=self.default_max_model_len)
+        return min((e.hello.max_model_len for e in ready if e.hello), default=self.gateway.default_max_model_len)
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -42,10 +42,11 @@ class Slot:
     next_start: float = 0.0
     restarts: int = 0
     last_exit: str = ""
+    model: str = ""  # an engine's model, named in messages when a server serves several
 
     @property
     def name(self) -> str:
-        return f"{self.tier} {self.index}"
+        return f"{self.tier} {self.index}" + (f" of {self.model}" if self.model else "")
 
     def record_failure(self, now: float, why: str) -> float:
         """Note an unexpected exit; return the delay before the next start."""

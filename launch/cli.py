@@ -32,14 +32,15 @@ from protocol.control import (
     StopReply,
 )
 from zserve import control
-from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, resolve
-from zserve.config import DTYPES, EngineConfig
+from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, resolve
+from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, EngineConfig, ModelSpec
 from zserve.proc import set_title, setup_logging
 
 from .sockets import ListenError
 from .supervisor import ServeConfig, StartupError, Supervisor
 
 T = TypeVar("T")
+R = TypeVar("R", bound=ControlMessage)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -66,8 +67,10 @@ def _options(*options):
 server_options = _options(
     click.option("--count", type=click.IntRange(1, 256), default=1, show_default=True,
                  help="Gateway (HTTP) processes."),
-    click.option("--model", default=DEFAULT_CHAT_MODEL, show_default=True,
-                 help="Model id from the catalog, 'tiny-random', a .gguf file or an HF directory."),
+    click.option("--model", "models", multiple=True, default=(DEFAULT_CHAT_MODEL,), show_default=True,
+                 help="Model id from the catalog, 'tiny-random', a .gguf file or an HF directory; repeat it to serve "
+                      "several models behind one endpoint, each with its own engines and options: "
+                      "ID:engines=2,max_num_seqs=64,name=NAME (keys: engines, name and the engine options' names)."),
     click.option("--host", default="127.0.0.1", show_default=True),
     click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
                  help="0 picks a free port."),
@@ -83,7 +86,8 @@ server_options = _options(
                  help="Context length (prompt + output) per sequence; engines cap it to the model's own, a render "
                       "server checks requests against it as given."),
     click.option("--served-model-name", "served_model_names", multiple=True,
-                 help="Name(s) clients use for the model (default: the model id)."),
+                 help="Name(s) clients use for the model (default: the model id); with several --model, give "
+                      "each model its names as ID:name=NAME."),
     click.option("--tool-call-parser", default=_GATEWAY.tool_call_parser,
                  help=f"Turn model output into tool calls: {TOOL_PARSERS.names()}. Without it, requests "
                       "with tools are refused."),
@@ -92,7 +96,8 @@ server_options = _options(
 
 @main.command("api-server")
 @server_options
-@click.option("--engines", type=click.IntRange(1, 64), default=1, show_default=True, help="Engine worker processes.")
+@click.option("--engines", type=click.IntRange(1, MAX_ENGINES_PER_MODEL), default=1, show_default=True,
+              help="Engine worker processes per model (ID:engines=N sets one model's).")
 # -- engine tier: each option is a field of zserve.config.EngineConfig (named after it) --------------
 @click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True)
 @click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
@@ -122,7 +127,7 @@ server_options = _options(
 @click.option("--responses-max-items", type=int, default=_GATEWAY.responses_max_items, show_default=True,
               help="Most stored responses kept; the oldest go first.")
 def api_server(**options) -> None:
-    """Serve MODEL over HTTP with COUNT gateways in front of ENGINES engine workers."""
+    """Serve MODEL(s) over HTTP with COUNT gateways in front of each model's ENGINES engine workers."""
     serve(**options)
 
 
@@ -137,23 +142,21 @@ def render(**options) -> None:
     serve(engines=0, **options)
 
 
-def serve(*, count: int, engines: int, model: str, host: str, port: int, ready_timeout: float,
-          shutdown_timeout: float, heartbeat_timeout: float, log_level: str, **tier_options) -> NoReturn:
-    """Start a supervisor for COUNT gateways and ENGINES engines (0: a render server), serve until told to
-    stop, and exit with its code: the one start-up path of every serving command."""
+def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_names: tuple[str, ...], host: str,
+          port: int, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float, log_level: str,
+          **tier_options) -> NoReturn:
+    """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
+    told to stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
     gateway = _tier_config(GatewayConfig, tier_options)
     unknown = set(tier_options) - _field_names(EngineConfig) - _field_names(GatewayConfig)
     assert not unknown, f"options without a configuration field: {sorted(unknown)}"
+    served = _models(models, engine, engines, served_model_names)
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
-    try:
-        source = resolve(model)
-    except ModelNotFound as e:
-        raise click.BadParameter(str(e), param_hint="--model") from None
-    cfg = ServeConfig(source=source, engine=engine, gateway=gateway, host=host, port=port, gateways=count,
-                      engines=engines, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
+    cfg = ServeConfig(models=served, gateway=gateway, host=host, port=port, gateways=count,
+                      ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
     sup = Supervisor(cfg)
     code = 0
@@ -170,6 +173,34 @@ def serve(*, count: int, engines: int, model: str, host: str, port: int, ready_t
         code = sup.stop() or code
         logging.getLogger("zserve.launch").info("stopped (exit code %d)", code)
     sys.exit(code)
+
+
+def _models(models: tuple[str, ...], engine: EngineConfig, engines: int, names: tuple[str, ...]
+            ) -> list[tuple[ModelSource, ModelSpec]]:
+    """Each --model as its resolved files and its spec; ids and served names must not repeat."""
+    try:
+        specs = [ModelSpec.parse(m, engine, engines) for m in models]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    if names:
+        if len(specs) > 1:
+            raise click.UsageError("--served-model-name names one model; with several --model, give each model "
+                                   "its names as ID:name=NAME")
+        specs[0] = dataclasses.replace(specs[0], names=names)
+    served = []
+    for spec in specs:
+        try:
+            served.append((resolve(spec.model), spec))
+        except ModelNotFound as e:
+            raise click.BadParameter(str(e), param_hint="--model") from None
+    seen: set[str] = set()
+    for source, spec in served:
+        for name in {source.model_id, *spec.names}:
+            if name in seen:
+                raise click.BadParameter(f"{name!r} names two models; each model id and name must be unique",
+                                         param_hint="--model")
+            seen.add(name)
+    return served
 
 
 def _field_names(cls: type) -> set[str]:
@@ -189,7 +220,7 @@ def _tier_config(cls: type[T], options: dict) -> T:
         raise click.UsageError(message) from None
 
 
-def _ask(port: int, cmd: ControlMessage, expect: type[ControlMessage], timeout: float = 30.0) -> ControlMessage:
+def _ask(port: int, cmd: ControlMessage, expect: type[R], timeout: float = 30.0) -> R:
     """Send one command to the server on ``port``; return its reply of type ``expect`` or fail with its error."""
     try:
         reply = control.request(control.find_control_socket(port), cmd, timeout)
@@ -203,7 +234,7 @@ def _ask(port: int, cmd: ControlMessage, expect: type[ControlMessage], timeout: 
 
 
 def _status(port: int) -> StatusReply:
-    return _ask(port, StatusCommand(), StatusReply)  # type: ignore[return-value]
+    return _ask(port, StatusCommand(), StatusReply)
 
 
 port_option = click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
@@ -217,13 +248,19 @@ port_option = click.option("--port", type=click.IntRange(1, 65535), default=8000
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the tier has COUNT ready processes.")
 @click.option("--timeout", type=float, default=600, show_default=True)
-def scale(tier: str, count: int, port: int, wait: bool, timeout: float) -> None:
-    """Scale the gateway (api-server) or engine tier to COUNT processes while serving."""
-    _ask(port, ScaleCommand(tier, count), ScaleReply)
-    name = "gateway" if tier == "api-server" else "engine"
+@click.option("--model", default=None,
+              help="engine: the model whose engines to scale (its id or a served name); needed when several are "
+                   "served.")
+def scale(tier: str, count: int, port: int, wait: bool, timeout: float, model: str | None) -> None:
+    """Scale the gateway (api-server) tier, or one model's engine tier, to COUNT processes while serving."""
+    if model is not None and tier != "engine":
+        raise click.UsageError("--model chooses an engine tier; gateways serve every model")
+    reply = _ask(port, ScaleCommand(tier, count, model), ScaleReply)
+    name = "gateway" if tier == "api-server" else f"engine ({reply.model})"
     deadline = time.monotonic() + timeout
     while wait:
-        mine = [p for p in _status(port).processes if p.tier == name]
+        mine = [p for p in _status(port).processes
+                if p.tier == reply.tier and p.model == reply.model]
         if len([p for p in mine if p.state == "ready"]) == count and len(mine) == count:
             break
         if time.monotonic() > deadline:
@@ -244,8 +281,9 @@ def status(port: int, as_json: bool) -> None:
 
         click.echo(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode())
         return
-    engines = f"{st['desired']['engine']} engines" if st["desired"]["engine"] else "no engine (render only)"
-    click.echo(f"{st['model']} at {st['url']}  supervisor pid {st['pid']}  up {st['uptime_s']:.0f}s  "
+    engines = (", ".join(f"{n} engine{'s' * (n != 1)} for {m}" for m, n in st["models"].items())
+               if st["desired"]["engine"] else "no engine (render only)")
+    click.echo(f"{', '.join(st['models'])} at {st['url']}  supervisor pid {st['pid']}  up {st['uptime_s']:.0f}s  "
                f"{'PAUSED  ' if st['paused'] else ''}desired: {st['desired']['gateway']} gateways, {engines}")
     click.echo(f"{'TIER':8} {'IDX':>3} {'PID':>7} {'STATE':10} {'RESTARTS':>8} {'UPTIME':>8}  LOAD")
     for p in st["processes"]:
@@ -256,6 +294,8 @@ def status(port: int, as_json: bool) -> None:
         if p.get("crash_looping"):
             load += "  CRASH-LOOPING" + (f" ({p['last_exit']})" if p.get("last_exit") else "")
         uptime = f"{p['uptime_s']:.0f}s" if p.get("uptime_s") is not None else "-"
+        if p.get("model") and len(st["models"]) > 1:
+            load = f"{p['model']}: {load}"
         click.echo(f"{p['tier']:8} {p['index']:>3} {p['pid'] or '-':>7} {p['state']:10} {p['restarts']:>8} "
                    f"{uptime:>8}  {load}")
 

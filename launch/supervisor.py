@@ -15,7 +15,9 @@ callback that handles it — then:
 Scaling is only a change of a desired count; draining is SIGTERM to the victim, which finishes its
 work and exits. Children run in their own session with a parent-death signal, so the terminal's
 Ctrl-C reaches only the supervisor and ``kill -9`` of the supervisor takes every child with it.
-A render server (``launch render``) is the same loop with an engine tier of 0 that cannot be scaled.
+Each model served has its own engine tier (``ModelTier``): its own configuration, desired count and
+range of ranks, so its engines are scaled, restarted and drained on their own while every gateway
+serves every model. A render server (``launch render``) is the same loop with no engines at all.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from protocol.control import (
 from zserve import control
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterStore, EngineInfo
-from zserve.config import EngineConfig
+from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
 from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import user_cache_dir
 
@@ -72,7 +74,6 @@ from .sockets import create_listener
 
 log = logging.getLogger("zserve.launch")
 
-TIERS = ("engine", "gateway")
 ABORT_GRACE = 3.0  # seconds a hung child has to write its traceback after SIGABRT before SIGKILL
 
 
@@ -86,25 +87,54 @@ class TierFailed(RuntimeError):
 
 @dataclass
 class ServeConfig:
-    """One server: the model, each tier's configuration, and the supervisor's own settings."""
+    """One server: its models (each with the engine tier its spec asks for), the gateways' configuration,
+    and the supervisor's own settings."""
 
-    source: ModelSource
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    models: list[tuple[ModelSource, ModelSpec]]  # in order: the first is the default model of a request
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     gateways: int = 2
-    engines: int = 1  # 0: no engine tier at all, a render server (launch render)
     ready_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     heartbeat_timeout: float = 30.0
     heartbeat_interval: float = 1.0
 
 
+@dataclass
+class ModelTier:
+    """One model's engine tier. Model m owns engine ranks m * 64 .. m * 64 + 63, so every engine's rank,
+    socket, seed and slot stay unique across models; its engines take GPUs from ``first_device`` on."""
+
+    source: ModelSource
+    spec: ModelSpec
+    desired: int
+    base: int
+    first_device: int
+
+    @property
+    def model_id(self) -> str:
+        return self.source.model_id
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.spec.names or (self.model_id,)
+
+    @property
+    def ranks(self) -> range:
+        return range(self.base, self.base + self.desired)
+
+    def owns(self, rank: int) -> bool:
+        return self.base <= rank < self.base + MAX_ENGINES_PER_MODEL
+
+
 class Supervisor:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        self.desired = {"engine": cfg.engines, "gateway": cfg.gateways}
+        self.desired = {"gateway": cfg.gateways}
+        self.tiers = [ModelTier(source, spec, spec.engines, m * MAX_ENGINES_PER_MODEL,
+                                sum(s.engines for _, s in cfg.models[:m]))
+                      for m, (source, spec) in enumerate(cfg.models)]
         self.slots: dict[tuple[str, int], Slot] = {}
         self.children: list[Child] = []
         self.store = ClusterStore()
@@ -144,8 +174,29 @@ class Supervisor:
 
     @property
     def render_only(self) -> bool:
-        """A server without an engine tier (launch render): gateways render requests and never generate."""
-        return self.cfg.engines == 0
+        """A server without engines (launch render): gateways render requests and never generate."""
+        return all(spec.engines == 0 for _, spec in self.cfg.models)
+
+    @property
+    def engines_desired(self) -> int:
+        return sum(t.desired for t in self.tiers)
+
+    @property
+    def model_ids(self) -> str:
+        return ", ".join(t.model_id for t in self.tiers)
+
+    def tier_of(self, rank: int) -> ModelTier:
+        return next(t for t in self.tiers if t.owns(rank))
+
+    def find_tier(self, model: str | None) -> ModelTier:
+        """The tier serving ``model`` (its id or a served name; None while one model is served)."""
+        if model is None and len(self.tiers) == 1:
+            return self.tiers[0]
+        found = [t for t in self.tiers if model == t.model_id or model in t.names]
+        if model is None or not found:
+            said = "name the model" if model is None else f"no model {model!r} is served"
+            raise LookupError(f"{said}: one of {self.model_ids}")
+        return found[0]
 
     @property
     def cache_dir(self) -> str:
@@ -162,20 +213,26 @@ class Supervisor:
         return f"ipc://{self.run_dir}/engine-{rank}.sock"
 
     def _slot(self, tier: str, index: int) -> Slot:
-        return self.slots.setdefault((tier, index), Slot(tier, index))
+        slot = self.slots.get((tier, index))
+        if slot is None:
+            model = self.tier_of(index).model_id if tier == "engine" and len(self.tiers) > 1 else ""
+            slot = self.slots[(tier, index)] = Slot(tier, index, model=model)
+        return slot
 
     # -- spawning ----------------------------------------------------------------------------
     def _spawn(self, tier: str, index: int) -> Child:
         c = self.cfg
         slot = self._slot(tier, index)
-        common = ["--model-source", orjson.dumps(c.source.to_json()).decode(),
-                  "--heartbeat-interval", str(c.heartbeat_interval)]
+        common = ["--heartbeat-interval", str(c.heartbeat_interval)]
         if tier == "engine":
-            # Engines share the cores unless told how many threads each may use.
-            threads = c.engine.threads or max(1, (os.cpu_count() or 1) // max(1, self.desired["engine"]))
+            mt = self.tier_of(index)
+            engine = mt.spec.engine
+            # Engines (of every model) share the cores unless told how many threads each may use.
+            threads = engine.threads or max(1, (os.cpu_count() or 1) // max(1, self.engines_desired))
             args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index),
-                    "--config", c.engine.replace(threads=threads).to_json(), *common]
-            device = engine_device(index, self.num_gpus)
+                    "--model-source", orjson.dumps(mt.source.to_json()).decode(),
+                    "--config", engine.replace(threads=threads).to_json(), *common]
+            device = engine_device(mt.first_device + index - mt.base, self.num_gpus)
             if device is not None:
                 args += ["--device", str(device)]
             child = spawn(slot, "engine_worker", args)
@@ -184,6 +241,8 @@ class Supervisor:
             fd = self.listener.fileno()
             args = ["--index", str(index), "--fd", str(fd), "--cache-dir", self.cache_dir,
                     "--control-socket", self.control_path, "--shutdown-timeout", str(c.shutdown_timeout), *common]
+            for t in self.tiers:  # every gateway serves every model
+                args += ["--served-model", orjson.dumps({"source": t.source.to_json(), "names": t.names}).decode()]
             args += ["--config", c.gateway.replace(render_only=self.render_only).to_json(),
                      "--responses-db", os.path.join(self.run_dir, "responses.db")]
             env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
@@ -266,10 +325,19 @@ class Supervisor:
         if isinstance(cmd, StatusCommand):
             return self.status()
         if isinstance(cmd, ScaleCommand):
-            if cmd.tier_name == "engine" and self.render_only:
+            if cmd.tier_name == "gateway":
+                self.scale("gateway", cmd.count)
+                return ScaleReply("gateway", cmd.count)
+            if self.render_only:
                 return ErrorReply("this is a render server (launch render): it has no engine tier to scale")
-            self.scale(cmd.tier_name, cmd.count)
-            return ScaleReply(cmd.tier_name, cmd.count)
+            try:
+                tier = self.find_tier(cmd.model)
+            except LookupError as e:
+                return ErrorReply(f"scale engine: {e}")
+            if cmd.count > MAX_ENGINES_PER_MODEL:
+                return ErrorReply(f"a model has at most {MAX_ENGINES_PER_MODEL} engines")
+            self.scale_engines(tier, cmd.count)
+            return ScaleReply("engine", cmd.count, tier.model_id)
         if isinstance(cmd, (PauseCommand, ResumeCommand)):
             paused = isinstance(cmd, PauseCommand)
             state = self.store.get()
@@ -296,6 +364,17 @@ class Supervisor:
         if self.desired[tier] != count:
             log.info("scaling %ss %d → %d", tier, self.desired[tier], count)
             self.desired[tier] = count
+
+    def scale_engines(self, tier: ModelTier, count: int) -> None:
+        if tier.desired != count:
+            log.info("scaling engines of %s %d → %d", tier.model_id, tier.desired, count)
+            tier.desired = count
+
+    def _wanted(self) -> list[tuple[str, range, list[Child]]]:
+        """Each tier's wanted indices and live processes: the gateways, then every model's engines."""
+        engines = self._live("engine")
+        return [("gateway", range(self.desired["gateway"]), self._live("gateway")),
+                *(("engine", t.ranks, [c for c in engines if t.owns(c.index)]) for t in self.tiers)]
 
     def _reap(self, now: float) -> None:
         for c in [c for c in self.children if not c.alive]:
@@ -358,16 +437,15 @@ class Supervisor:
             c.signal(signal.SIGABRT)
 
     def _match_counts(self, now: float) -> None:
-        for tier in TIERS:
-            live = self._live(tier)
+        for tier, wanted, live in self._wanted():
             active = {c.index for c in live if not c.draining}
-            for index in range(self.desired[tier]):
+            for index in wanted:
                 slot = self._slot(tier, index)
                 busy = [c for c in live if c.index == index]  # a draining process still holds the socket
                 if index not in active and now >= slot.next_start and not (tier == "engine" and busy):
                     self._spawn(tier, index)
             for c in live:
-                if c.index >= self.desired[tier] and not c.draining:
+                if c.index not in wanted and not c.draining:
                     log.info("draining %s (pid %d)", c.name, c.pid)
                     c.draining = True
                     c.drain_started = now
@@ -379,24 +457,25 @@ class Supervisor:
                     c.signal(signal.SIGKILL)
 
     def _check_tiers(self, now: float) -> None:
-        for tier in TIERS:
-            slots = [self._slot(tier, i) for i in range(self.desired[tier])]
-            if any(c.ready for c in self._live(tier)):
+        for tier, wanted, live in self._wanted():
+            slots = [self._slot(tier, i) for i in wanted]
+            if any(c.ready for c in live):
                 continue
             if slots and all(s.crash_looping(now) for s in slots):
                 reasons = "; ".join(f"{s.name}: {s.last_exit}" for s in slots)
-                raise TierFailed(f"the {tier} tier cannot run: every {tier} is crash-looping ({reasons})")
+                which = "the gateway tier" if tier == "gateway" else f"{self.tier_of(wanted[0]).model_id}'s engine tier"
+                raise TierFailed(f"{which} cannot run: every {tier} is crash-looping ({reasons})")
 
     def _publish(self) -> None:
         engines = tuple(
-            EngineInfo(c.index, self.engine_endpoint(c.index), c.state, c.pid)
+            EngineInfo(c.index, self.engine_endpoint(c.index), c.state, c.pid, self.tier_of(c.index).model_id)
             for c in sorted(self._live("engine"), key=lambda c: c.index)
         )
         st = self.store.get()
-        desired = (self.desired["gateway"], self.desired["engine"])
-        if engines != st.engines or (st.gateways_desired, st.engines_desired) != desired:
+        models = {t.model_id: t.desired for t in self.tiers}
+        if engines != st.engines or st.gateways_desired != self.desired["gateway"] or st.models != models:
             self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
-                              engines_desired=self.desired["engine"], model_id=self.cfg.source.model_id)
+                              engines_desired=self.engines_desired, models=models)
             self._broadcast()
 
     def _broadcast(self) -> None:
@@ -439,14 +518,13 @@ class Supervisor:
             f.write(self.control_path)
         deadline = time.monotonic() + self.cfg.ready_timeout
         if self.render_only:
-            log.info("starting %d render-only gateway(s) for %s (no engine)", self.desired["gateway"],
-                     self.cfg.source.model_id)
+            log.info("starting %d render-only gateway(s) for %s (no engine)", self.desired["gateway"], self.model_ids)
         else:
             self.num_gpus = cuda_device_count()
             log.info("%s", f"{self.num_gpus} GPU(s) visible" if self.num_gpus else
                      "no GPU visible: engines run on the CPU")
-            log.info("starting %d engine(s) for %s and %d gateway(s)", self.desired["engine"],
-                     self.cfg.source.model_id, self.desired["gateway"])
+            log.info("starting %s and %d gateway(s)", " + ".join(f"{t.desired} engine(s) for {t.model_id}"
+                                                                 for t in self.tiers), self.desired["gateway"])
         # Both tiers start at once: gateways build their tokenizer while engines load weights.
         while True:
             try:
@@ -455,17 +533,22 @@ class Supervisor:
                 raise StartupError(str(e)) from None
             if self.stopping:
                 raise StartupError("interrupted while starting")
-            if all(len([c for c in self._live(t) if c.ready]) >= self.desired[t] for t in TIERS):
+            if all(len([c for c in live if c.ready]) >= len(wanted) for _, wanted, live in self._wanted()):
                 break
             if time.monotonic() > deadline:
                 raise StartupError(f"not ready within {self.cfg.ready_timeout:.0f}s (--ready-timeout)")
             self._poll(0.2)
+        # Every gateway follows the final membership (each acknowledges a version only once it reaches the
+        # engines that version calls ready), so the first request for any model finds its engine.
+        while self._lagging(self.store.get().version) and time.monotonic() < deadline:
+            self._poll(0.05)
+            self.reconcile()
         self._check_health(deadline)
-        n_gw, n_en = self.desired["gateway"], self.desired["engine"]
+        n_gw, n_en = self.desired["gateway"], self.engines_desired
         engines = "no engine: render only" if self.render_only else f"{n_en} engine{'s' * (n_en != 1)}"
-        print(f"zserve: serving {self.cfg.source.model_id} at {self.url} ({n_gw} gateway{'s' * (n_gw != 1)}, "
+        print(f"zserve: serving {self.model_ids} at {self.url} ({n_gw} gateway{'s' * (n_gw != 1)}, "
               f"{engines}; ready in {time.monotonic() - t0:.1f}s)", flush=True)
-        systemd.notify(f"READY=1\nSTATUS=serving {self.cfg.source.model_id} at {self.url}")
+        systemd.notify(f"READY=1\nSTATUS=serving {self.model_ids} at {self.url}")
         return self.url
 
     def _check_health(self, deadline: float) -> None:
@@ -540,13 +623,19 @@ class Supervisor:
             load = c.load.to_wire() if c.load is not None else {}
             procs.append(ProcessStatus(c.tier, c.index, c.pid, c.state, restarts=max(0, c.slot.restarts - 1),
                                        crash_looping=c.slot.crash_looping(now), uptime_s=round(now - c.started, 1),
-                                       **load))
+                                       model=self._model_of(c.slot), **load))
+        wanted = {(tier, i) for tier, indices, _ in self._wanted() for i in indices}
         for (tier, index), slot in sorted(self.slots.items()):
-            if index < self.desired[tier] and not [c for c in self.children if c.slot is slot]:
+            if (tier, index) in wanted and not [c for c in self.children if c.slot is slot]:
                 procs.append(ProcessStatus(tier, index, None, "backoff", restarts=max(0, slot.restarts - 1),
                                            crash_looping=slot.crash_looping(now), last_exit=slot.last_exit,
-                                           next_start_in_s=round(max(0.0, slot.next_start - now), 1)))
+                                           next_start_in_s=round(max(0.0, slot.next_start - now), 1),
+                                           model=self._model_of(slot)))
         st = self.store.get()
-        return StatusReply(url=self.url, model=self.cfg.source.model_id, pid=os.getpid(), run_dir=self.run_dir,
-                           uptime_s=round(time.time() - self.started_at, 1), desired=dict(self.desired),
+        return StatusReply(url=self.url, models={t.model_id: t.desired for t in self.tiers}, pid=os.getpid(),
+                           run_dir=self.run_dir, uptime_s=round(time.time() - self.started_at, 1),
+                           desired={"gateway": self.desired["gateway"], "engine": self.engines_desired},
                            paused=st.paused, cluster_version=st.version, processes=tuple(procs))
+
+    def _model_of(self, slot: Slot) -> str | None:
+        return self.tier_of(slot.index).model_id if slot.tier == "engine" else None

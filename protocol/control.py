@@ -168,10 +168,12 @@ class ScaleCommand(ControlMessage):
     TYPE: ClassVar[str] = "scale"
     tier: str  # api-server (= gateway) or engine
     count: int
+    model: str | None = None  # engine: the model whose tier to scale (may be left out while one model is served)
 
     def __post_init__(self) -> None:
         _check(self.tier in SCALE_TIERS and _is_int(self.count, 1, MAX_SCALE + 1),
                f"scale needs tier (api-server|engine) and count in 1..{MAX_SCALE}")
+        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
 
     @property
     def tier_name(self) -> str:
@@ -214,7 +216,7 @@ class ProcessStatus(ControlMessage):
 
     TYPE: ClassVar[str] = "process"
     tier: str
-    index: int
+    index: int  # a gateway's index, an engine's rank (unique across models)
     pid: int | None
     state: str  # starting, ready, draining, exited or backoff
     restarts: int
@@ -228,9 +230,11 @@ class ProcessStatus(ControlMessage):
     running: int | None = None
     waiting: int | None = None
     kv_used: float | None = None
+    model: str | None = None  # an engine's model
 
     def __post_init__(self) -> None:
         _check(_is_str(self.tier, 32) and _is_int(self.index, 0, 1 << 16), "bad tier or index")
+        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
         _check(_opt(self.pid, _is_int) and _is_str(self.state, 32) and _is_int(self.restarts),
                "bad pid, state or restarts")
         _check(isinstance(self.crash_looping, bool) and _opt(self.draining, lambda v: isinstance(v, bool)),
@@ -249,18 +253,20 @@ class ProcessStatus(ControlMessage):
 class StatusReply(ControlMessage):
     TYPE: ClassVar[str] = "status_reply"
     url: str
-    model: str
+    models: dict  # model id → its desired engines, in serving order (0 each on a render server)
     pid: int
     run_dir: str
     uptime_s: float
-    desired: dict  # tier → desired count
+    desired: dict  # tier (gateway, engine: over every model) → desired count
     paused: bool
     cluster_version: int
     processes: tuple[ProcessStatus, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(_is_str(self.url, 1024, empty=True) and _is_str(self.model, 1024) and _is_int(self.pid)
-               and _is_str(self.run_dir, 4096, empty=True), "bad url, model, pid or run_dir")
+        _check(_is_str(self.url, 1024, empty=True) and _is_int(self.pid) and _is_str(self.run_dir, 4096, empty=True),
+               "bad url, pid or run_dir")
+        _check(isinstance(self.models, dict) and all(_is_str(k, 1024) and _is_int(v) for k, v in self.models.items()),
+               "models maps model ids to engine counts")
         _check(_is_num(self.uptime_s) and isinstance(self.paused, bool) and _is_int(self.cluster_version, 0, 1 << 62),
                "bad uptime, paused or cluster_version")
         _check(isinstance(self.desired, dict) and all(_is_str(k, 32) and _is_int(v) for k, v in self.desired.items()),
@@ -283,9 +289,11 @@ class ScaleReply(ControlMessage):
     TYPE: ClassVar[str] = "scale_reply"
     tier: str  # gateway or engine
     desired: int
+    model: str | None = None  # the engine tier's model
 
     def __post_init__(self) -> None:
         _check(self.tier in ("gateway", "engine") and _is_int(self.desired, 1, MAX_SCALE + 1), "bad tier or desired")
+        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
 
 
 @dataclass(frozen=True)

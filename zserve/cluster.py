@@ -22,6 +22,7 @@ class EngineInfo:
     endpoint: str
     state: str  # one of ENGINE_STATES
     pid: int = 0
+    model: str = ""  # the model id of the engine's tier (gateways route each request to its model's engines)
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,8 @@ class ClusterState:
     paused: bool = False
     engines: tuple[EngineInfo, ...] = ()
     gateways_desired: int = 0
-    engines_desired: int = 0
-    model_id: str = ""
+    engines_desired: int = 0  # over every model
+    models: dict[str, int] = field(default_factory=dict)  # model id → its desired engines, in serving order
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -46,8 +47,11 @@ class ClusterState:
         for name in ("version", "gateways_desired", "engines_desired"):
             if not isinstance(getattr(state, name), int) or isinstance(getattr(state, name), bool):
                 raise TypeError(f"{name} must be an int")
-        if not isinstance(state.paused, bool) or not isinstance(state.model_id, str):
-            raise TypeError("paused must be a bool and model_id a str")
+        if not isinstance(state.paused, bool):
+            raise TypeError("paused must be a bool")
+        if not isinstance(state.models, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in state.models.items()):
+            raise TypeError("models must map model ids to engine counts")
         return state
 
 

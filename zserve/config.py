@@ -94,3 +94,77 @@ def config_from_json(cls: type[C], text: str | bytes, tier: str) -> C:
 
 def _int(value: Any, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+# -- several models behind one endpoint --------------------------------------------------------------
+
+MAX_ENGINES_PER_MODEL = 64
+"""Engine ranks are unique across models: model m's engines are ranks m * 64 .. m * 64 + 63."""
+
+_SPEC_OPTIONS = re.compile(r"^[a-z_]+=[^,]*(,[a-z_]+=[^,]*)*$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model a server serves, as ``--model ID[:key=value,...]`` wrote it: the model (a catalog id, a
+    .gguf file or an HF directory), its engine count, its engines' configuration and the names clients use.
+
+    ``launch api-server --model SmolLM2-135M-Instruct:engines=2 --model all-MiniLM-L6-v2:max_num_seqs=64``
+    runs one engine tier per model; each key is ``engines``, ``name`` (repeatable: every name clients may
+    use) or a field of ``EngineConfig``, and a key not given takes the command line's value."""
+
+    model: str
+    engines: int = 1  # 0: no engines (a render server)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    names: tuple[str, ...] = ()  # () = the model id
+
+    @classmethod
+    def parse(cls, text: str, engine: EngineConfig, engines: int) -> ModelSpec:
+        """``ID`` or ``ID:key=value,...``; ``engine`` and ``engines`` are the defaults of keys not given.
+        A path that contains ':' is taken whole when what follows its last ':' is not options."""
+        model, sep, options = text.rpartition(":")
+        if not sep or not _SPEC_OPTIONS.match(options):
+            model, options = text, ""
+        if not model:
+            raise ValueError(f"{text!r}: the model id is missing before ':'")
+        changes: dict[str, Any] = {}
+        names: list[str] = []
+        types = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+        for item in filter(None, options.split(",")):
+            key, _, value = item.partition("=")
+            if key == "engines":
+                if engines == 0:
+                    raise ValueError(f"{text!r}: a render server runs no engines")
+                if not value.isdigit() or not 1 <= int(value) <= MAX_ENGINES_PER_MODEL:
+                    raise ValueError(f"{text!r}: engines must be an integer in 1..{MAX_ENGINES_PER_MODEL}")
+                engines = int(value)
+            elif key == "name":
+                if not value:
+                    raise ValueError(f"{text!r}: name must not be empty")
+                names.append(value)
+            elif key in types:
+                changes[key] = _typed(value, str(types[key]), f"{text!r}: {key}")
+            else:
+                raise ValueError(f"{text!r}: unknown key {key!r}; keys are engines, name and the engine options "
+                                 f"({', '.join(sorted(types))})")
+        try:
+            config = engine.replace(**changes)
+        except ValueError as e:
+            raise ValueError(f"{text!r}: {e}") from None
+        return cls(model, engines, config, tuple(names))
+
+
+def _typed(value: str, annotation: str, what: str) -> Any:
+    """A spec value as its EngineConfig field's type (``int``, ``bool``, ``str``, each maybe ``| None``)."""
+    if "None" in annotation and value.lower() in ("", "none"):
+        return None
+    if annotation.startswith("bool"):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"{what} must be true or false")
+        return value.lower() in ("true", "1", "yes")
+    if annotation.startswith("int"):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{what} must be an integer") from None
+    return value

@@ -22,7 +22,7 @@ from .. import structured
 from ..errors import APIError, bad_request, error_shape
 from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, SamplingFields, parse
 from ..sse import open_stream, send_event
-from ..state import STATE, GatewayState
+from ..state import STATE, ModelState
 from ..text.message import MessagePiece
 from ..text.tool_parsers import ToolCall
 from .common import (
@@ -35,7 +35,6 @@ from .common import (
     arguments_dict,
     build_sampling,
     chat_prompt,
-    check_model,
     check_prompt_ids,
     collect,
     dumps,
@@ -188,7 +187,7 @@ def _tools(req: CountTokensRequest) -> list[dict] | None:
                                               "parameters": t.input_schema}} for t in req.tools]
 
 
-def _tool_use(state: GatewayState, req: CountTokensRequest, tools: list[dict] | None) -> ToolUse:
+def _tool_use(state: ModelState, req: CountTokensRequest, tools: list[dict] | None) -> ToolUse:
     tc = req.tool_choice
     if tc is None:
         return tool_use(state, tools, "auto")
@@ -200,8 +199,7 @@ def _tool_use(state: GatewayState, req: CountTokensRequest, tools: list[dict] | 
     return tool_use(state, tools, mode, tc.name, parallel=not tc.disable_parallel_tool_use)
 
 
-def _prompt(state: GatewayState, req: CountTokensRequest, counting: bool = False) -> tuple[ChatPrompt, ToolUse]:
-    check_model(state, req.model)
+def _prompt(state: ModelState, req: CountTokensRequest, counting: bool = False) -> tuple[ChatPrompt, ToolUse]:
     tools = _tools(req)
     # Counting renders the tools whether or not this server can parse calls (nothing is generated).
     use = NO_TOOLS if counting and state.tool_parser is None else _tool_use(state, req, tools)
@@ -312,7 +310,7 @@ class BlockStream:
                 await self._delta({"type": "input_json_delta", "partial_json": t.arguments})
 
 
-async def stream_message(request: web.Request, state: GatewayState, rid: str, model: str, c: Choice, use: ToolUse,
+async def stream_message(request: web.Request, state: ModelState, rid: str, model: str, c: Choice, use: ToolUse,
                          prompt_tokens: int, opts) -> web.StreamResponse:
     resp = await open_stream(request)
     start = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
@@ -349,8 +347,8 @@ async def stream_message(request: web.Request, state: GatewayState, rid: str, mo
 @routes.post("/v1/messages")
 @error_shape(anthropic_error)
 async def messages(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
     req: MessagesRequest = parse(MessagesRequest, await request.read())
+    state = request.app[STATE].for_model(req.model, "generate")
     prompt, use = _prompt(state, req)
     max_tokens = check_prompt_ids(state, prompt.ids, req.max_tokens, param="messages")
     fields = req.sampling_fields()
@@ -368,7 +366,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/messages/count_tokens")
 @error_shape(anthropic_error)
 async def count_tokens(request: web.Request) -> web.Response:
-    state = request.app[STATE]
     req: CountTokensRequest = parse(CountTokensRequest, await request.read())
+    state = request.app[STATE].for_model(req.model)
     prompt, _ = _prompt(state, req, counting=True)
     return web.json_response({"input_tokens": len(prompt.ids)})

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from protocol import SamplingParams
 
@@ -24,7 +23,7 @@ from ..engine_client import EngineRequestError, NoEngineAvailable
 from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob, generate_text
 from ..openai_schemas import SamplingFields
-from ..state import GatewayState
+from ..state import ModelState
 from ..structured import StructuredSpec, sized
 from ..text.chat_template import ChatTemplateError, content_text
 from ..text.message import MessageParser, MessagePiece
@@ -35,13 +34,7 @@ def dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
-def check_model(state: GatewayState, model: str | None) -> str:
-    if model is None or model in state.served_model_names:
-        return state.model_id if model is None else model
-    raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-
-def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None, param: str = "prompt",
+def check_prompt_ids(state: ModelState, ids: list[int], max_tokens: int | None, param: str = "prompt",
                      max_tokens_param: str = "max_tokens") -> int:
     """Validate prompt length against the context; return the max_tokens to use."""
     if not ids:
@@ -65,7 +58,7 @@ def check_prompt_ids(state: GatewayState, ids: list[int], max_tokens: int | None
     return max_tokens
 
 
-def build_sampling(state: GatewayState, req: SamplingFields, max_tokens: int, logprobs: int | None,
+def build_sampling(state: ModelState, req: SamplingFields, max_tokens: int, logprobs: int | None,
                    choice: int, prompt_logprobs: int | None = None, where: str = "",
                    structured: tuple[str, str] | None = None) -> SamplingParams:
     """The engine's SamplingParams; ``where`` prefixes the field named in errors (e.g. ``sampling_params.``).
@@ -130,7 +123,7 @@ def tool_names(tools: list[dict] | None) -> list[str]:
     return [name for name, _ in function_tools(tools)]
 
 
-def tool_use(state: GatewayState, tools: list[dict] | None, mode: str, function: str | None = None,
+def tool_use(state: ModelState, tools: list[dict] | None, mode: str, function: str | None = None,
              parallel: bool = True, param: str = "tool_choice") -> ToolUse:
     """Check a request's tools against what this server can do; never drop tools silently."""
     if mode == "none" or (not tools and mode == "auto"):
@@ -159,7 +152,7 @@ class ChatPrompt:
     forced: StructuredSpec | None = None  # the grammar of the rest of a forced tool call (not yet checked)
 
 
-def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] | None = None,
+def chat_prompt(state: ModelState, messages: list[dict], *, tools: list[dict] | None = None,
                 use: ToolUse = NO_TOOLS, add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict | None = None, param: str = "messages") -> ChatPrompt:
     """Render messages with the model's chat template and tokenize them.
@@ -205,7 +198,7 @@ def chat_prompt(state: GatewayState, messages: list[dict], *, tools: list[dict] 
     return ChatPrompt(state.tokenizer.encode(text), text, prefill, forced)
 
 
-def message_parser(state: GatewayState, use: ToolUse, prefill: str = "") -> MessageParser | None:
+def message_parser(state: ModelState, use: ToolUse, prefill: str = "") -> MessageParser | None:
     parser = MessageParser(state.reasoning_parser, state.tool_parser if use.mode != "none" else None, prefill,
                            single_call=not use.parallel)
     return parser if parser.active else None
@@ -287,7 +280,7 @@ RENDER_ONLY = ("this is a render-only server (launch render): it has no engine t
                "engine would get")
 
 
-def admit(state: GatewayState, task: str = "generate") -> None:
+def admit(state: ModelState, task: str = "generate") -> None:
     """Refuse new work before any byte is sent: a render-only server, paused cluster, no engine, or a
     model that does not do ``task`` (generate, embed, classify).
 
@@ -302,10 +295,7 @@ def admit(state: GatewayState, task: str = "generate") -> None:
     ready = state.engines.ready_engines
     if not ready:
         raise engine_error(NoEngineAvailable("no engine is ready"))
-    tasks = {t for e in ready if e.hello is not None for t in e.hello.tasks}
-    if tasks and task not in tasks:
-        raise bad_request(f"model {state.model_id!r} does not {task}: it serves {', '.join(sorted(tasks))}",
-                          param="model", code="unsupported_task")
+    state.check_task(task)
 
 
 def engine_error(e: Exception) -> APIError:
@@ -317,7 +307,7 @@ def engine_error(e: Exception) -> APIError:
 ENGINE_ERRORS = (EngineRequestError, NoEngineAvailable)
 
 
-async def run_choices(state: GatewayState, request_id: str, choices: list[Choice], opts: TextOptions
+async def run_choices(state: ModelState, request_id: str, choices: list[Choice], opts: TextOptions
                       ) -> AsyncIterator[tuple[Choice, Delta]]:
     """Generate all choices concurrently and yield their deltas as they come."""
     if len(choices) == 1:  # the common case needs no queue and no extra task
@@ -358,36 +348,10 @@ async def run_choices(state: GatewayState, request_id: str, choices: list[Choice
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(state: GatewayState, request_id: str, choices: list[Choice], opts: TextOptions) -> None:
+async def collect(state: ModelState, request_id: str, choices: list[Choice], opts: TextOptions) -> None:
     """Run every choice to its end (non-streamed responses); engine failures become API errors."""
     try:
         async for c, d in run_choices(state, request_id, choices, opts):
             c.collect(d)
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None
-
-
-# -- token text for logprobs ----------------------------------------------------------------------
-
-class TokenText:
-    """Token id → (text, bytes) for logprobs, cached per gateway."""
-
-    def __init__(self, state: GatewayState):
-        self.tok = state.tokenizer
-        self.cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, tid: int) -> tuple[str, list[int]]:
-        hit = self.cache.get(tid)
-        if hit is None:
-            raw = self.tok.id_to_bytes(tid)
-            hit = (raw.decode("utf-8", errors="replace"), list(raw))
-            if len(self.cache) < 200_000:
-                self.cache[tid] = hit
-        return hit
-
-
-TOKEN_TEXT: web.AppKey[TokenText] = web.AppKey("zserve_token_text", TokenText)
-
-
-def token_text(app: web.Application) -> TokenText:
-    return app[TOKEN_TEXT]

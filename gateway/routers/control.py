@@ -62,7 +62,8 @@ async def status(request: web.Request) -> web.Response:
     cl = state.cluster
     engines = [e.describe() for e in state.engines.engines.values()]
     return web.json_response({
-        "gateway": state.index, "pid": os.getpid(), "model": state.model_id, "paused": state.paused,
+        "gateway": state.index, "pid": os.getpid(), "models": [m.model_id for m in state.models],
+        "paused": state.paused,
         "draining": state.draining, "cluster_version": cl.version if cl else None,
         "gateways_desired": cl.gateways_desired if cl else None, "engines": engines,
         "in_flight": state.engines.in_flight,

@@ -23,14 +23,13 @@ from ..errors import APIError, bad_request
 from ..generation import TextOptions, TokenLogprob
 from ..openai_schemas import ChatMessage, ChatTool, SamplingFields, parse
 from ..sse import open_stream, send_done, send_event
-from ..state import STATE, GatewayState
+from ..state import STATE, ModelState
 from .common import (
     ENGINE_ERRORS,
     Choice,
     admit,
     build_sampling,
     chat_prompt,
-    check_model,
     check_prompt_ids,
     collect,
     dumps,
@@ -84,7 +83,7 @@ class GenerateRequest(BaseModel):
     stream: bool = False
 
 
-def _check_ids(state: GatewayState, ids: list[int], param: str) -> None:
+def _check_ids(state: ModelState, ids: list[int], param: str) -> None:
     vocab = state.tokenizer.vocab_size
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
@@ -95,7 +94,7 @@ def _check_ids(state: GatewayState, ids: list[int], param: str) -> None:
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: TokenizeRequest = parse(TokenizeRequest, await request.read())
-    check_model(state, req.model)
+    state = state.for_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
@@ -120,7 +119,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: DetokenizeRequest = parse(DetokenizeRequest, await request.read())
-    check_model(state, req.model)
+    state = state.for_model(req.model)
     _check_ids(state, req.tokens, "tokens")
     return web.json_response({"prompt": state.tokenizer.decode(req.tokens)}, dumps=dumps)
 
@@ -144,7 +143,7 @@ def _choice(c: Choice, token_ids: list[int], lps: list | None, finish: str | Non
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: GenerateRequest = parse(GenerateRequest, await request.read())
-    check_model(state, req.model)
+    state = state.for_model(req.model, "generate")
     sp = req.sampling_params
     if sp.stop:
         raise bad_request("stop strings need text; this route takes and returns token ids: use stop_token_ids",

@@ -22,18 +22,17 @@ from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..sse import open_stream, send_done, send_event
-from ..state import STATE, GatewayState
+from ..state import STATE, GatewayState, ModelState, ServedModel
+from ..text.token_text import TokenText
 from ..text.tool_parsers import ToolCall, ToolCallDelta
 from .common import (
     ENGINE_ERRORS,
     NO_TOOLS,
     Choice,
-    TokenText,
     ToolUse,
     admit,
     build_sampling,
     chat_prompt,
-    check_model,
     check_prompt_ids,
     collect,
     dumps,
@@ -42,7 +41,6 @@ from .common import (
     message_parser,
     run_choices,
     text_options,
-    token_text,
     tool_use,
     wants_generation_prompt,
 )
@@ -89,10 +87,9 @@ def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def respond(request: web.Request, *, request_id: str, model: str, choices: list[Choice], opts: TextOptions,
-                  prompt_tokens: int, stream: bool, shape: Shape, include_usage: bool = False,
+async def respond(request: web.Request, state: ModelState, *, request_id: str, model: str, choices: list[Choice],
+                  opts: TextOptions, prompt_tokens: int, stream: bool, shape: Shape, include_usage: bool = False,
                   continuous_usage: bool = False) -> web.StreamResponse:
-    state = request.app[STATE]
     admit(state)
     created = int(time.time())
     if not stream:
@@ -271,21 +268,25 @@ class ChatShape(Shape):
 
 # -- routes -----------------------------------------------------------------------------------
 
+def model_card(state: GatewayState, model: ServedModel, name: str) -> dict:
+    """One entry of /v1/models: a name clients use, the model it names, its context and its tasks now."""
+    view = ModelState(state, model, name)
+    return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "zserve",
+            "root": model.model_id, "parent": None, "max_model_len": view.max_model_len,
+            "tasks": sorted(model.engines.tasks)}
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    data = [{"id": name, "object": "model", "created": int(state.started_at), "owned_by": "zserve",
-             "root": state.source.model_id, "parent": None, "max_model_len": state.max_model_len}
-            for name in state.served_model_names]
+    data = [model_card(state, m, name) for m in state.models for name in m.names]
     return web.json_response({"object": "list", "data": data}, dumps=dumps)
 
 
 @routes.get("/v1/models/{model:.+}")
 async def get_model(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    name = check_model(state, request.match_info["model"])
-    return web.json_response({"id": name, "object": "model", "created": int(state.started_at), "owned_by": "zserve"},
-                             dumps=dumps)
+    view = request.app[STATE].for_model(request.match_info["model"])
+    return web.json_response(model_card(view.gateway, view.model, view.name), dumps=dumps)
 
 
 def _stream_usage(req) -> tuple[bool, bool]:
@@ -301,6 +302,7 @@ class Plan:
     engine gets) and one ``Choice`` per generation, ``n`` to a prompt (prompt i's are ``choices[i*n:(i+1)*n]``).
     The generation routes run it; the render routes (``routers.render``) show it."""
 
+    state: ModelState  # the gateway as the request's model sees it
     request_id: str
     model: str
     prompts: list[tuple[str | None, list[int]]]  # (text, ids); text None for a prompt given as ids
@@ -315,7 +317,7 @@ class Plan:
 
 
 async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
-    model = check_model(state, req.model)
+    state = state.for_model(req.model, "generate")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -343,7 +345,7 @@ async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
         for j in range(req.n):
             sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs, structured=constraint)
             choices.append(Choice(i * req.n + j, ids, sp, prefix))
-    return Plan(f"cmpl-{uuid.uuid4().hex}", model, rendered, req.n, choices, text_options(req))
+    return Plan(state, f"cmpl-{uuid.uuid4().hex}", state.name, rendered, req.n, choices, text_options(req))
 
 
 @routes.post("/v1/completions")
@@ -351,13 +353,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = parse(CompletionRequest, await request.read())
     plan = await plan_completion(request.app[STATE], req)
     include, continuous = _stream_usage(req)
-    shape = CompletionShape(token_text(request.app), req.logprobs is not None)
-    return await respond(request, request_id=plan.request_id, model=plan.model, choices=plan.choices,
+    shape = CompletionShape(plan.state.token_text, req.logprobs is not None)
+    return await respond(request, plan.state, request_id=plan.request_id, model=plan.model, choices=plan.choices,
                          opts=plan.opts, prompt_tokens=plan.prompt_tokens, stream=req.stream, shape=shape,
                          include_usage=include, continuous_usage=continuous)
 
 
-def chat_tool_use(state: GatewayState, req: ChatCompletionRequest) -> ToolUse:
+def chat_tool_use(state: ModelState, req: ChatCompletionRequest) -> ToolUse:
     """OpenAI's tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}."""
     choice = req.tool_choice
     tools = [t.model_dump() for t in req.tools] if req.tools else None
@@ -373,7 +375,7 @@ def chat_tool_use(state: GatewayState, req: ChatCompletionRequest) -> ToolUse:
 
 
 async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
-    model = check_model(state, req.model)
+    state = state.for_model(req.model, "generate")
     requested = structured.from_request(req)
     use = chat_tool_use(state, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -389,7 +391,7 @@ async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
     constraint = await structured.check(structured.with_forced_call(requested, prompt.forced))
     choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j, structured=constraint),
                       msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
-    return Plan(f"chatcmpl-{uuid.uuid4().hex}", model, [(prompt.text, prompt.ids)], req.n, choices,
+    return Plan(state, f"chatcmpl-{uuid.uuid4().hex}", state.name, [(prompt.text, prompt.ids)], req.n, choices,
                 text_options(req), use)
 
 
@@ -398,7 +400,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.read())
     plan = await plan_chat(request.app[STATE], req)
     include, continuous = _stream_usage(req)
-    shape = ChatShape(token_text(request.app), req.logprobs, plan.use)
-    return await respond(request, request_id=plan.request_id, model=plan.model, choices=plan.choices,
+    shape = ChatShape(plan.state.token_text, req.logprobs, plan.use)
+    return await respond(request, plan.state, request_id=plan.request_id, model=plan.model, choices=plan.choices,
                          opts=plan.opts, prompt_tokens=plan.prompt_tokens, stream=req.stream, shape=shape,
                          include_usage=include, continuous_usage=continuous)

@@ -35,8 +35,8 @@ from protocol import EngineHello, PoolOutput
 
 from ..errors import APIError, bad_request
 from ..openai_schemas import parse
-from ..state import STATE, GatewayState
-from .common import ENGINE_ERRORS, admit, check_model, dumps, engine_error
+from ..state import STATE, GatewayState, ModelState
+from .common import ENGINE_ERRORS, admit, dumps, engine_error
 
 routes = web.RouteTableDef()
 
@@ -94,9 +94,12 @@ class ClassifyRequest(BaseModel):
     truncate_prompt_tokens: Truncate = None
 
 
+SCORE_TASKS = ("embed", "classify")  # score and rerank: cosine of embeddings, or a cross-encoder's head
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
-def _hello(state: GatewayState, task: str) -> EngineHello:
+def _hello(state: ModelState, task: str) -> EngineHello:
     """A ready engine's announcement, from one that serves ``task`` (``admit`` refuses otherwise)."""
     admit(state, task)
     return next(e.hello for e in state.engines.ready_engines if e.hello is not None and task in e.hello.tasks)
@@ -109,14 +112,14 @@ def _items(value: Any) -> list:
     return list(value)
 
 
-def _encode(state: GatewayState, item: str | list[int], limit: int, truncate: int | None, param: str,
+def _encode(state: ModelState, item: str | list[int], limit: int, truncate: int | None, param: str,
             pair: str | None = None) -> list[int]:
     """Token ids of one input (with the model's special tokens), truncated only when asked; with
     ``pair``, of the two texts together, as a cross-encoder reads them."""
     return _encode_with_types(state, item, limit, truncate, param, pair)[0]
 
 
-def _encode_with_types(state: GatewayState, item: str | list[int], limit: int, truncate: int | None, param: str,
+def _encode_with_types(state: ModelState, item: str | list[int], limit: int, truncate: int | None, param: str,
                        pair: str | None = None) -> tuple[list[int], int]:
     """``_encode``, and where the second text's tokens begin (0 for one text)."""
     if isinstance(item, list):
@@ -142,7 +145,7 @@ def _encode_with_types(state: GatewayState, item: str | list[int], limit: int, t
     return ids, (pair_start if isinstance(item, str) else 0)
 
 
-async def _pool(state: GatewayState, rid: str, inputs: list[list[int]], task: str, normalize: bool | None = None,
+async def _pool(state: ModelState, rid: str, inputs: list[list[int]], task: str, normalize: bool | None = None,
                 dimensions: int | None = None, pair_starts: list[int] | None = None) -> list[PoolOutput]:
     starts = pair_starts or [0] * len(inputs)
     try:
@@ -153,13 +156,13 @@ async def _pool(state: GatewayState, rid: str, inputs: list[list[int]], task: st
 
 
 def _inputs(state: GatewayState, req: EmbeddingRequest | ClassifyRequest, task: str
-            ) -> tuple[str, EngineHello, list[list[int]]]:
-    """The model name, an engine's announcement for ``task`` and the token ids of every input."""
-    model = check_model(state, req.model)
-    hello = _hello(state, task)
+            ) -> tuple[ModelState, EngineHello, list[list[int]]]:
+    """The request's model, an engine's announcement for ``task`` and the token ids of every input."""
+    view = state.for_model(req.model, task)
+    hello = _hello(view, task)
     items = _items(req.input)
     _check_count(len(items), "input")
-    return model, hello, [_encode(state, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
+    return view, hello, [_encode(view, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
 
 
 def _check_count(n: int, param: str) -> None:
@@ -195,7 +198,7 @@ def _softmax(xs: tuple[float, ...]) -> list[float]:
     return [v / total for v in e]
 
 
-async def _scores(state: GatewayState, rid: str, model: str, queries: list[str], docs: list[str],
+async def _scores(state: ModelState, rid: str, model: str, queries: list[str], docs: list[str],
                   truncate: int | None, param: str) -> tuple[list[float], dict]:
     """The score of each (query, doc) pair (queries broadcast when there is one), and the usage."""
     if len(queries) == 1:
@@ -226,7 +229,7 @@ async def _scores(state: GatewayState, rid: str, model: str, queries: list[str],
 async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
-    model, hello, ids = _inputs(state, req, "embed")
+    state, hello, ids = _inputs(state, req, "embed")
     if req.dimensions is not None and (not hello.matryoshka or req.dimensions > hello.embed_size):
         why = (f"at most {hello.embed_size}" if hello.matryoshka else
                "this model does not support other dimensions (it is not a Matryoshka model)")
@@ -241,7 +244,8 @@ async def embeddings(request: web.Request) -> web.Response:
                 raise APIError(500, "float32 is not 4 bytes here")
             vec = base64.b64encode(packed.tobytes()).decode()
         data.append({"object": "embedding", "index": i, "embedding": vec})
-    return web.json_response({"object": "list", "data": data, "model": model, "usage": _usage(outs)}, dumps=dumps)
+    return web.json_response({"object": "list", "data": data, "model": state.name, "usage": _usage(outs)},
+                             dumps=dumps)
 
 
 @routes.post("/pooling")
@@ -249,11 +253,11 @@ async def pooling(request: web.Request) -> web.Response:
     """vLLM's raw pooled vectors: the embedding before normalisation."""
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
-    model, _, ids = _inputs(state, req, "embed")
+    state, _, ids = _inputs(state, req, "embed")
     rid = f"pool-{uuid.uuid4().hex}"
     outs = await _pool(state, rid, ids, "embed", normalize=False if req.normalize is None else req.normalize)
     data = [{"index": i, "object": "pooling", "data": list(o.data)} for i, o in enumerate(outs)]
-    return _listing(rid, model, data, _usage(outs))
+    return _listing(rid, state.name, data, _usage(outs))
 
 
 @routes.post("/score")
@@ -261,7 +265,8 @@ async def pooling(request: web.Request) -> web.Response:
 async def score(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(ScoreRequest, await request.read())
-    model = check_model(state, req.model)
+    state = state.for_model(req.model, SCORE_TASKS)
+    model = state.name
     rid = f"score-{uuid.uuid4().hex}"
     scores, usage = await _scores(state, rid, model, _items(req.text_1), _items(req.text_2),
                                   req.truncate_prompt_tokens, "text_2")
@@ -273,7 +278,8 @@ async def _rerank(request: web.Request) -> tuple[str, str, list[dict], dict]:
     """(id, model, results best first, usage): what both rerank shapes carry."""
     state = request.app[STATE]
     req = parse(RerankRequest, await request.read())
-    model = check_model(state, req.model)
+    state = state.for_model(req.model, SCORE_TASKS)
+    model = state.name
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     rid = f"rerank-{uuid.uuid4().hex}"
     scores, usage = await _scores(state, rid, model, [req.query], docs, req.truncate_prompt_tokens, "documents")
@@ -303,7 +309,7 @@ async def rerank_cohere(request: web.Request) -> web.Response:
 async def classify(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(ClassifyRequest, await request.read())
-    model, hello, ids = _inputs(state, req, "classify")
+    state, hello, ids = _inputs(state, req, "classify")
     rid = f"classify-{uuid.uuid4().hex}"
     outs = await _pool(state, rid, ids, "classify")
     data = []
@@ -312,4 +318,4 @@ async def classify(request: web.Request) -> web.Response:
         best = max(range(len(probs)), key=probs.__getitem__)
         label = hello.labels[best] if best < len(hello.labels) else f"LABEL_{best}"
         data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-    return _listing(rid, model, data, _usage(outs))
+    return _listing(rid, state.name, data, _usage(outs))

@@ -14,14 +14,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
-from ..state import STATE, GatewayState
+from ..state import STATE
 from .common import dumps
 from .openai import Plan, plan_chat, plan_completion
 
 routes = web.RouteTableDef()
 
 
-def rendered(state: GatewayState, plan: Plan, i: int) -> dict:
+def rendered(plan: Plan, i: int) -> dict:
     """Prompt ``i`` of a plan as the engine would get it.
 
     ``sampling_params`` is the engine's ``SamplingParams`` of the prompt's first choice, exactly as it
@@ -32,7 +32,7 @@ def rendered(state: GatewayState, plan: Plan, i: int) -> dict:
     return {
         "request_id": plan.request_id,
         "model": plan.model,
-        "prompt": text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False),
+        "prompt": text if text is not None else plan.state.tokenizer.decode(ids, skip_special_tokens=False),
         "token_ids": ids,
         "n": plan.n,
         "sampling_params": first.sampling.to_wire(),
@@ -43,13 +43,11 @@ def rendered(state: GatewayState, plan: Plan, i: int) -> dict:
 
 @routes.post("/v1/chat/completions/render")
 async def render_chat_completion(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    plan = await plan_chat(state, parse(ChatCompletionRequest, await request.read()))
-    return web.json_response(rendered(state, plan, 0), dumps=dumps)
+    plan = await plan_chat(request.app[STATE], parse(ChatCompletionRequest, await request.read()))
+    return web.json_response(rendered(plan, 0), dumps=dumps)
 
 
 @routes.post("/v1/completions/render")
 async def render_completion(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    plan = await plan_completion(state, parse(CompletionRequest, await request.read()))
-    return web.json_response([rendered(state, plan, i) for i in range(len(plan.prompts))], dumps=dumps)
+    plan = await plan_completion(request.app[STATE], parse(CompletionRequest, await request.read()))
+    return web.json_response([rendered(plan, i) for i in range(len(plan.prompts))], dumps=dumps)

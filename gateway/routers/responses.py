@@ -32,7 +32,7 @@ from .. import structured
 from ..errors import APIError, bad_request
 from ..openai_schemas import MAX_TOOLS, SamplingFields, parse
 from ..sse import encode_event, open_stream
-from ..state import STATE, GatewayState
+from ..state import STATE, GatewayState, ModelState
 from ..store import StoreUnavailable
 from ..text.message import MessagePiece
 from .common import (
@@ -42,7 +42,6 @@ from .common import (
     admit,
     build_sampling,
     chat_prompt,
-    check_model,
     check_prompt_ids,
     dumps,
     engine_error,
@@ -185,7 +184,7 @@ def input_items(items: str | list) -> list[dict]:
     return out
 
 
-def _tool_use(state: GatewayState, req: ResponsesRequest, tools: list[dict] | None) -> ToolUse:
+def _tool_use(state: ModelState, req: ResponsesRequest, tools: list[dict] | None) -> ToolUse:
     tc = req.tool_choice
     if tc is None or tc in ("none", "auto", "required"):
         return tool_use(state, tools, tc or "auto", parallel=req.parallel_tool_calls)
@@ -339,7 +338,7 @@ async def _load(state: GatewayState, rid: str, param: str | None = None) -> dict
 class Turn:
     """One response being generated: its request, prompt, choice and the object clients see."""
 
-    def __init__(self, state: GatewayState, req: ResponsesRequest, model: str, history: list[dict]):
+    def __init__(self, state: ModelState, req: ResponsesRequest, model: str, history: list[dict]):
         self.state, self.req, self.model = state, req, model
         self.rid = _new_id("resp")
         self.created = time.time()
@@ -519,7 +518,8 @@ def _public(fields: dict) -> dict:
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: ResponsesRequest = parse(ResponsesRequest, await request.read())
-    model = check_model(state, req.model)
+    state = state.for_model(req.model, "generate")
+    model = state.name
     if req.background and not req.store:
         raise bad_request("background responses must be stored (store: true)", param="background")
     if req.background and req.stream:

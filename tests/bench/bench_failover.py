@@ -53,7 +53,7 @@ def one_round(s: Server, model: str) -> tuple[list[float], float, float]:
     def served() -> bool:
         httpx.post(s.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
         text = httpx.get(s.url + "/metrics").text
-        key = f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}"}}'
+        key = f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}",model="{victim["model"]}"}}'
         return any(line.startswith(key) and float(line.split()[-1]) > 0 for line in text.splitlines())
 
     wait_until(served, 120, interval=0.0)

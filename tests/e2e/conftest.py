@@ -29,6 +29,22 @@ def tiny_server():
 
 
 @pytest.fixture(scope="session")
+def rag_server():
+    """A chat model and an embedding model behind one endpoint, as `make run` serves them (tiny-random in
+    SmolLM2's place: the same tokenizer and template, random weights): the pooling and multi-model tests."""
+    from zserve.catalog import DEFAULT_EMBEDDING_MODEL, ModelNotFound, resolve
+
+    try:
+        resolve(DEFAULT_EMBEDDING_MODEL)
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    s = Server("--count", "2", "--model", "tiny-random", "--model", DEFAULT_EMBEDDING_MODEL, "--dtype", "float32",
+               "--max-num-seqs", "16", log_name="rag")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def scripted_model(tmp_path_factory) -> Path:
     """The scripted test model (tests/e2e/scripted_model.py): its output is chosen by the prompt's last token."""
     from .scripted_model import build_scripted_model

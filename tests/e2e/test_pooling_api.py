@@ -35,11 +35,9 @@ def _minilm_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def embed_server():
-    _minilm_dir()
-    s = Server("--model", MODEL, log_name="pooling")
-    yield s
-    s.stop()
+def embed_server(rag_server):
+    """MiniLM beside tiny-random (the session's two-model server): every request names MiniLM."""
+    return rag_server
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +196,9 @@ def _write_tiny(tmp: Path, num_labels: int) -> Path:
 def tiny_heads(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("heads")
     dirs = {n: _write_tiny(tmp, n) for n in (3, 1)}
-    servers = {n: Server("--model", str(d), log_name=f"head-{n}") for n, d in dirs.items()}
-    yield dirs, servers
-    for s in servers.values():
-        s.stop()
+    s = Server("--model", str(dirs[3]), "--model", str(dirs[1]), log_name="heads")  # both heads behind one endpoint
+    yield dirs, {n: d.name for n, d in dirs.items()}, s
+    s.stop()
 
 
 def _hf_logits(d: Path, first: str, second: str | None = None, segments: bool = True) -> list[float]:
@@ -218,9 +215,9 @@ def _hf_logits(d: Path, first: str, second: str | None = None, segments: bool = 
 
 
 def test_classify_gives_the_labels_and_probabilities_of_transformers(tiny_heads):
-    dirs, servers = tiny_heads
+    dirs, names, server = tiny_heads
     texts = ["I loved it", "terrible service, would not come back", "meh"]
-    body = post(servers[3], "/classify", {"input": texts}).json()
+    body = post(server, "/classify", {"model": names[3], "input": texts}).json()
     assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["usage"]["prompt_tokens"] > 3
     for d, text in zip(body["data"], texts):
         logits = _hf_logits(dirs[3], text)
@@ -231,15 +228,15 @@ def test_classify_gives_the_labels_and_probabilities_of_transformers(tiny_heads)
 
 
 def test_a_cross_encoder_scores_the_pair_with_its_head(tiny_heads):
-    dirs, servers = tiny_heads
+    dirs, names, server = tiny_heads
     query, docs = "what is a cat?", ["A cat is a small animal.", "Stocks fell."]
-    body = post(servers[1], "/score", {"text_1": query, "text_2": docs}).json()
+    body = post(server, "/score", {"model": names[1], "text_1": query, "text_2": docs}).json()
     for d, doc in zip(body["data"], docs):
         (logit,) = _hf_logits(dirs[1], query, doc)
         (flat,) = _hf_logits(dirs[1], query, doc, segments=False)
         assert abs(logit - flat) > 1e-3  # the pair's segment ids change the score...
         assert abs(d["score"] - 1 / (1 + math.exp(-logit))) < 1e-5  # ...and the server reads them
-    ranked = post(servers[1], "/v1/rerank", {"query": query, "documents": docs}).json()["results"]
+    ranked = post(server, "/v1/rerank", {"model": names[1], "query": query, "documents": docs}).json()["results"]
     assert sorted(r["index"] for r in ranked) == [0, 1]
     assert ranked[0]["relevance_score"] >= ranked[1]["relevance_score"]
 

@@ -72,7 +72,8 @@ def test_render_server_runs_no_engine_and_never_imports_torch(render_server):
 
 
 def test_health_ping_models_and_metrics_need_no_engine(render):
-    health = {"status": "ok", "engines_ready": 0, "engines_desired": 0, "paused": False}
+    health = {"status": "ok", "engines_ready": 0, "engines_desired": 0, "paused": False,
+              "models": {MODEL: {"engines_ready": 0, "engines_desired": 0}}}
     assert ok(render.get("/health")) == health
     assert ok(render.get("/ping")) == health and ok(render.post("/ping")) == health
     models = ok(render.get("/v1/models"))["data"]

@@ -75,13 +75,14 @@ def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins
             with ThreadPoolExecutor(4) as ex:
                 assert all(r.status_code == 200 for r in ex.map(lambda _: complete(s.url, 8), range(8)))
             load = httpx.get(s.url + "/metrics").text
-            line = next((ln for ln in load.splitlines()
-                         if ln.startswith(f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}"}}')), "")
+            key = f'zserve_engine_generated_tokens_total{{engine="{victim["index"]}",model="tiny-random"}}'
+            line = next((ln for ln in load.splitlines() if ln.startswith(key)), "")
             return line and float(line.split()[-1]) > 0
 
         wait_until(replacement_served, 60, interval=0.2, what="the replacement engine to serve requests")
         assert httpx.get(s.url + "/health").json() == {"status": "ok", "engines_ready": 2, "engines_desired": 2,
-                                                      "paused": False}
+                                                      "paused": False, "models": {"tiny-random": {
+                                                          "engines_ready": 2, "engines_desired": 2}}}
     finally:
         s.stop()
 
@@ -302,8 +303,8 @@ def test_metrics_aggregate_every_gateway_and_the_engines(tiny_server):
     ok = samples.get('zserve_http_requests_total{method="POST",route="/v1/completions",status="200"}', 0)
     assert ok >= 6  # counted across both gateway processes, whichever served each request
     assert samples["zserve_time_to_first_token_seconds_count"] >= 6
-    assert samples['zserve_engine_up{engine="0"}'] == 1.0
-    assert 'zserve_engine_requests_running{engine="0"}' in samples
+    assert samples['zserve_engine_up{engine="0",model="tiny-random"}'] == 1.0
+    assert 'zserve_engine_requests_running{engine="0",model="tiny-random"}' in samples
     assert "zserve_inter_token_latency_seconds_bucket" in text
 
 

@@ -34,8 +34,9 @@ from protocol.control import (
 )
 from zserve.cluster import ClusterState, EngineInfo
 
-STATE = ClusterState(version=7, paused=True, engines=(EngineInfo(0, "ipc:///tmp/e0.sock", "ready", 123),),
-                     gateways_desired=2, engines_desired=1, model_id="tiny-random")
+STATE = ClusterState(version=7, paused=True,
+                     engines=(EngineInfo(0, "ipc:///tmp/e0.sock", "ready", 123, "tiny-random"),),
+                     gateways_desired=2, engines_desired=1, models={"tiny-random": 1})
 
 ROUND_TRIPS = [
     (Ready(index=0, endpoint="ipc:///tmp/e0.sock", device="cpu", dtype="float32"), PIPE_EVENTS),
@@ -52,12 +53,14 @@ ROUND_TRIPS = [
     (StopCommand(), COMMANDS),
     (ErrorReply("bad command"), REPLIES),
     (ScaleReply("engine", 2), REPLIES),
+    (ScaleCommand("engine", 2, "all-MiniLM-L6-v2"), COMMANDS),
+    (ScaleReply("engine", 2, "all-MiniLM-L6-v2"), REPLIES),
     (PauseReply(True, 7, unacknowledged=("gateway 1",)), REPLIES),
     (StopReply(), REPLIES),
-    (StatusReply(url="http://127.0.0.1:8000", model="tiny-random", pid=42, run_dir="/run/x", uptime_s=1.5,
+    (StatusReply(url="http://127.0.0.1:8000", models={"tiny-random": 1}, pid=42, run_dir="/run/x", uptime_s=1.5,
                  desired={"engine": 1, "gateway": 2}, paused=False, cluster_version=3,
                  processes=(ProcessStatus("engine", 0, 99, "ready", 0, False, uptime_s=1.0, running=1, waiting=0,
-                                          kv_used=0.5, draining=False),
+                                          kv_used=0.5, draining=False, model="tiny-random"),
                             ProcessStatus("gateway", 1, None, "backoff", 2, True, last_exit="exit code 1",
                                           next_start_in_s=0.5))), REPLIES),
 ]

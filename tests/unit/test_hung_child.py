@@ -10,10 +10,11 @@ from functools import partial
 from launch.children import spawn
 from launch.supervisor import ServeConfig, Supervisor
 from zserve.catalog import resolve
+from zserve.config import ModelSpec
 
 
 def test_hung_child_leaves_a_faulthandler_traceback_in_the_log_before_it_is_killed(capfd):
-    sup = Supervisor(ServeConfig(source=resolve("tiny-random"), heartbeat_timeout=0.5))
+    sup = Supervisor(ServeConfig(models=[(resolve("tiny-random"), ModelSpec("tiny-random"))], heartbeat_timeout=0.5))
     child = spawn(sup._slot("gateway", 0), "tests.unit.hang_child", [])  # the supervisor's own spawn
     sup.sel.register(child.status_fd, selectors.EVENT_READ, partial(sup._read_status, child))
     sup.children.append(child)
