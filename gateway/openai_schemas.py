@@ -6,6 +6,7 @@ OpenAI does (a 400 naming the offending ``param``). Unknown fields are ignored, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -18,6 +19,9 @@ from .errors import bad_request
 MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_LEN = 1024
+# The engine's wire bounds (protocol/messages.py SamplingParams): a value past them would fail there, as a 500.
+MAX_TOP_K = 1 << 20
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64
 
 
 class StreamOptions(BaseModel):
@@ -40,10 +44,10 @@ class SamplingFields(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, lt=SEED_END)] | None = None
     user: str | None = None
     # vLLM extensions, accepted under the same names
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     min_tokens: Annotated[int, Field(ge=0)] = 0
@@ -150,7 +154,15 @@ def json_object(body: bytes) -> dict[str, Any]:
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
     """Decode and validate a JSON body, or raise a 400 naming the bad field."""
-    data = json_object(body)
+    return validate(model, json_object(body))
+
+
+def parse_query(model: type[BaseModel], query: Mapping[str, str]) -> Any:
+    """Validate a query string (the first value of each name), or raise a 400 naming the bad parameter."""
+    return validate(model, dict(query))
+
+
+def validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -27,11 +27,15 @@ from protocol.constants import EXIT_CUT_OFF
 from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready, decode_line
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
-from zserve.proc import StatusPipe, die_with_parent, ignore_terminal_signals, set_title, setup_logging
+from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 
-from .app import build_app
+from . import logs
+from .admission import Guard
+from .app import ROUTE_FAMILIES, build_app
 from .config import GatewayConfig
 from .engine_client import EngineClient, ModelEngines
+from .plugins import PluginContext, check_disabled, describe, installed_plugin_names, load_plugins
+from .security import CorsPolicy, Keys
 from .state import GatewayState, ServedModel, load_text
 from .store import open_store
 from .text.reasoning import get_reasoning_parser
@@ -81,6 +85,10 @@ class ControlReader:
 async def serve(a: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     status = StatusPipe(a.status_fd)
+    # A plugin that cannot load, or a family to disable that is not here, can never start: a boot error.
+    with boot_phase(status, f"gateway {a.index}"):
+        check_disabled(a.config.disabled_families, ROUTE_FAMILIES, installed_plugin_names())
+        plugins = load_plugins(reserved=ROUTE_FAMILIES, skip=a.config.disabled_families)
     engines = EngineClient(a.engine or [], client_id=f"gw{a.index}-{os.getpid()}")
     models = []
     for entry in a.served_model:
@@ -96,6 +104,17 @@ async def serve(a: argparse.Namespace) -> int:
                                               a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
                                               ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items),
                          render_only=cfg.render_only, default_max_model_len=cfg.max_model_len)
+    with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
+        app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
+                        PluginContext(state, cfg),
+                        guard=Guard(Keys.load(a.key_file), cfg.metrics_auth, cfg.max_concurrent_requests),
+                        cors=CorsPolicy(cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers,
+                                        cfg.allow_credentials))
+    if a.index == 0:  # every gateway mounts the same: say it once
+        if plugins:
+            log.info("endpoint plugins: %s", describe(plugins))
+        if cfg.disabled_families:
+            log.info("disabled route families: %s (their routes answer 404)", ", ".join(cfg.disabled_families))
     tasks: list[asyncio.Task] = []
 
     async def apply(cluster: ClusterState) -> None:
@@ -121,9 +140,9 @@ async def serve(a: argparse.Namespace) -> int:
             await asyncio.sleep(a.heartbeat_interval)
 
     tasks.append(asyncio.create_task(heartbeat()))
-    app = build_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=a.shutdown_timeout + 5)
-    await runner.setup()
+    with boot_phase(status, f"gateway {a.index}"):  # runs the plugins' start-up hooks
+        await runner.setup()
     sock = socket.socket(fileno=a.fd)
     sock.setblocking(False)
     site = web.SockSite(runner, sock)
@@ -183,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
     p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor")
     p.add_argument("--responses-db", default=None, help="the SQLite file every gateway of this host shares")
+    p.add_argument("--key-file", default=None, help="digests of the API and admin keys (gateway.security)")
     a = p.parse_args(argv)
     try:
         a.config = GatewayConfig.from_json(a.config) if a.config else GatewayConfig()
@@ -192,4 +212,5 @@ def main(argv: list[str] | None = None) -> None:
     ignore_terminal_signals()
     set_title(f"zserve: gateway {a.index}")
     setup_logging(f"gateway {a.index}")
+    logs.install()
     sys.exit(uvloop.run(serve(a)))

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from gateway.security import SECRET_ENV
 from protocol.control import ControlMessage, Heartbeat, LineBuffer, encode_line
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -148,7 +149,8 @@ def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = 
            "--parent-pid", str(os.getpid())]
     proc = subprocess.Popen(cmd, pass_fds=(status_w, control_r, *pass_fds), start_new_session=True,
                             preexec_fn=_child_setup,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
+                            env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV},
+                                 "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
                             stdin=subprocess.DEVNULL)
     os.close(status_w)
     os.close(control_r)

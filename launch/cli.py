@@ -18,6 +18,7 @@ from typing import NoReturn, TypeVar
 import click
 
 from gateway.config import GatewayConfig
+from gateway.security import ADMIN_KEY_ENV, API_KEY_ENV
 from gateway.text.reasoning import REASONING_PARSERS
 from gateway.text.tool_parsers import TOOL_PARSERS
 from protocol import ProtocolError
@@ -91,6 +92,30 @@ server_options = _options(
     click.option("--tool-call-parser", default=_GATEWAY.tool_call_parser,
                  help=f"Turn model output into tool calls: {TOOL_PARSERS.names()}. Without it, requests "
                       "with tools are refused."),
+    # -- who may call it (gateway.security; keys never reach a child's command line or a log) ------------
+    click.option("--api-key", "api_keys", multiple=True, envvar=API_KEY_ENV, metavar="KEY",
+                 help="Require this key (Authorization: Bearer KEY, or x-api-key) on every route but /health and "
+                      "/ping. Repeatable; also ZSERVE_API_KEY (keys separated by spaces)."),
+    click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="A file of API keys, one per line (# comments)."),
+    click.option("--admin-key", "admin_keys", multiple=True, envvar=ADMIN_KEY_ENV, metavar="KEY",
+                 help="The key of admin routes (/pause, /resume); API keys are refused there. Also ZSERVE_ADMIN_KEY."),
+    click.option("--metrics-auth/--no-metrics-auth", default=_GATEWAY.metrics_auth, show_default=True,
+                 help="With API keys, /metrics needs one too (default: open to scrapers)."),
+    click.option("--allowed-origins", callback=lambda c, p, v: _names(v), default=None,
+                 help="CORS: origins allowed to call the API from a browser, comma-separated or a JSON list "
+                      "('*' for any). Default: none."),
+    click.option("--allowed-methods", callback=lambda c, p, v: _names(v, ("*",)), default=None,
+                 help="CORS: allowed methods (default: any)."),
+    click.option("--allowed-headers", callback=lambda c, p, v: _names(v, ("*",)), default=None,
+                 help="CORS: allowed request headers (default: any)."),
+    click.option("--allow-credentials", is_flag=True, default=_GATEWAY.allow_credentials,
+                 help="CORS: allow cookies and Authorization from allowed origins."),
+    click.option("--max-concurrent-requests", type=int, default=_GATEWAY.max_concurrent_requests, show_default=True,
+                 help="Requests one gateway serves at once; past it, 429 with Retry-After."),
+    click.option("--disable-family", "disabled_families", multiple=True, metavar="NAME",
+                 help="Do not mount this route family (openai, anthropic, responses, ...; not core) or endpoint "
+                      "plugin: its routes answer 404. Repeatable."),
 )
 
 
@@ -113,6 +138,9 @@ server_options = _options(
               help="CUDA: never capture decode steps as CUDA graphs (they are on by default).")
 @click.option("--threads", "--engine-threads", type=int, default=_ENGINE.threads,
               help="CPU threads per engine (default: the cores divided among the engines).")
+@click.option("--max-waiting", type=int, default=_ENGINE.max_waiting, show_default=True,
+              help="Requests an engine queues; past it the engine refuses more, and once every engine of the model "
+                   "is full requests get 429.")
 @click.option("--seed", type=int, default=_ENGINE.seed,
               help="Seed of the generator unseeded requests sample from (engine rank r uses seed + r), so a run "
                    "can be repeated; default: a fresh seed from the OS.")
@@ -144,7 +172,7 @@ def render(**options) -> None:
 
 def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_names: tuple[str, ...], host: str,
           port: int, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float, log_level: str,
-          **tier_options) -> NoReturn:
+          api_keys: tuple[str, ...], api_key_file: str | None, admin_keys: tuple[str, ...], **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
     told to stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
@@ -152,10 +180,12 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
     unknown = set(tier_options) - _field_names(EngineConfig) - _field_names(GatewayConfig)
     assert not unknown, f"options without a configuration field: {sorted(unknown)}"
     served = _models(models, engine, engines, served_model_names)
+    api_keys = _keys(api_keys, api_key_file)
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
-    cfg = ServeConfig(models=served, gateway=gateway, host=host, port=port, gateways=count,
+    cfg = ServeConfig(models=served, gateway=gateway, api_keys=api_keys, admin_keys=tuple(admin_keys), host=host,
+                      port=port, gateways=count,
                       ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
     sup = Supervisor(cfg)
@@ -203,8 +233,40 @@ def _models(models: tuple[str, ...], engine: EngineConfig, engines: int, names: 
     return served
 
 
+def _keys(given: tuple[str, ...], path: str | None) -> tuple[str, ...]:
+    """The API keys of --api-key and --api-key-file; a usage error (that quotes no key) for a blank one."""
+    keys = list(given)
+    if path is not None:
+        with open(path) as f:
+            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    if any(not k.strip() or any(c.isspace() for c in k.strip()) for k in keys):
+        raise click.BadParameter("an API key must be non-empty and hold no spaces", param_hint="--api-key")
+    return tuple(dict.fromkeys(k.strip() for k in keys))
+
+
+def _names(value: str | None, default: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A list option as vLLM writes it (a JSON list) or comma-separated."""
+    if value is None:
+        return default
+    value = value.strip()
+    if value.startswith("["):
+        import orjson
+
+        try:
+            items = orjson.loads(value)
+        except orjson.JSONDecodeError as e:
+            raise click.BadParameter(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise click.BadParameter("expected a JSON list of strings")
+        return tuple(items)
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
 def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
+
+
+_FLAGS = {"disabled_families": "--disable-family"}  # fields whose option is not named after them
 
 
 def _tier_config(cls: type[T], options: dict) -> T:
@@ -216,7 +278,7 @@ def _tier_config(cls: type[T], options: dict) -> T:
         return cls(**values)
     except ValueError as e:
         field = next((n for n in names if str(e).startswith(n)), None)
-        message = f"--{field.replace('_', '-')}{str(e)[len(field):]}" if field else str(e)
+        message = f"{_FLAGS.get(field, f'--{field}'.replace('_', '-'))}{str(e)[len(field):]}" if field else str(e)
         raise click.UsageError(message) from None
 
 

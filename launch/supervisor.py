@@ -37,6 +37,7 @@ from functools import partial
 import orjson
 
 from gateway.config import GatewayConfig
+from gateway.security import write_key_file
 from protocol import ProtocolError
 from protocol.constants import EXIT_BOOT_ERROR, EXIT_CUT_OFF
 from protocol.control import (
@@ -92,6 +93,8 @@ class ServeConfig:
 
     models: list[tuple[ModelSource, ModelSpec]]  # in order: the first is the default model of a request
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    api_keys: tuple[str, ...] = ()  # gateway.security: written as digests to a file only this user reads
+    admin_keys: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     gateways: int = 2
@@ -171,6 +174,8 @@ class Supervisor:
         with open(os.path.join(self.run_dir, "supervisor.pid"), "w") as f:
             f.write(str(os.getpid()))
         os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
+        if self.cfg.api_keys or self.cfg.admin_keys:
+            write_key_file(self.key_file, self.cfg.api_keys, self.cfg.admin_keys)
 
     @property
     def render_only(self) -> bool:
@@ -209,6 +214,10 @@ class Supervisor:
         os.makedirs(path, exist_ok=True)
         return path
 
+    @property
+    def key_file(self) -> str:
+        return os.path.join(self.run_dir, "keys.json")
+
     def engine_endpoint(self, rank: int) -> str:
         return f"ipc://{self.run_dir}/engine-{rank}.sock"
 
@@ -243,6 +252,8 @@ class Supervisor:
                     "--control-socket", self.control_path, "--shutdown-timeout", str(c.shutdown_timeout), *common]
             for t in self.tiers:  # every gateway serves every model
                 args += ["--served-model", orjson.dumps({"source": t.source.to_json(), "names": t.names}).decode()]
+            if c.api_keys or c.admin_keys:
+                args += ["--key-file", self.key_file]
             args += ["--config", c.gateway.replace(render_only=self.render_only).to_json(),
                      "--responses-db", os.path.join(self.run_dir, "responses.db")]
             env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}

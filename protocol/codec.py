@@ -64,13 +64,15 @@ def encode(msg: Message) -> list[bytes]:
             "request_id": msg.request_id,
             "n_prompt": len(msg.prompt_token_ids),
             "sampling": msg.sampling.to_wire(),
+            "trace_id": msg.trace_id,
         }
         return [_header(msg, head), _pack("i", msg.prompt_token_ids)]
     if isinstance(msg, StepOutputs):
         return _encode_outputs(msg)
     if isinstance(msg, PoolRequest):
         head = {"request_id": msg.request_id, "n_prompt": len(msg.prompt_token_ids), "task": msg.task,
-                "normalize": msg.normalize, "dimensions": msg.dimensions, "pair_start": msg.pair_start}
+                "normalize": msg.normalize, "dimensions": msg.dimensions, "pair_start": msg.pair_start,
+                "trace_id": msg.trace_id}
         return [_header(msg, head), _pack("i", msg.prompt_token_ids)]
     if isinstance(msg, PoolOutputs):
         items = []
@@ -182,10 +184,11 @@ def _prompt_frame(head: dict, frames: Sequence[bytes | memoryview], what: str) -
 
 
 def _decode_pool(head: dict, frames: Sequence[bytes | memoryview]) -> PoolRequest:
-    if set(head) != {"request_id", "n_prompt", "task", "normalize", "dimensions", "pair_start"}:
-        raise ProtocolError("pool needs exactly request_id, n_prompt, task, normalize, dimensions, pair_start")
+    if set(head) != {"request_id", "n_prompt", "task", "normalize", "dimensions", "pair_start", "trace_id"}:
+        raise ProtocolError("pool needs exactly request_id, n_prompt, task, normalize, dimensions, pair_start, "
+                            "trace_id")
     return PoolRequest(head["request_id"], _prompt_frame(head, frames, "pool"), head["task"], head["normalize"],
-                       head["dimensions"], head["pair_start"])
+                       head["dimensions"], head["pair_start"], head["trace_id"])
 
 
 def _decode_pooled(head: dict, frames: Sequence[bytes | memoryview]) -> PoolOutputs:
@@ -211,10 +214,10 @@ def _decode_pooled(head: dict, frames: Sequence[bytes | memoryview]) -> PoolOutp
 
 
 def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:
-    if set(head) != {"request_id", "n_prompt", "sampling"}:
-        raise ProtocolError("add needs exactly request_id, n_prompt, sampling")
+    if set(head) != {"request_id", "n_prompt", "sampling", "trace_id"}:
+        raise ProtocolError("add needs exactly request_id, n_prompt, sampling, trace_id")
     ids = _prompt_frame(head, frames, "add")
-    return AddRequest(head["request_id"], ids, SamplingParams.from_wire(head["sampling"]))
+    return AddRequest(head["request_id"], ids, SamplingParams.from_wire(head["sampling"]), head["trace_id"])
 
 
 def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOutputs:

@@ -14,6 +14,9 @@ restarting it would only fail again, so the supervisor stops at once instead of 
 # -- error codes in ErrorMessage.code ------------------------------------------------------------
 ERR_ENGINE_DRAINING = "engine_draining"
 """An engine refused a request because it is draining; the gateway hands it to another engine."""
+ERR_ENGINE_BUSY = "engine_busy"
+"""An engine refused a request because its queue holds ``max_waiting`` requests already; the gateway tries
+another engine of the model, and answers 429 when every one is full."""
 ERR_BAD_FRAME = "bad_frame"
 """An engine could not decode a frame that named no request."""
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
@@ -68,6 +68,12 @@ def _is_int(v: object) -> bool:
 
 def _is_num(v: object) -> bool:
     return (isinstance(v, (int, float))) and not isinstance(v, bool)
+
+
+def valid_trace_id(value: object) -> bool:
+    """A client's request id as logs may carry it: 1..128 printable ASCII characters, no spaces."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_LEN and value.isascii() and value.isprintable() \
+        and " " not in value
 
 
 def _check_request_id(rid: object) -> None:
@@ -232,12 +238,14 @@ class AddRequest(Message):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    trace_id: str | None = None  # the HTTP request's X-Request-Id, for the engine's log lines about it
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
         _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
                "prompt_token_ids must not be empty")
         _check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
+        _check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
 
 
 @dataclass(frozen=True)
@@ -254,9 +262,11 @@ class PoolRequest(Message):
     normalize: bool | None = None
     dimensions: int | None = None
     pair_start: int = 0  # a text pair (cross-encoders): where the second text's tokens begin; 0: one text
+    trace_id: str | None = None  # the HTTP request's X-Request-Id
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
+        _check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
         _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
                "prompt_token_ids must not be empty")
         _check(_is_int(self.pair_start) and 0 <= self.pair_start < len(self.prompt_token_ids),

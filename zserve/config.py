@@ -42,6 +42,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     threads: int | None = None  # CPU threads per engine; None: the supervisor divides the cores
     seed: int | None = None  # unseeded requests' generator: seed + rank; None: from the OS (engines differ)
+    max_waiting: int | None = 1024  # queued requests beyond which an engine refuses more (429); None: unbounded
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,6 +55,8 @@ class EngineConfig:
             (isinstance(self.enforce_eager, bool), "enforce_eager must be true or false"),
             (self.threads is None or _int(self.threads, 1, 1024), "threads must be an integer in 1..1024"),
             (self.seed is None or _int(self.seed, 0, (1 << 63) - 1), "seed must be a non-negative integer"),
+            (self.max_waiting is None or _int(self.max_waiting, 1, 1 << 20), "max_waiting must be an integer in "
+                                                                                 "1..1048576"),
         ]
         for ok, message in checks:
             if not ok:

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import structured
 from ..errors import APIError, bad_request, error_shape
-from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, SamplingFields, parse
+from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, MAX_TOP_K, SamplingFields, parse
+from ..openapi import JSON, SSE, error_schema, request_body, response
 from ..sse import open_stream, send_event
 from ..state import STATE, ModelState
 from ..text.message import MessagePiece
@@ -50,12 +51,27 @@ log = logging.getLogger("zserve.gateway.anthropic")
 routes = web.RouteTableDef()
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 def anthropic_error(err: APIError) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error shape (``anthropic_error``), as /openapi.json describes it."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+error_schema(anthropic_error, AnthropicError)
 
 
 # -- request schema -------------------------------------------------------------------------------
@@ -126,7 +142,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_LEN)]] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
 
@@ -345,6 +361,8 @@ async def stream_message(request: web.Request, state: ModelState, rid: str, mode
 # -- routes ---------------------------------------------------------------------------------------
 
 @routes.post("/v1/messages")
+@request_body(MessagesRequest)
+@response(200, JSON, SSE)
 @error_shape(anthropic_error)
 async def messages(request: web.Request) -> web.StreamResponse:
     req: MessagesRequest = parse(MessagesRequest, await request.read())
@@ -364,6 +382,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/v1/messages/count_tokens")
+@request_body(CountTokensRequest)
 @error_shape(anthropic_error)
 async def count_tokens(request: web.Request) -> web.Response:
     req: CountTokensRequest = parse(CountTokensRequest, await request.read())

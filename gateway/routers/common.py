@@ -19,10 +19,10 @@ import orjson
 
 from protocol import SamplingParams
 
-from ..engine_client import EngineRequestError, NoEngineAvailable
+from ..engine_client import EngineRequestError, EnginesBusy, NoEngineAvailable
 from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob, generate_text
-from ..openai_schemas import SamplingFields
+from ..openai_schemas import SEED_END, SamplingFields
 from ..state import ModelState
 from ..structured import StructuredSpec, sized
 from ..text.chat_template import ChatTemplateError, content_text
@@ -80,7 +80,7 @@ def build_sampling(state: ModelState, req: SamplingFields, max_tokens: int, logp
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k in (None, -1) else req.top_k,
         min_p=req.min_p,
-        seed=None if req.seed is None else req.seed + choice,
+        seed=None if req.seed is None else choice_seed(req.seed, choice),
         min_tokens=req.min_tokens,
         stop_token_ids=stop_ids,
         ignore_eos=req.ignore_eos,
@@ -93,6 +93,12 @@ def build_sampling(state: ModelState, req: SamplingFields, max_tokens: int, logp
         priority=req.priority,
         structured=structured,
     )
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """Choice j of n samples with seed + j, wrapped as 64-bit seeds wrap, so the wire's range holds any j."""
+    s = seed + choice
+    return s % (1 << 64) if s >= SEED_END else s
 
 
 def text_options(req: SamplingFields) -> TextOptions:
@@ -299,6 +305,9 @@ def admit(state: ModelState, task: str = "generate") -> None:
 
 
 def engine_error(e: Exception) -> APIError:
+    if isinstance(e, EnginesBusy):
+        return APIError(429, "every engine of the model has a full queue (--max-waiting); retry shortly",
+                        code="too_many_requests", headers={"Retry-After": "1"})
     if isinstance(e, NoEngineAvailable):
         return APIError(503, "no engine is available to serve the request; retry shortly", headers={"Retry-After": "1"})
     return APIError(500, f"generation failed: {e}")

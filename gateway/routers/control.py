@@ -2,7 +2,8 @@
 
 A gateway holds no control state of its own: ``POST /pause`` is forwarded to the supervisor,
 which changes the cluster state and answers only once every gateway has applied it. So whichever
-gateway a client reaches, ``/is_paused`` and ``/status`` say the same.
+gateway a client reaches, ``/is_paused`` and ``/status`` say the same. Pause and resume are admin
+routes: once keys are configured they take the admin key (``gateway.security``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from protocol.control import ErrorReply, PauseCommand, PauseReply, ResumeCommand
 from zserve import control
 
 from ..errors import APIError
+from ..security import admin_route
 from ..state import STATE, GatewayState
 
 routes = web.RouteTableDef()
@@ -38,6 +40,7 @@ async def _forward(state: GatewayState, cmd: PauseCommand | ResumeCommand) -> Pa
 
 
 @routes.post("/pause")
+@admin_route
 async def pause(request: web.Request) -> web.Response:
     """Stop admitting new generation requests on every gateway; in-flight ones finish."""
     reply = await _forward(request.app[STATE], PauseCommand())
@@ -45,6 +48,7 @@ async def pause(request: web.Request) -> web.Response:
 
 
 @routes.post("/resume")
+@admin_route
 async def resume(request: web.Request) -> web.Response:
     reply = await _forward(request.app[STATE], ResumeCommand())
     return web.json_response({"paused": False, "version": reply.version})

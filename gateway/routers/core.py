@@ -10,6 +10,7 @@ import zserve
 from protocol import PROTOCOL_VERSION
 
 from .. import metrics
+from ..openapi import JSON, response
 from ..state import STATE, GatewayState
 
 routes = web.RouteTableDef()
@@ -36,6 +37,8 @@ def health_response(state: GatewayState) -> web.Response:
 
 
 @routes.get("/health")
+@response(200, JSON)
+@response(503, JSON, description="no engine is ready (the same body, status unavailable)")
 async def health(request: web.Request) -> web.Response:
     """What a load balancer's health check needs (``health_response``)."""
     return health_response(request.app[STATE])
@@ -56,6 +59,7 @@ async def load(request: web.Request) -> web.Response:
 
 
 @routes.get("/metrics")
+@response(200, "text/plain")
 async def prometheus_metrics(request: web.Request) -> web.Response:
     """Prometheus text: request metrics of every gateway process plus every engine's load."""
     body = metrics.render(request.app)

@@ -22,6 +22,7 @@ from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import TextOptions, TokenLogprob
 from ..openai_schemas import ChatMessage, ChatTool, SamplingFields, parse
+from ..openapi import JSON, SSE, request_body, response
 from ..sse import open_stream, send_done, send_event
 from ..state import STATE, ModelState
 from .common import (
@@ -91,6 +92,7 @@ def _check_ids(state: ModelState, ids: list[int], param: str) -> None:
 
 
 @routes.post("/tokenize")
+@request_body(TokenizeRequest)
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: TokenizeRequest = parse(TokenizeRequest, await request.read())
@@ -116,6 +118,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 @routes.post("/detokenize")
+@request_body(DetokenizeRequest)
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: DetokenizeRequest = parse(DetokenizeRequest, await request.read())
@@ -140,6 +143,8 @@ def _choice(c: Choice, token_ids: list[int], lps: list | None, finish: str | Non
 
 
 @routes.post("/inference/v1/generate")
+@request_body(GenerateRequest)
+@response(200, JSON, SSE)
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: GenerateRequest = parse(GenerateRequest, await request.read())
@@ -158,8 +163,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     rid = req.request_id or f"gen-{uuid.uuid4().hex}"
     # The client's request_id is echoed, never used as the engine's: two requests naming the same id
     # would otherwise share one stream in this gateway (one of them hangs) or be refused by the engine
-    # as already running (a 500).
-    engine_rid = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
+    # as already running (a 500). Nor is it part of it: the wire caps ids at 128 characters.
+    engine_rid = f"gen-{uuid.uuid4().hex}" if req.request_id else rid
     opts = TextOptions(stop=[], detokenize=False)
     admit(state)
     if not req.stream:

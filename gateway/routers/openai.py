@@ -21,6 +21,7 @@ from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
+from ..openapi import JSON, SSE, request_body, response
 from ..sse import open_stream, send_done, send_event
 from ..state import STATE, GatewayState, ModelState, ServedModel
 from ..text.token_text import TokenText
@@ -349,6 +350,8 @@ async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
 
 
 @routes.post("/v1/completions")
+@request_body(CompletionRequest)
+@response(200, JSON, SSE)
 async def completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = parse(CompletionRequest, await request.read())
     plan = await plan_completion(request.app[STATE], req)
@@ -396,6 +399,8 @@ async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
 
 
 @routes.post("/v1/chat/completions")
+@request_body(ChatCompletionRequest)
+@response(200, JSON, SSE)
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.read())
     plan = await plan_chat(request.app[STATE], req)

@@ -35,6 +35,7 @@ from protocol import EngineHello, PoolOutput
 
 from ..errors import APIError, bad_request
 from ..openai_schemas import parse
+from ..openapi import request_body
 from ..state import STATE, GatewayState, ModelState
 from .common import ENGINE_ERRORS, admit, dumps, engine_error
 
@@ -226,6 +227,7 @@ async def _scores(state: ModelState, rid: str, model: str, queries: list[str], d
 # -- routes -------------------------------------------------------------------------------------
 
 @routes.post("/v1/embeddings")
+@request_body(EmbeddingRequest)
 async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
@@ -249,6 +251,7 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 @routes.post("/pooling")
+@request_body(EmbeddingRequest)
 async def pooling(request: web.Request) -> web.Response:
     """vLLM's raw pooled vectors: the embedding before normalisation."""
     state = request.app[STATE]
@@ -262,6 +265,7 @@ async def pooling(request: web.Request) -> web.Response:
 
 @routes.post("/score")
 @routes.post("/v1/score")
+@request_body(ScoreRequest)
 async def score(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(ScoreRequest, await request.read())
@@ -291,6 +295,7 @@ async def _rerank(request: web.Request) -> tuple[str, str, list[dict], dict]:
 
 @routes.post("/rerank")
 @routes.post("/v1/rerank")
+@request_body(RerankRequest)
 async def rerank_jina(request: web.Request) -> web.Response:
     rid, model, results, usage = await _rerank(request)
     return web.json_response({"id": rid, "model": model, "usage": {"total_tokens": usage["total_tokens"]},
@@ -298,6 +303,7 @@ async def rerank_jina(request: web.Request) -> web.Response:
 
 
 @routes.post("/v2/rerank")
+@request_body(RerankRequest)
 async def rerank_cohere(request: web.Request) -> web.Response:
     rid, _, results, usage = await _rerank(request)
     return web.json_response({"id": rid, "results": results, "meta": {
@@ -306,6 +312,7 @@ async def rerank_cohere(request: web.Request) -> web.Response:
 
 
 @routes.post("/classify")
+@request_body(ClassifyRequest)
 async def classify(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(ClassifyRequest, await request.read())

@@ -14,6 +14,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
+from ..openapi import request_body
 from ..state import STATE
 from .common import dumps
 from .openai import Plan, plan_chat, plan_completion
@@ -42,12 +43,14 @@ def rendered(plan: Plan, i: int) -> dict:
 
 
 @routes.post("/v1/chat/completions/render")
+@request_body(ChatCompletionRequest)
 async def render_chat_completion(request: web.Request) -> web.Response:
     plan = await plan_chat(request.app[STATE], parse(ChatCompletionRequest, await request.read()))
     return web.json_response(rendered(plan, 0), dumps=dumps)
 
 
 @routes.post("/v1/completions/render")
+@request_body(CompletionRequest)
 async def render_completion(request: web.Request) -> web.Response:
     plan = await plan_completion(request.app[STATE], parse(CompletionRequest, await request.read()))
     return web.json_response([rendered(plan, i) for i in range(len(plan.prompts))], dumps=dumps)

@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from .. import structured
 from ..errors import APIError, bad_request
-from ..openai_schemas import MAX_TOOLS, SamplingFields, parse
+from ..openai_schemas import MAX_TOOLS, SamplingFields, parse, parse_query
+from ..openapi import JSON, SSE, query, request_body, response
 from ..sse import encode_event, open_stream
 from ..state import STATE, GatewayState, ModelState
 from ..store import StoreUnavailable
@@ -134,6 +135,16 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     text: dict[str, Any] | None = None
     user: str | None = None
+
+
+class InputItemsQuery(BaseModel):
+    """The query of ``GET /v1/responses/{id}/input_items``: OpenAI's paging of input items."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    order: Literal["asc", "desc"] = "desc"
+    limit: Annotated[int, Field(ge=1, le=100)] = 20
+    after: str | None = None
 
 
 # -- input → chat ---------------------------------------------------------------------------------
@@ -515,6 +526,8 @@ def _public(fields: dict) -> dict:
 # -- routes ---------------------------------------------------------------------------------------
 
 @routes.post("/v1/responses")
+@request_body(ResponsesRequest)
+@response(200, JSON, SSE)
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: ResponsesRequest = parse(ResponsesRequest, await request.read())
@@ -554,29 +567,21 @@ async def get_response(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/responses/{response_id}/input_items")
+@query(InputItemsQuery)
 async def list_input_items(request: web.Request) -> web.Response:
     """A stored response's input items, paged as OpenAI pages them (``order``, ``limit``, ``after``)."""
-    q = request.query
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request("order must be 'asc' or 'desc'", param="order")
-    try:
-        limit = int(q.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise bad_request("limit must be an integer from 1 to 100", param="limit")
+    q: InputItemsQuery = parse_query(InputItemsQuery, request.query)
     items = list((await _load(request.app[STATE], request.match_info["response_id"])).get("input_items") or [])
-    if order == "desc":
+    if q.order == "desc":
         items.reverse()
-    if "after" in q:
+    if q.after is not None:
         ids = [i["id"] for i in items]
-        if q["after"] not in ids:
-            raise bad_request(f"no input item {q['after']!r} in this response", param="after")
-        items = items[ids.index(q["after"]) + 1:]
-    page = items[:limit]
+        if q.after not in ids:
+            raise bad_request(f"no input item {q.after!r} in this response", param="after")
+        items = items[ids.index(q.after) + 1:]
+    page = items[:q.limit]
     return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit},
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > q.limit},
                              dumps=dumps)
 
 

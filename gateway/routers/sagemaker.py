@@ -16,6 +16,7 @@ from aiohttp.typedefs import Handler
 
 from ..errors import APIError, bad_request, error_response, routing_error, shape_of
 from ..openai_schemas import json_object
+from ..openapi import JSON, SSE, request_body, response
 from ..state import STATE
 from .core import health_response
 
@@ -55,13 +56,23 @@ def route_handler(app: web.Application, method: str, path: str) -> Handler:
 
 @routes.get("/ping")
 @routes.post("/ping")
+@response(200, JSON)
+@response(503, JSON, description="the server cannot serve yet (the same body as /health)")
 async def ping(request: web.Request) -> web.Response:
     """SageMaker's health check: the same answer as /health."""
     return health_response(request.app[STATE])
 
 
+# Any JSON object: the route its fields name validates it (``INVOCATIONS``).
+_PAYLOAD = {"type": "object", "description": "; ".join(
+    f"{' and '.join(fields)}: the body of POST {path}" for fields, path in INVOCATIONS)}
+
+
 @routes.post("/invocations")
+@request_body(_PAYLOAD)
+@response(200, JSON, SSE)
 async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's inference call: the body of another route, served by the route its fields name."""
     handler = route_handler(request.app, "POST", invocation_path(json_object(await request.read())))
     try:
         return await handler(request)  # it reads the same body again (aiohttp keeps it)

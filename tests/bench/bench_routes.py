@@ -7,6 +7,9 @@ the run, divided by requests served). Routes are measured in interleaved rounds 
 round is reported, as a ratio to chat completions measured in the same rounds. Rerun with:
 
     .venv/bin/python tests/bench/bench_routes.py --requests 400 --concurrency 16 --rounds 3
+
+``--api-key`` adds a row: chat completions on a second server started with ``--api-key`` (requests send
+the bearer key), in the same rounds, so the key check's cost shows against the open server's chat row.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ def payloads(model: str, tokens: int, stream: bool) -> dict[str, tuple[str, dict
     }
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "launch", "api-server", "--port", "0", "--count", "1",
-                             "--model", "tiny-random", "--max-num-seqs", str(max(16, args.concurrency))],
+                             "--model", "tiny-random", "--max-num-seqs", str(max(16, args.concurrency)), *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     for raw in proc.stdout:
         m = re.search(r"at (http://\S+) ", raw.decode())
@@ -59,8 +62,8 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int, conc: int, pid: int
-                    ) -> tuple[float, float]:
+async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int, conc: int, pid: int,
+                    headers: dict | None = None) -> tuple[float, float]:
     """(requests/s, gateway CPU µs per request) for n requests at concurrency conc."""
     left = n
     failures = 0
@@ -69,7 +72,7 @@ async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int
         nonlocal left, failures
         while left > 0:
             left -= 1
-            async with session.post(url, json=body) as r:
+            async with session.post(url, json=body, headers=headers) as r:
                 await r.read()
                 failures += r.status != 200
 
@@ -81,19 +84,27 @@ async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int
     return n / wall, cpu / n * 1e6
 
 
-async def bench(base: str, args) -> dict[str, list[tuple[float, float]]]:
+async def bench(base: str, args, keyed: str | None = None) -> dict[str, list[tuple[float, float]]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
+        auth = {"Authorization": f"Bearer {args.api_key}"}
         async with session.get(base + "/load") as r:
             pid = (await r.json())["pid"]
         async with session.get(base + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        routes = payloads(model, args.tokens, args.stream)
-        results: dict[str, list[tuple[float, float]]] = {k: [] for k in routes}
-        for path, body in routes.values():  # warm-up: tokenizer caches, store file, code paths
-            await run_route(session, base + path, body, 20, 4, pid)
+        targets = {name: (base, path, body, pid, None) for name, (path, body) in
+                   payloads(model, args.tokens, args.stream).items()}
+        if keyed is not None:
+            async with session.get(keyed + "/load", headers=auth) as r:
+                keyed_pid = (await r.json())["pid"]
+            path, body = payloads(model, args.tokens, args.stream)["chat"]
+            targets["chat (--api-key)"] = (keyed, path, body, keyed_pid, auth)
+        results: dict[str, list[tuple[float, float]]] = {k: [] for k in targets}
+        for url, path, body, gw, headers in targets.values():  # warm-up: tokenizer caches, store file, code paths
+            await run_route(session, url + path, body, 20, 4, gw, headers)
         for _ in range(args.rounds):
-            for name, (path, body) in routes.items():
-                results[name].append(await run_route(session, base + path, body, args.requests, args.concurrency, pid))
+            for name, (url, path, body, gw, headers) in targets.items():
+                results[name].append(await run_route(session, url + path, body, args.requests, args.concurrency, gw,
+                                                     headers))
         return results
 
 
@@ -104,13 +115,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=1, help="max tokens per request")
     p.add_argument("--stream", action="store_true", help="stream every response (SSE)")
+    p.add_argument("--api-key", default=None, help="also measure chat on a server started with this --api-key")
     args = p.parse_args()
-    proc, base = start_server(args)
+    procs = []
     try:
-        results = asyncio.run(bench(base, args))
+        proc, base = start_server(args)
+        procs.append(proc)
+        keyed = None
+        if args.api_key:
+            proc, keyed = start_server(args, "--api-key", args.api_key)
+            procs.append(proc)
+        results = asyncio.run(bench(base, args, keyed))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
     rps0 = statistics.median(r for r, _ in results["chat"])
     cpu0 = statistics.median(c for _, c in results["chat"])
     print(f"1 gateway, tiny-random engine, {args.requests} requests x {args.rounds} rounds, concurrency "
