@@ -218,7 +218,7 @@ def test_engines_with_full_queues_answer_429_across_gateways():
 
         rs = asyncio.run(burst())
         codes = [r.status_code for r in rs]
-        assert set(codes) <= {200, 429} and codes.count(200) >= 3 and codes.count(429) >= 1, codes
+        assert set(codes) <= {200, 429} and codes.count(200) >= 2 and codes.count(429) >= 1, codes  # 2 queue
         busy = next(r for r in rs if r.status_code == 429)
         assert "--max-waiting" in busy.json()["error"]["message"] and busy.headers["Retry-After"] == "1"
     finally:
