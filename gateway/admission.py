@@ -1,13 +1,15 @@
 """The gateway's cross-cutting request handling, each concern once, as aiohttp middlewares:
 
-- ``request_id_middleware`` (outermost): every response carries ``X-Request-Id`` — the client's when it is
+- ``front_middleware`` (outermost): every response carries ``X-Request-Id`` — the client's when it is
   a valid one (1..128 printable ASCII characters, no spaces), else a fresh one — and every log line written
   while serving the request names it (``gateway.logs``), on the gateway and, carried in the engine
-  request, on the engine.
-- ``cors_middleware``: answers CORS preflights (``OPTIONS``) before any key is asked for.
+  request, on the engine. It also answers CORS preflights (``OPTIONS``) before any key is asked for.
 - ``guard_middleware`` (inside the error middleware, so refusals take the route family's error shape):
-  API keys (``gateway.security``), then ``--max-concurrent-requests``: past it a request is refused at
-  once with 429 and ``Retry-After`` rather than queued without bound.
+  API keys (``gateway.security``), then ``--max-concurrent-requests`` (past it a request is refused at
+  once with 429 and ``Retry-After`` rather than queued without bound), then the body's read deadline
+  (``gateway.body_timeout``).
+
+Two layers, not one per concern: each aiohttp middleware costs every request a call frame.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from aiohttp import web
 
 from protocol.messages import valid_trace_id
 
+from .body_timeout import read_body
 from .errors import APIError
 from .logs import REQUEST_ID
 from .security import CorsPolicy, Keys, authorize
@@ -48,38 +51,37 @@ GUARD: web.AppKey[Guard] = web.AppKey("zserve_guard", Guard)
 
 
 @web.middleware
-async def request_id_middleware(request: web.Request, handler):
+async def front_middleware(request: web.Request, handler):
+    """Outermost: the request's id (and the access line at debug level); CORS preflights are answered here,
+    before any key is asked for."""
     given = request.headers.get("X-Request-Id")
     rid = given if given is not None and valid_trace_id(given) else uuid.uuid4().hex
     request[RID] = rid
     token = REQUEST_ID.set(rid)
-    if not log.isEnabledFor(logging.DEBUG):
-        try:
-            return await handler(request)
-        finally:
-            REQUEST_ID.reset(token)
-    start, status = time.monotonic(), 500
     try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    finally:  # an access line (with the id, as every line of the request) at --log-level debug
-        log.debug("%s %s -> %d in %.1f ms", request.method, request.path, status, (time.monotonic() - start) * 1e3)
+        if request.method == "OPTIONS":
+            return request.app[CORS].preflight(request)
+        if not log.isEnabledFor(logging.DEBUG):
+            return await handler(request)
+        start, status = time.monotonic(), 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        finally:  # one access line (with the id, as every line of the request)
+            log.debug("%s %s -> %d in %.1f ms", request.method, request.path, status,
+                      (time.monotonic() - start) * 1e3)
+    finally:
         REQUEST_ID.reset(token)
 
 
 @web.middleware
-async def cors_middleware(request: web.Request, handler):
-    if request.method == "OPTIONS":
-        return request.app[CORS].preflight(request)
-    return await handler(request)
-
-
-@web.middleware
 async def guard_middleware(request: web.Request, handler):
+    """Inside the error middleware: keys, the concurrency limit, then the body within its deadline."""
     guard = request.app[GUARD]
     authorize(request, guard.keys, guard.metrics_auth)
     if guard.max_concurrent is None or request.path in UNLIMITED_PATHS:
+        await read_body(request)
         return await handler(request)
     if guard.active >= guard.max_concurrent:
         raise APIError(429, f"this gateway is serving {guard.max_concurrent} requests, its limit "
@@ -87,6 +89,7 @@ async def guard_middleware(request: web.Request, handler):
                        headers={"Retry-After": "1"})
     guard.active += 1
     try:
+        await read_body(request)
         return await handler(request)
     finally:
         guard.active -= 1

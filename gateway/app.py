@@ -11,12 +11,10 @@ from .admission import (
     CORS,
     GUARD,
     Guard,
-    cors_middleware,
+    front_middleware,
     guard_middleware,
-    request_id_middleware,
     response_headers,
 )
-from .body_timeout import body_timeout_middleware
 from .errors import error_middleware
 from .metrics import metrics_middleware
 from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
@@ -43,11 +41,11 @@ def build_app(state: GatewayState, families: list[str] | None = None, plugins: S
     route two of them claim) with ``context`` for the plugins' hooks and handlers; ``guard`` (keys, the
     concurrency limit) and ``cors`` default to none.
 
-    Middlewares, outermost first: request id, metrics, CORS preflights, errors (in the family's shape), then
-    keys and the concurrency limit — so a refusal is counted, shaped, and carries the request id — and last the
-    body's read deadline (gateway/body_timeout.py), after the keys so that no stranger's body is read."""
-    app = web.Application(middlewares=[request_id_middleware, metrics_middleware, cors_middleware, error_middleware,
-                                       guard_middleware, body_timeout_middleware], client_max_size=MAX_BODY_BYTES)
+    Middlewares, outermost first: request id and CORS preflights, metrics, errors (in the family's shape), then
+    keys, the concurrency limit and the body's read deadline (gateway/admission.py) — so a refusal is counted,
+    shaped, and carries the request id, and no stranger's body is read."""
+    app = web.Application(middlewares=[front_middleware, metrics_middleware, error_middleware, guard_middleware],
+                          client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app[GUARD] = guard or Guard(Keys(), metrics_auth=False, max_concurrent=None)
     app[CORS] = cors or CorsPolicy()

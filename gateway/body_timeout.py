@@ -2,10 +2,11 @@
 
 aiohttp has no body-read timeout: ``await request.read()`` waits as long as bytes keep coming, one a
 second if the client likes, holding the connection, the handler and any concurrency slot it took.
-This middleware reads the body before the handler, within ``BODY_TIMEOUT_S`` plus the time its
-declared length takes at ``BODY_MIN_RATE``, and answers 408 otherwise (a body without a length,
-chunked, gets ``BODY_TIMEOUT_S``). aiohttp keeps the bytes, so the handler's own read returns them at
-once. After the 408 aiohttp reads what still comes for its lingering time (10 s), then closes.
+``read_body`` (called by ``gateway.admission.guard_middleware`` before the handler) reads the body within
+``BODY_TIMEOUT_S`` plus the time its declared length takes at ``BODY_MIN_RATE``, and answers 408
+otherwise (a body without a length, chunked, gets ``BODY_TIMEOUT_S``). aiohttp keeps the bytes, so the
+handler's own read returns them at once. After the 408 aiohttp reads what still comes for its lingering
+time (10 s), then closes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ BODY_TIMEOUT_S = 10.0
 BODY_MIN_RATE = 1 << 20  # bytes per second a large body must at least arrive at: 32 MiB gets 42 s
 
 
-@web.middleware
-async def body_timeout_middleware(request: web.Request, handler):
-    if request.body_exists:
+async def read_body(request: web.Request) -> None:
+    """Have the whole body in memory before the handler runs, or raise the 408. A body that came with its
+    headers (most do) is already complete: no timer is armed for it."""
+    if request.body_exists and not request.content.is_eof():
         budget = BODY_TIMEOUT_S + (request.content_length or 0) / BODY_MIN_RATE
         try:
             async with asyncio.timeout(budget):
@@ -30,4 +32,3 @@ async def body_timeout_middleware(request: web.Request, handler):
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {budget:.0f}s",
                            headers={"Connection": "close"}) from None
-    return await handler(request)
