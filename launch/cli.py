@@ -3,7 +3,7 @@
 ``launch api-server`` starts and supervises both tiers; ``launch render`` the gateways alone (a
 CPU-only server that renders requests and never generates), through the same ``serve``.
 ``launch scale``, ``launch status`` and ``launch stop`` talk to a running supervisor over its
-owner-only control socket.
+owner-only control socket. ``launch bench`` measures any running OpenAI-compatible server (launch/bench.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import click
@@ -368,3 +369,91 @@ def stop(port: int) -> None:
     """Drain and stop a running server (like SIGTERM to its supervisor)."""
     _ask(port, StopCommand(), StopReply)
     click.echo("stopping")
+
+
+def _rates(value: str | None) -> tuple[float, ...]:
+    """"1,2,4,inf" as request rates per second."""
+    try:
+        rates = tuple(float(v) for v in _names(value))
+    except ValueError as e:
+        raise click.BadParameter(f"expected rates like 1,2,4,inf: {e}") from None
+    if any(r <= 0 for r in rates):
+        raise click.BadParameter("a request rate must be positive (inf: all at once)")
+    return rates
+
+
+def _concurrencies(value: str | None) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(v) for v in _names(value))
+    except ValueError as e:
+        raise click.BadParameter(f"expected concurrencies like 1,4,16: {e}") from None
+    if any(c < 1 for c in counts):
+        raise click.BadParameter("a concurrency must be at least 1")
+    return counts
+
+
+@main.command("bench")
+@click.option("--base-url", default="http://127.0.0.1:8000", show_default=True,
+              help="Any OpenAI-compatible server (zserve, vLLM, ...).")
+@click.option("--model", default=None, help="Model to ask for (default: the first of GET /v1/models).")
+@click.option("--endpoint-type", type=click.Choice(["completions", "chat"]), default="completions",
+              show_default=True, help="/v1/completions or /v1/chat/completions.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Sent as Bearer (also OPENAI_API_KEY).")
+@click.option("--num-prompts", type=click.IntRange(1), default=200, show_default=True,
+              help="Requests per load point.")
+@click.option("--random-input-len", type=click.IntRange(1), default=1024, show_default=True,
+              help="Prompt tokens of random prompts (made exact with the server's /tokenize when it has one).")
+@click.option("--random-output-len", type=click.IntRange(1), default=128, show_default=True,
+              help="max_tokens of each request (a dataset line's own max_tokens wins).")
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Lengths uniform in [LEN*(1-R), LEN*(1+R)].")
+@click.option("--dataset-path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="JSONL prompts instead of random ones: one object a line with \"prompt\" or \"messages\" and "
+                   "optionally \"max_tokens\".")
+@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=float("inf"),
+              show_default=True, help="Poisson arrivals per second (inf: every request at once).")
+@click.option("--max-concurrency", type=click.IntRange(1), default=None, help="Requests in flight at most.")
+@click.option("--sweep-rates", callback=lambda c, p, v: _rates(v), default=None,
+              help="Run one load point per request rate, e.g. 1,2,4,inf.")
+@click.option("--sweep-concurrency", callback=lambda c, p, v: _concurrencies(v), default=None,
+              help="Run one load point per concurrency, e.g. 1,4,16.")
+@click.option("--stream/--no-stream", default=True, show_default=True,
+              help="Stream (SSE): needed for TTFT and inter-token latency.")
+@click.option("--temperature", type=click.FloatRange(0), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the workload: prompt words and lengths, arrival times.")
+@click.option("--ignore-eos", is_flag=True, help="Send vLLM's ignore_eos so every request generates max_tokens.")
+@click.option("--goodput", "slos", multiple=True, metavar="KEY:MS",
+              help="SLO of goodput in ms, keys ttft, tpot, e2el; as vLLM writes it: --goodput ttft:500 e2el:2000.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
+              help="Seconds a request may wait for its next bytes.")
+@click.option("--result-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write every metric and the configuration as JSON.")
+@click.option("--save-detailed", is_flag=True, help="With --result-file: add every request's record.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw latency percentiles against load, and throughput against latency, as a PNG "
+                   "(needs matplotlib: pip install zserve[bench]).")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress on stderr.")
+@click.argument("more_slos", nargs=-1, metavar="[KEY:MS]...")
+def bench(slos: tuple[str, ...], more_slos: tuple[str, ...], **options) -> None:
+    """Measure a running server: throughput, TTFT, ITL, TPOT, end-to-end latency and goodput under a load.
+
+    KEY:MS arguments are more goodput SLOs (--goodput ttft:500 e2el:2000, as vLLM takes them).
+    Exits 2 if the server cannot be reached, 1 if every request failed."""
+    from . import bench as bench_run
+    from .bench_report import parse_slos
+
+    if options["sweep_rates"] and options["sweep_concurrency"]:
+        raise click.UsageError("sweep either --sweep-rates or --sweep-concurrency, not both")
+    if more_slos and not slos:
+        raise click.UsageError(f"unexpected argument {more_slos[0]!r} (goodput SLOs follow --goodput)")
+    try:
+        goodput = parse_slos(slos + more_slos)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--goodput") from None
+    if options["plot"] is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'zserve[bench]'") from None
+    sys.exit(bench_run.run(bench_run.BenchConfig(goodput=goodput, **options)))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import statistics
 import subprocess
@@ -27,6 +26,9 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests.bench.procstat import cpu_seconds  # noqa: E402
+
 MESSAGE = "Summarise the plot of a short story about a lighthouse keeper who befriends a seagull."
 
 
@@ -57,11 +59,6 @@ def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not start")
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int, conc: int, pid: int,
                     headers: dict | None = None) -> tuple[float, float]:
     """(requests/s, gateway CPU µs per request) for n requests at concurrency conc."""
@@ -76,9 +73,9 @@ async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int
                 await r.read()
                 failures += r.status != 200
 
-    c0, t0 = cpu_s(pid), time.monotonic()
+    c0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.gather(*(worker() for _ in range(conc)))
-    wall, cpu = time.monotonic() - t0, cpu_s(pid) - c0
+    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - c0
     if failures:
         raise RuntimeError(f"{failures} of {n} requests to {url} failed")
     return n / wall, cpu / n * 1e6

@@ -1,0 +1,157 @@
+"""``launch bench``: drive a running OpenAI-compatible server with a workload and report its latencies.
+
+Like ``vllm bench serve``: the operator picks a workload (random prompts of given token lengths, or a
+JSONL dataset), a load (Poisson request rate and/or a concurrency cap, or a sweep of either) and gets
+throughput, TTFT, ITL, TPOT, end-to-end latency and goodput per load point, as a table, a JSON result
+and a plot. Load and timing live in bench_load, metrics and output in bench_report; this module runs
+the load points in order and decides the exit code (2: unreachable, 1: every request failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from . import bench_report as report
+from .bench_load import (
+    Progress,
+    PromptMaker,
+    RequestSpec,
+    Target,
+    Unreachable,
+    drive,
+    first_model,
+    load_dataset,
+    normalize_base_url,
+    sample_lengths,
+)
+
+EXIT_ALL_FAILED = 1
+EXIT_UNREACHABLE = 2
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """Everything one ``launch bench`` run needs (and what its result file records as "config")."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    endpoint_type: str = "completions"
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    num_prompts: int = 200
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    dataset_path: Path | None = None
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    sweep_rates: tuple[float, ...] = ()
+    sweep_concurrency: tuple[int, ...] = ()
+    stream: bool = True
+    temperature: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    goodput: dict[str, float] = dataclasses.field(default_factory=dict)
+    timeout: float = 600.0
+    result_file: Path | None = None
+    save_detailed: bool = False
+    plot: Path | None = None
+    progress: bool = True
+
+    def load_points(self) -> tuple[str, list[dict[str, Any]]]:
+        """The plot's x axis and each load point's {"request_rate", "max_concurrency"}."""
+        if self.sweep_rates:
+            return "request_rate", [{"request_rate": r, "max_concurrency": self.max_concurrency}
+                                    for r in self.sweep_rates]
+        if self.sweep_concurrency:
+            return "max_concurrency", [{"request_rate": self.request_rate, "max_concurrency": c}
+                                       for c in self.sweep_concurrency]
+        axis = "max_concurrency" if self.max_concurrency and math.isinf(self.request_rate) else "request_rate"
+        return axis, [{"request_rate": self.request_rate, "max_concurrency": self.max_concurrency}]
+
+    def to_json(self) -> dict[str, Any]:
+        cfg = {k: v for k, v in dataclasses.asdict(self).items() if k != "api_key"}
+        return {k: str(v) if isinstance(v, Path) else v for k, v in cfg.items()}
+
+
+def run(cfg: BenchConfig) -> int:
+    """Run every load point, print the table, write the result and plot; the exit code."""
+    try:
+        return asyncio.run(_run(cfg))
+    except Unreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+
+
+async def _run(cfg: BenchConfig) -> int:
+    base_url = normalize_base_url(cfg.base_url)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=cfg.timeout)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        target = Target(base_url=base_url, model=cfg.model or "", endpoint_type=cfg.endpoint_type,
+                        api_key=cfg.api_key, stream=cfg.stream, temperature=cfg.temperature,
+                        ignore_eos=cfg.ignore_eos, timeout=cfg.timeout)
+        listed = await first_model(session, base_url, target.headers)  # also: is anyone there?
+        if not target.model:
+            if listed is None:
+                raise Unreachable(f"{base_url}/v1/models listed no model; give --model")
+            target.model = listed
+        rng = random.Random(cfg.seed)
+        axis, loads = cfg.load_points()
+        points, how = [], ""
+        for n, load in enumerate(loads, 1):
+            specs, how = await _workload(cfg, session, target, rng)
+            label = f"[{n}/{len(loads)}] {report.load_label(load)}"
+            progress = Progress(len(specs), label, enabled=cfg.progress)
+            try:
+                records, duration = await drive(session, target, specs, load["request_rate"],
+                                                load["max_concurrency"], rng, progress.update)
+            finally:
+                progress.close()
+            points.append(report.summarize(records, duration, load, cfg.goodput, cfg.save_detailed))
+    print(f"launch bench: {target.model} at {base_url}, {cfg.endpoint_type}, "
+          f"{'streaming' if cfg.stream else 'not streaming'}, {cfg.num_prompts} prompts per point ({how})")
+    print(report.table(points))
+    if cfg.result_file:
+        result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": target.model,
+                  "config": cfg.to_json(), "results": points}
+        cfg.result_file.write_bytes(orjson.dumps(_jsonable(result), option=orjson.OPT_INDENT_2))
+        print(f"result: {cfg.result_file}")
+    if cfg.plot:
+        report.plot(points, cfg.plot, axis)
+        print(f"plot: {cfg.plot}")
+    return 0 if any(p["completed"] for p in points) else EXIT_ALL_FAILED
+
+
+async def _workload(cfg: BenchConfig, session: aiohttp.ClientSession, target: Target,
+                    rng: random.Random) -> tuple[list[RequestSpec], str]:
+    """A fresh workload per load point (so a prefix cache cannot serve one point from the last) and how its
+    prompt lengths were made."""
+    if cfg.dataset_path is not None:
+        return load_dataset(cfg.dataset_path, cfg.num_prompts, cfg.random_output_len), f"from {cfg.dataset_path}"
+    inputs = sample_lengths(rng, cfg.num_prompts, cfg.random_input_len, cfg.random_range_ratio)
+    outputs = sample_lengths(rng, cfg.num_prompts, cfg.random_output_len, cfg.random_range_ratio)
+    maker = PromptMaker(session, target, rng)
+    specs = await maker.make(inputs, outputs)
+    counted = "counted by the server's /tokenize" if maker.exact else "approximated by words"
+    return specs, f"random: input {cfg.random_input_len}, output {cfg.random_output_len} tokens, " \
+                  f"range ratio {cfg.random_range_ratio}; prompt lengths {counted}"
+
+
+def _jsonable(x: Any) -> Any:
+    """JSON has no infinity: an unbounded request rate is written as the string "inf"."""
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
