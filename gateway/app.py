@@ -16,7 +16,7 @@ from .admission import (
     response_headers,
 )
 from .errors import error_middleware
-from .metrics import metrics_middleware
+from .metrics import flush_periodically, metrics_middleware
 from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
 from .routers import anthropic, control, core, docs, native, openai, pooling, render, responses, sagemaker
 from .security import CorsPolicy, Keys
@@ -49,6 +49,7 @@ def build_app(state: GatewayState, families: list[str] | None = None, plugins: S
     app[STATE] = state
     app[GUARD] = guard or Guard(Keys(), metrics_auth=False, max_concurrent=None)
     app[CORS] = cors or CorsPolicy()
+    app.cleanup_ctx.append(flush_periodically)  # request metrics are buffered: write them out
     app.on_response_prepare.append(_close_while_draining)
     app.on_response_prepare.append(response_headers)
     chosen = {name: ROUTE_FAMILIES[name].routes for name in families or list(ROUTE_FAMILIES)}

@@ -50,6 +50,8 @@ def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
 
 
 def _prompt_logprobs(out: RequestOutput, prompt_ids: list[int]) -> list[TokenLogprob] | None:
+    if out.prompt_logprobs is None:  # every output but the first: no copy of the prompt per token
+        return None
     return _pair_logprobs(prompt_ids[1:], out.prompt_logprobs, out.prompt_top_logprobs)
 
 

@@ -2,14 +2,29 @@
 processes (prometheus_client's multiprocess mode; the supervisor owns the directory and removes a
 dead gateway's files), plus engine metrics from the stats every engine publishes to every gateway.
 
+Recording is cheap on purpose: a request or a streamed token only adds to plain numbers in this
+process (``Buffered*`` below, one per metric), because each prometheus_client call in multiprocess
+mode is a locked mmap write (~10 per request, 2-3 per token). ``Recorder.flush`` adds what was
+recorded to the prometheus_client metrics in bulk: every ``FLUSH_INTERVAL`` s when something changed
+(the app's ``flush_periodically``), right before this gateway renders ``/metrics`` (so one gateway's
+own numbers are always exact) and at shutdown. Other gateways' numbers in a scrape, the in-flight
+gauge included, may lag by up to ``FLUSH_INTERVAL``. Recording and flushing happen on the event
+loop's thread only.
+
 Names follow Prometheus conventions: ``zserve_`` prefix, base units, ``_total`` for counters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import math
 import os
-import time
+from bisect import bisect_left
+from collections.abc import AsyncIterator, Sequence
+from contextlib import suppress
+from time import monotonic
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -20,20 +35,140 @@ from protocol import EngineStats
 
 from .state import STATE
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+log = logging.getLogger("zserve.gateway")
 
-HTTP_REQUESTS = Counter("zserve_http_requests_total", "HTTP requests answered, by route and status code.",
-                        ["method", "route", "status"])
-HTTP_DURATION = Histogram("zserve_http_request_duration_seconds", "Time to answer an HTTP request (whole stream).",
-                          ["route"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-TTFT = Histogram("zserve_time_to_first_token_seconds", "From a request's arrival to its first generated token.",
-                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40))
-INTER_TOKEN = Histogram("zserve_inter_token_latency_seconds", "Time between consecutive generated tokens.",
-                        buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5))
-PROMPT_TOKENS = Counter("zserve_prompt_tokens_total", "Prompt tokens sent to engines.")
-GENERATION_TOKENS = Counter("zserve_generation_tokens_total", "Tokens generated for clients.")
-IN_FLIGHT = Gauge("zserve_requests_in_flight", "Generation requests being served by gateways.",
-                  multiprocess_mode="livesum")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FLUSH_INTERVAL = 0.5  # seconds: how far another gateway's request metrics may lag in a scrape
+
+Labels = tuple[object, ...]  # label values in the metric's label order; str() is applied when flushed
+
+
+class BufferedCounter:
+    """A Counter's increments, summed per label tuple until ``flush`` adds them to it."""
+
+    __slots__ = ("metric", "_pending")
+
+    def __init__(self, metric: Counter):
+        self.metric = metric
+        self._pending: dict[Labels, float] = {}
+
+    def inc(self, amount: float = 1, labels: Labels = ()) -> None:
+        pending = self._pending
+        pending[labels] = pending.get(labels, 0) + amount
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for labels, amount in pending.items():
+            (self.metric.labels(*labels) if labels else self.metric).inc(amount)
+
+
+class BufferedHistogram:
+    """A Histogram's observations, as bucket counts and a sum per label tuple until ``flush`` adds them to it."""
+
+    __slots__ = ("metric", "_bounds", "_pending")
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry | None):
+        self.metric = Histogram(name, documentation, labelnames, buckets=buckets, registry=registry)
+        self._bounds = [float(b) for b in buckets]
+        if self._bounds[-1] != math.inf:
+            self._bounds.append(math.inf)
+        self._pending: dict[Labels, list[float]] = {}
+
+    def observe(self, amount: float, labels: Labels = (), n: int = 1) -> None:
+        """Observe ``amount`` ``n`` times."""
+        acc = self._pending.get(labels)
+        if acc is None:
+            acc = self._pending[labels] = [0] * len(self._bounds) + [0.0]  # bucket counts (not cumulative), sum
+        acc[bisect_left(self._bounds, amount)] += n  # the first bucket with amount <= bound, as observe() picks
+        acc[-1] += amount * n
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for labels, acc in pending.items():
+            child = self.metric.labels(*labels) if labels else self.metric
+            # prometheus_client has no public bulk observe(): add to the values observe() adds to, one per
+            # bucket (not cumulative) and the sum (tests/unit/test_metrics_recorder.py pins this).
+            for value, count in zip(child._buckets, acc):
+                if count:
+                    value.inc(count)
+            child._sum.inc(acc[-1])
+
+
+class BufferedGauge:
+    """A (livesum) Gauge's net change until ``flush`` adds it; ``with gauge.track_inprogress():`` counts a block."""
+
+    __slots__ = ("metric", "_pending")
+
+    def __init__(self, metric: Gauge):
+        self.metric = metric
+        self._pending = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self._pending += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self._pending -= amount
+
+    def track_inprogress(self) -> BufferedGauge:
+        return self
+
+    def __enter__(self) -> None:
+        self._pending += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._pending -= 1
+
+    def flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, 0.0
+            self.metric.inc(pending)
+
+
+class Recorder:
+    """One process's gateway request metrics (in ``registry``), recorded in memory and written by ``flush``."""
+
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY):
+        self.http_requests = BufferedCounter(Counter(
+            "zserve_http_requests_total", "HTTP requests answered, by route and status code.",
+            ["method", "route", "status"], registry=registry))
+        self.http_duration = BufferedHistogram(
+            "zserve_http_request_duration_seconds", "Time to answer an HTTP request (whole stream).", ["route"],
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry)
+        self.ttft = BufferedHistogram(
+            "zserve_time_to_first_token_seconds", "From a request's arrival to its first generated token.", (),
+            (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40), registry)
+        self.inter_token = BufferedHistogram(
+            "zserve_inter_token_latency_seconds", "Time between consecutive generated tokens.", (),
+            (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5), registry)
+        self.prompt_tokens = BufferedCounter(Counter(
+            "zserve_prompt_tokens_total", "Prompt tokens sent to engines.", registry=registry))
+        self.generation_tokens = BufferedCounter(Counter(
+            "zserve_generation_tokens_total", "Tokens generated for clients.", registry=registry))
+        self.in_flight = BufferedGauge(Gauge(
+            "zserve_requests_in_flight", "Generation requests being served by gateways.",
+            multiprocess_mode="livesum", registry=registry))
+        self._all = (self.http_requests, self.http_duration, self.ttft, self.inter_token, self.prompt_tokens,
+                     self.generation_tokens, self.in_flight)
+
+    def flush(self) -> None:
+        """Add everything recorded since the last flush to the prometheus_client metrics."""
+        for metric in self._all:
+            metric.flush()
+
+
+RECORDER = Recorder()
+HTTP_REQUESTS = RECORDER.http_requests  # labels (method, route, status: int)
+HTTP_DURATION = RECORDER.http_duration  # labels (route,)
+TTFT = RECORDER.ttft
+INTER_TOKEN = RECORDER.inter_token
+PROMPT_TOKENS = RECORDER.prompt_tokens
+GENERATION_TOKENS = RECORDER.generation_tokens
+IN_FLIGHT = RECORDER.in_flight
 
 
 # EngineStats field -> (gauge or counter, metric name, help): the fields the dataclass marks as metrics.
@@ -68,6 +203,7 @@ class EngineCollector:
 
 def render(app: web.Application) -> bytes:
     """All gateways' request metrics (or this process's, when run without a supervisor) + engines'."""
+    RECORDER.flush()
     engines = CollectorRegistry()
     engines.register(EngineCollector(app))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -78,10 +214,33 @@ def render(app: web.Application) -> bytes:
     return generate_latest(gateways) + generate_latest(engines)
 
 
+async def flush_periodically(app: web.Application) -> AsyncIterator[None]:
+    """The app's cleanup context: flush ``RECORDER`` every ``FLUSH_INTERVAL`` s, and once more at shutdown."""
+    task = asyncio.create_task(_flush_every(FLUSH_INTERVAL))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        RECORDER.flush()
+
+
+async def _flush_every(interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            RECORDER.flush()
+        except Exception:  # e.g. the metrics directory is gone: lose these numbers, keep serving
+            log.exception("could not write request metrics to prometheus_client (those are dropped); "
+                          "trying again in %.1fs", interval)
+
+
 @web.middleware
 async def metrics_middleware(request: web.Request, handler):
-    start = time.monotonic()
-    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    start = monotonic()
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
     status = 500
     try:
         resp = await handler(request)
@@ -91,26 +250,28 @@ async def metrics_middleware(request: web.Request, handler):
         status = e.status
         raise
     finally:
-        HTTP_REQUESTS.labels(request.method, route, str(status)).inc()
-        HTTP_DURATION.labels(route).observe(time.monotonic() - start)
+        HTTP_REQUESTS.inc(1, (request.method, route, status))
+        HTTP_DURATION.observe(monotonic() - start, (route,))
 
 
 class TokenTimer:
     """Records one request's time to first token, inter-token gaps and token count."""
 
-    def __init__(self) -> None:
-        self.start = time.monotonic()
+    __slots__ = ("start", "last", "_recorder")
+
+    def __init__(self, recorder: Recorder = RECORDER) -> None:
+        self.start = monotonic()
         self.last: float | None = None
+        self._recorder = recorder
 
     def tokens(self, n: int) -> None:
         if n <= 0:
             return
-        now = time.monotonic()
-        GENERATION_TOKENS.inc(n)
+        now = monotonic()
+        r = self._recorder
+        r.generation_tokens.inc(n)
         if self.last is None:
-            TTFT.observe(now - self.start)
+            r.ttft.observe(now - self.start)
         else:
-            gap = (now - self.last) / n
-            for _ in range(n):
-                INTER_TOKEN.observe(gap)
+            r.inter_token.observe((now - self.last) / n, n=n)  # n tokens in one chunk: n equal gaps
         self.last = now

@@ -141,7 +141,7 @@ class ModelState:
 
     @property
     def can_serve(self) -> bool:
-        return self.render_only or bool(self.engines.ready_engines)
+        return self.render_only or self.engines.any_ready
 
     def check_task(self, *wanted: str) -> None:
         """400 ``unsupported_task`` when the model's ready engines do none of ``wanted``, naming the models
@@ -156,15 +156,14 @@ class ModelState:
 
     @property
     def max_model_len(self) -> int:
-        ready = self.engines.ready_engines
-        return min((e.hello.max_model_len for e in ready if e.hello), default=self.gateway.default_max_model_len)
+        limit = self.engines.max_model_len
+        return self.gateway.default_max_model_len if limit is None else limit
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        for e in self.engines.ready_engines:
-            if e.hello:
-                ids.update(e.hello.eos_token_ids)
+        ids = set(self.engines.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
         return ids
 
 

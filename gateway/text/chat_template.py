@@ -5,11 +5,16 @@ code, so they run in jinja2's immutable sandbox, set up the way transformers' ap
 sets it up (same whitespace options, helpers and ``tojson``) so that a prompt renders to the very
 text the model was trained on. Anything wrong with the request's messages or the template ends as
 ``ChatTemplateError``, which the HTTP layer answers with a 400.
+
+Rendering costs tens to hundreds of microseconds of gateway CPU per request, and identical requests
+are common (retries, benchmarks, fixed few-shot prompts), so a template that gives the same text
+for the same inputs keeps recent renders in a bounded cache keyed by the inputs' JSON.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -18,7 +23,23 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from zserve.tokenizer import SizedLRU
+
+# Bounds of a template's render cache. An entry's size is its key (the inputs' JSON, bytes) plus
+# the rendered text (characters), about twice the prompt; 2M holds ~1000 prompts of 1K characters
+# in a few MB. A prompt over 128K would push out 1/16 of the cache at once and is not kept.
+RENDER_CACHE_ENTRIES = 1024
+RENDER_CACHE_SIZE = 1 << 21
+RENDER_CACHE_MAX_ENTRY_SIZE = 1 << 17
+
+# Globals a template may name and still give the same text for the same inputs; naming any other
+# global (strftime_now, jinja's lipsum) turns the cache off for that template. Filters the other
+# way round: jinja's are all deterministic but `random`.
+_DETERMINISTIC_GLOBALS = frozenset({"range", "dict", "namespace", "cycler", "joiner", "raise_exception"})
+_NONDETERMINISTIC_FILTERS = frozenset({"random"})
 
 
 class ChatTemplateError(ValueError):
@@ -110,6 +131,58 @@ def _plain(value: Any, where: str) -> Any:
     raise ChatTemplateError(f"{where}: unsupported value of type {type(value).__name__}")
 
 
+def _deterministic(env: jinja2.Environment, source: str) -> bool:
+    """Whether the template renders the same text whenever its variables are the same.
+
+    Every name the template reads counts, even one it set itself first (jinja's
+    ``meta.find_undeclared_variables`` leaves globals out, so it cannot answer this).
+    """
+    ast = env.parse(source)
+    names = {node.name for node in ast.find_all(jinja2.nodes.Name) if node.ctx == "load"}
+    if any(name in env.globals and name not in _DETERMINISTIC_GLOBALS for name in names):
+        return False
+    return not any(f.name in _NONDETERMINISTIC_FILTERS for f in ast.find_all(jinja2.nodes.Filter))
+
+
+def _exact_json(value: Any) -> bool:
+    """Whether ``value`` is built of exactly JSON's types (no subclasses) and finite floats.
+
+    Only for those is orjson's text a key that tells different inputs apart: it writes NaN and
+    infinities as null, an Enum as its value and a UUID as a string, all of which render (or fail)
+    differently from what they collide with.
+    """
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return True
+    if kind is float:
+        return math.isfinite(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or not _exact_json(item):
+                return False
+        return True
+    if kind is list:
+        for item in value:
+            if not _exact_json(item):
+                return False
+        return True
+    return False
+
+
+def _render_key(messages: Any, add_generation_prompt: Any, tools: Any, extra: dict[str, Any]) -> bytes | None:
+    """The render cache's key for these inputs; None when they cannot have one.
+
+    Keys keep the inputs' own key order: a template may iterate a message's items or ``tojson`` a
+    tool schema, and both follow insertion order.
+    """
+    inputs = [messages, add_generation_prompt, tools, extra]
+    try:
+        key = orjson.dumps(inputs)  # first: it rejects most odd values and nesting deeper than 255
+    except orjson.JSONEncodeError:
+        return None
+    return key if _exact_json(inputs) else None
+
+
 def content_text(content: Any, where: str = "content") -> str | None:
     """A message's content as one string: OpenAI text parts joined by newlines (as vLLM does).
 
@@ -179,16 +252,34 @@ def _normalise_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 class ChatTemplate:
-    """A compiled chat template, rendered the way transformers' apply_chat_template renders it."""
+    """A compiled chat template, rendered the way transformers' apply_chat_template renders it.
 
-    def __init__(self, template: str, bos_token: str | None, eos_token: str | None) -> None:
+    ``cache`` holds recent renders (a ``SizedLRU`` of inputs' JSON -> text); it is None for a
+    template whose text can change between calls with the same inputs (one that reads the clock).
+    Only successful renders are kept: a failing one fails again on every call.
+    """
+
+    def __init__(
+        self,
+        template: str,
+        bos_token: str | None,
+        eos_token: str | None,
+        cache: SizedLRU[bytes, str] | None = None,
+    ) -> None:
         self.source = template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        env = _environment()
         try:
-            self._template = _environment().from_string(template)
+            self._template = env.from_string(template)
+            deterministic = _deterministic(env, template)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the chat template does not compile: {e.message} (line {e.lineno})") from e
+        if not deterministic:
+            cache = None
+        elif cache is None:
+            cache = SizedLRU(RENDER_CACHE_ENTRIES, RENDER_CACHE_SIZE, RENDER_CACHE_MAX_ENTRY_SIZE)
+        self.cache = cache
 
     def render(
         self,
@@ -199,6 +290,17 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for ``messages``; ``extra`` reaches the template as variables
         (e.g. ``documents``, ``enable_thinking``)."""
+        key = None if self.cache is None else _render_key(messages, add_generation_prompt, tools, extra)
+        if key is not None:
+            text = self.cache.get(key)
+            if text is not None:
+                return text
+        text = self._render(messages, add_generation_prompt, tools, extra)
+        if key is not None:
+            self.cache.put(key, text, len(key) + len(text))
+        return text
+
+    def _render(self, messages: Any, add_generation_prompt: Any, tools: Any, extra: dict[str, Any]) -> str:
         chat = _normalise_messages(messages)
         if tools is not None and not (
             isinstance(tools, (list, tuple)) and all(isinstance(t, Mapping) for t in tools)

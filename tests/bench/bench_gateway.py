@@ -9,8 +9,9 @@ core when the machine has two. For each target: requests/s and the measured proc
 request (utime + stime from /proc over the measured window, divided by requests): the app process for an
 echo app, the gateway process (found by its title, ``zserve: gateway 0``) for zserve. Targets are
 interleaved in rounds and medians reported. Then requests/s with 1, 2 and 4 gateways, nothing pinned.
-``--stream-tokens`` measures instead the gateway's CPU per streamed token: 64 concurrent streams of 256
-tokens (``ignore_eos``) from the tiny engine. Rerun with:
+``--stream-tokens`` measures instead the CPU per streamed token: 64 concurrent streams of 256 tokens
+(``ignore_eos``) from the tiny engine, against the aiohttp echo app streaming the same (one chunk to every
+stream per 20 ms step), the floor of zserve's stack. Rerun with:
 
     .venv/bin/python tests/bench/bench_gateway.py --requests 3000 --concurrency 32 --rounds 3
     .venv/bin/python tests/bench/bench_gateway.py --stream-tokens
@@ -308,15 +309,20 @@ def print_scaling(targets: list[Target], args, cores: int) -> None:
               + ("   (more gateways than cores: they and the loader share the cores)" if n > cores else ""))
 
 
-def print_streaming(t: Target, args, placement: str) -> None:
+def print_streaming(targets: list[Target], args, placement: str) -> None:
     print(f"Streaming: {args.streams} concurrent streams x {args.stream_tokens} tokens (ignore_eos, temperature 0), "
-          f"{args.rounds} rounds (medians); 1 gateway, tiny-random engine, float32")
+          f"{args.rounds} rounds (interleaved, medians); the aiohttp echo writes one chunk to every stream every "
+          f"20 ms (an engine step); zserve: 1 gateway, tiny-random engine, float32")
     print(placement)
-    tok_s = med(t, lambda r: r.tokens / r.wall_s)
-    per_tok = med(t, lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
-    busy = med(t, lambda r: r.server_cpu_s / r.wall_s) * 100
-    print(f"{'tokens/round':>12} {'tokens/s':>9} {'gateway CPU µs/token':>21} {'gateway CPU':>11} {'failed':>6}")
-    print(f"{med(t, lambda r: r.tokens):12.0f} {tok_s:9.0f} {per_tok:21.1f} {busy:10.0f}% {failures(t):6}")
+    floor = med(targets[0], lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
+    print(f"{'target':20} {'tokens/round':>12} {'tokens/s':>9} {'CPU µs/token':>13} {'vs aio':>7} {'server CPU':>10} "
+          f"{'failed':>6}")
+    for t in targets:
+        per_tok = med(t, lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
+        print(f"{t.name:20} {med(t, lambda r: r.tokens):12.0f} {med(t, lambda r: r.tokens / r.wall_s):9.0f} "
+              f"{per_tok:13.1f} {per_tok / floor:6.2f}x {med(t, lambda r: r.server_cpu_s / r.wall_s) * 100:9.0f}% "
+              f"{failures(t):6}")
+    print("(CPU: the echo app's process, zserve's gateway process)")
 
 
 def main() -> None:
@@ -350,8 +356,7 @@ def main() -> None:
     else:
         engine = (f"the engine shares core {server_core} (torch on 1 thread)" if args.engine == "shared"
                   else "the engine is not pinned")
-        server = "zserve supervisor + gateway" if args.stream_tokens else \
-            "server (echo app; zserve supervisor + gateway)"
+        server = "server (echo app; zserve supervisor + gateway)"
         placement = (f"pinned: {server} on core {server_core}, {engine}, loader on core {loader_core}; the machine "
                      f"has {len(cores)} cores")
     results: dict = {"date": time.strftime("%Y-%m-%d"), "cores": len(cores), "placement": placement,
@@ -359,10 +364,11 @@ def main() -> None:
     targets: list[Target] = []
     try:
         if args.stream_tokens:
-            targets = [start_zserve(1, server_core, args.engine == "shared", max(64, args.streams))]
+            targets = [start_echo("aiohttp", server_core),
+                       start_zserve(1, server_core, args.engine == "shared", max(64, args.streams))]
             measure(targets, args, loader_core, args.stream_tokens)
-            print_streaming(targets[0], args, placement)
-            results["streaming"] = [asdict(r) for r in targets[0].rounds]
+            print_streaming(targets, args, placement)
+            results["streaming"] = {t.name: [asdict(r) for r in t.rounds] for t in targets}
         else:
             targets = [start_echo("aiohttp", server_core), start_echo("fastapi", server_core),
                        start_zserve(1, server_core, args.engine == "shared", max(32, args.concurrency))]

@@ -1,6 +1,9 @@
 """Bare chat-completions echo servers: the floor that bench_gateway.py measures zserve's gateway against.
 
 Both parse a chat-completions JSON body and answer one fixed ``chat.completion`` object; nothing else.
+The aiohttp app also streams (``"stream": true``): like an engine step, every ``--step-ms`` it writes one
+``chat.completion.chunk`` event to every open stream until each has had ``max_tokens``, then a usage
+chunk and ``[DONE]``: the floor of a streamed token on zserve's stack.
 ``aiohttp`` is zserve's own stack with no zserve code (aiohttp + uvloop + orjson); ``fastapi`` is the common
 alternative (FastAPI + uvicorn + a pydantic model of the request; uvicorn on uvloop, with httptools when it
 is installed, else h11). Run one with:
@@ -55,18 +58,53 @@ def http_implementation() -> str:
     return "httptools"
 
 
-def serve_aiohttp(host: str, port: int) -> None:
+def serve_aiohttp(host: str, port: int, step_ms: float = 20.0) -> None:
     import orjson
     import uvloop
     from aiohttp import web
 
     answer = orjson.dumps(ANSWER)
+    streams: list[tuple[web.StreamResponse, list[int], asyncio.Future]] = []  # response, [tokens left], done
 
-    async def chat(request: web.Request) -> web.Response:
+    def chunk(content: str, finish: str | None) -> bytes:
+        """One SSE event as a minimal OpenAI-compatible server writes it: a dict through orjson."""
+        body = {"id": "chatcmpl-echo", "object": "chat.completion.chunk", "created": ANSWER["created"],
+                "model": "echo", "choices": [{"index": 0, "delta": {"content": content}, "logprobs": None,
+                                              "finish_reason": finish}]}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    async def engine_steps() -> None:
+        """Like an engine step: every step_ms, one token to every open stream."""
+        while True:
+            await asyncio.sleep(step_ms / 1000)
+            for resp, left, done in list(streams):
+                left[0] -= 1
+                try:
+                    await resp.write(chunk("Hello", None if left[0] else "length"))
+                except ConnectionError:
+                    left[0] = 0
+                if not left[0]:
+                    streams.remove((resp, left, done))
+                    done.set_result(None)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return web.json_response({"error": {"message": "messages must be a list"}}, status=400)
-        return web.Response(body=answer, content_type="application/json")
+        if not body.get("stream"):
+            return web.Response(body=answer, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        n = int(body.get("max_tokens") or 16)
+        done = asyncio.get_running_loop().create_future()
+        streams.append((resp, [n], done))
+        await done
+        usage = {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n}
+        await resp.write(b"data: " + orjson.dumps({"id": "chatcmpl-echo", "object": "chat.completion.chunk",
+                                                   "created": ANSWER["created"], "model": "echo", "choices": [],
+                                                   "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def serve() -> None:
         app = web.Application()
@@ -75,7 +113,7 @@ def serve_aiohttp(host: str, port: int) -> None:
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         print(f"echo: aiohttp serving at http://{host}:{port}", flush=True)
-        await asyncio.Event().wait()  # until the process is terminated
+        await engine_steps()  # until the process is terminated
 
     uvloop.run(serve())
 
@@ -99,8 +137,13 @@ def main() -> None:
     p.add_argument("framework", choices=["aiohttp", "fastapi"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--step-ms", type=float, default=20.0,
+                   help="aiohttp, streamed requests: one token to every open stream this often (an engine's step)")
     a = p.parse_args()
-    (serve_aiohttp if a.framework == "aiohttp" else serve_fastapi)(a.host, a.port)
+    if a.framework == "aiohttp":
+        serve_aiohttp(a.host, a.port, a.step_ms)
+    else:
+        serve_fastapi(a.host, a.port)
 
 
 if __name__ == "__main__":
