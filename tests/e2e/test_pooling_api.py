@@ -196,7 +196,8 @@ def _write_tiny(tmp: Path, num_labels: int) -> Path:
 def tiny_heads(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("heads")
     dirs = {n: _write_tiny(tmp, n) for n in (3, 1)}
-    s = Server("--model", str(dirs[3]), "--model", str(dirs[1]), log_name="heads")  # both heads behind one endpoint
+    # Both heads behind one endpoint, in float32 like the transformers oracle (auto is bf16 on CPUs with AVX512_BF16).
+    s = Server("--model", str(dirs[3]), "--model", str(dirs[1]), "--dtype", "float32", log_name="heads")
     yield dirs, {n: d.name for n, d in dirs.items()}, s
     s.stop()
 
