@@ -441,7 +441,7 @@ class ModelEngines:
         return list(self._ready)
 
     @property
-    def any_ready(self) -> bool:
+    def has_ready(self) -> bool:
         self._view()
         return bool(self._ready)
 

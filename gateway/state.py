@@ -141,7 +141,7 @@ class ModelState:
 
     @property
     def can_serve(self) -> bool:
-        return self.render_only or self.engines.any_ready
+        return self.render_only or self.engines.has_ready
 
     def check_task(self, *wanted: str) -> None:
         """400 ``unsupported_task`` when the model's ready engines do none of ``wanted``, naming the models

@@ -298,7 +298,7 @@ def admit(state: ModelState, task: str = "generate") -> None:
     if state.paused:
         raise APIError(503, "the server is paused and admits no new requests; retry later",
                        code="server_paused", headers={"Retry-After": "1"})
-    if not state.engines.any_ready:
+    if not state.engines.has_ready:
         raise engine_error(NoEngineAvailable("no engine is ready"))
     state.check_task(task)
 
