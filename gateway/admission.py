@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 from aiohttp import web
 
@@ -24,6 +23,7 @@ from protocol.messages import valid_trace_id
 
 from .body_timeout import read_body
 from .errors import APIError
+from .ids import random_hex
 from .logs import REQUEST_ID
 from .security import CorsPolicy, Keys, authorize
 
@@ -55,7 +55,7 @@ async def front_middleware(request: web.Request, handler):
     """Outermost: the request's id (and the access line at debug level); CORS preflights are answered here,
     before any key is asked for."""
     given = request.headers.get("X-Request-Id")
-    rid = given if given is not None and valid_trace_id(given) else uuid.uuid4().hex
+    rid = given if given is not None and valid_trace_id(given) else random_hex()
     request[RID] = rid
     token = REQUEST_ID.set(rid)
     try:

@@ -31,6 +31,7 @@ class GatewayConfig:
     max_model_len: int = EngineConfig.max_model_len
     render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
     max_concurrent_requests: int | None = 1024  # per gateway; past it: 429 at once; None: unbounded
+    stream_interval: int = 1  # output tokens per stream chunk after the first (vLLM's --stream-interval)
     metrics_auth: bool = False  # with API keys: /metrics needs one too (else it stays open for scrapers)
     # CORS (vLLM's options): origins allowed to call the API from a browser; () = none, "*" = any
     allowed_origins: tuple[str, ...] = ()
@@ -49,6 +50,9 @@ class GatewayConfig:
         if self.max_concurrent_requests is not None and not (
                 isinstance(self.max_concurrent_requests, int) and 1 <= self.max_concurrent_requests <= 1 << 20):
             raise ValueError("max_concurrent_requests must be an integer in 1..1048576")
+        if not (isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
+                and 1 <= self.stream_interval <= 1024):
+            raise ValueError("stream_interval must be an integer in 1..1024")
         for name in ("metrics_auth", "allow_credentials"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import re
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -30,6 +29,7 @@ from aiohttp import hdrs, web
 from protocol import PoolOutput, RequestOutput, SamplingParams
 
 from .errors import APIError
+from .ids import random_hex
 
 if TYPE_CHECKING:
     from zserve.tokenizer import Tokenizer
@@ -142,12 +142,12 @@ class PluginModel:
                  ) -> AsyncIterator[RequestOutput]:
         """Stream the model's output for a tokenized prompt from the least-loaded engine; leaving the iteration
         early aborts the request in the engine (use ``contextlib.aclosing``)."""
-        return self._view.engines.generate(request_id or f"plugin-{uuid.uuid4().hex}", prompt_token_ids, sampling)
+        return self._view.engines.generate(request_id or f"plugin-{random_hex()}", prompt_token_ids, sampling)
 
     async def pool(self, prompt_token_ids: list[int], task: str = "embed", normalize: bool | None = None,
                    dimensions: int | None = None, request_id: str | None = None) -> PoolOutput:
         """Embed (or classify) a tokenized input on the model's engines."""
-        return await self._view.engines.pool(request_id or f"plugin-{uuid.uuid4().hex}", prompt_token_ids, task,
+        return await self._view.engines.pool(request_id or f"plugin-{random_hex()}", prompt_token_ids, task,
                                              normalize, dimensions)
 
 

@@ -103,7 +103,8 @@ async def serve(a: argparse.Namespace) -> int:
                          responses=open_store(cfg.state_url,
                                               a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
                                               ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items),
-                         render_only=cfg.render_only, default_max_model_len=cfg.max_model_len)
+                         render_only=cfg.render_only, default_max_model_len=cfg.max_model_len,
+                         stream_interval=cfg.stream_interval)
     with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
         app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
                         PluginContext(state, cfg),

@@ -61,6 +61,7 @@ class GatewayState:
     responses: ResponseStore | None = None  # stored Responses-API objects, shared by every gateway
     render_only: bool = False  # no engine tier (launch render): generation is refused, rendering is not
     default_max_model_len: int = 4096  # the context checked against while no engine reports one
+    stream_interval: int = 1  # --stream-interval: output tokens per stream chunk after the first
 
     def __post_init__(self) -> None:
         self._by_name = {name: m for m in self.models for name in m.names}

@@ -114,6 +114,9 @@ server_options = _options(
                  help="CORS: allow cookies and Authorization from allowed origins."),
     click.option("--max-concurrent-requests", type=int, default=_GATEWAY.max_concurrent_requests, show_default=True,
                  help="Requests one gateway serves at once; past it, 429 with Retry-After."),
+    click.option("--stream-interval", type=int, default=_GATEWAY.stream_interval, show_default=True,
+                 help="Output tokens per stream chunk after the first (which goes at once; the last goes at the "
+                      "finish): above 1, fewer and larger chunks for less gateway CPU per token, as vLLM's option."),
     click.option("--disable-family", "disabled_families", multiple=True, metavar="NAME",
                  help="Do not mount this route family (openai, anthropic, responses, ...; not core) or endpoint "
                       "plugin: its routes answer 404. Repeatable."),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -20,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import structured
 from ..errors import APIError, bad_request, error_shape
+from ..ids import random_hex
 from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, MAX_TOP_K, SamplingFields, parse
 from ..openapi import JSON, SSE, error_schema, request_body, response
 from ..sse import open_stream, send_event
@@ -373,7 +373,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     constraint = await structured.check(prompt.forced)  # a forced call's arguments follow the tool's input_schema
     c = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0, structured=constraint),
                msg=message_parser(state, use, prompt.prefill))
-    rid = f"msg_{uuid.uuid4().hex}"
+    rid = f"msg_{random_hex()}"
     admit(state)
     if req.stream:
         return await stream_message(request, state, rid, req.model, c, use, len(prompt.ids), text_options(fields))

@@ -40,8 +40,8 @@ def check_prompt_ids(state: ModelState, ids: list[int], max_tokens: int | None, 
     if not ids:
         raise bad_request("the prompt is empty", param=param)
     vocab = state.tokenizer.vocab_size
-    bad = next((t for t in ids if t < 0 or t >= vocab), None)
-    if bad is not None:
+    if min(ids) < 0 or max(ids) >= vocab:  # in C: a long prompt costs no Python loop
+        bad = next(t for t in ids if t < 0 or t >= vocab)
         raise bad_request(f"token id {bad} is out of range [0, {vocab})", param=param)
     limit = state.max_model_len
     room = limit - len(ids)
@@ -205,6 +205,8 @@ def chat_prompt(state: ModelState, messages: list[dict], *, tools: list[dict] | 
 
 
 def message_parser(state: ModelState, use: ToolUse, prefill: str = "") -> MessageParser | None:
+    if state.reasoning_parser is None and (state.tool_parser is None or use.mode == "none"):
+        return None  # the common case, without building a parser to find it inactive
     parser = MessageParser(state.reasoning_parser, state.tool_parser if use.mode != "none" else None, prefill,
                            single_call=not use.parallel)
     return parser if parser.active else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Annotated, Any
 
 from aiohttp import web
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import TextOptions, TokenLogprob
+from ..ids import random_hex
 from ..openai_schemas import ChatMessage, ChatTool, SamplingFields, parse
 from ..openapi import JSON, SSE, request_body, response
 from ..sse import open_stream, send_done, send_event
@@ -160,11 +160,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     choices = [Choice(j, ids, build_sampling(state, sp, max_tokens, sp.logprobs, j, sp.prompt_logprobs,
                                                "sampling_params.", structured=constraint))
                for j in range(sp.n)]
-    rid = req.request_id or f"gen-{uuid.uuid4().hex}"
+    rid = req.request_id or f"gen-{random_hex()}"
     # The client's request_id is echoed, never used as the engine's: two requests naming the same id
     # would otherwise share one stream in this gateway (one of them hangs) or be refused by the engine
     # as already running (a 500). Nor is it part of it: the wire caps ids at 128 characters.
-    engine_rid = f"gen-{uuid.uuid4().hex}" if req.request_id else rid
+    engine_rid = f"gen-{random_hex()}" if req.request_id else rid
     opts = TextOptions(stop=[], detokenize=False)
     admit(state)
     if not req.stream:

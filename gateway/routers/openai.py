@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -20,6 +19,7 @@ from aiohttp import web
 from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TokenLogprob
+from ..ids import random_hex
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import JSON, SSE, request_body, response
 from ..sse import open_stream, send_done, send_event
@@ -98,20 +98,20 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
         body = shape.full(request_id, created, model, choices, usage(prompt_tokens, choices))
         return web.json_response(body, dumps=dumps)
 
-    def running_usage() -> dict | None:
-        return usage(prompt_tokens, choices) if continuous_usage else None
 
     resp = await open_stream(request)
     try:
         for c in choices:
             first = shape.first_chunk(c)
             if first is not None:
-                await send_event(resp, shape.chunk(request_id, created, model, [first], include_usage, running_usage()))
+                await send_event(resp, shape.chunk(request_id, created, model, [first], include_usage,
+                                                   usage(prompt_tokens, choices) if continuous_usage else None))
         async for c, d in run_choices(state, request_id, choices, opts):
             c.take(d)
             delta = shape.delta(c, d)
             if delta is not None:
-                await send_event(resp, shape.chunk(request_id, created, model, [delta], include_usage, running_usage()))
+                await send_event(resp, shape.chunk(request_id, created, model, [delta], include_usage,
+                                                   usage(prompt_tokens, choices) if continuous_usage else None))
         if include_usage:
             await send_event(resp, shape.chunk(request_id, created, model, [], include_usage,
                                                usage(prompt_tokens, choices)))
@@ -346,7 +346,7 @@ async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
         for j in range(req.n):
             sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs, structured=constraint)
             choices.append(Choice(i * req.n + j, ids, sp, prefix))
-    return Plan(state, f"cmpl-{uuid.uuid4().hex}", state.name, rendered, req.n, choices, text_options(req))
+    return Plan(state, f"cmpl-{random_hex()}", state.name, rendered, req.n, choices, text_options(req))
 
 
 @routes.post("/v1/completions")
@@ -394,7 +394,7 @@ async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
     constraint = await structured.check(structured.with_forced_call(requested, prompt.forced))
     choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j, structured=constraint),
                       msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
-    return Plan(state, f"chatcmpl-{uuid.uuid4().hex}", state.name, [(prompt.text, prompt.ids)], req.n, choices,
+    return Plan(state, f"chatcmpl-{random_hex()}", state.name, [(prompt.text, prompt.ids)], req.n, choices,
                 text_options(req), use)
 
 

@@ -24,7 +24,6 @@ import asyncio
 import base64
 import math
 import time
-import uuid
 from array import array
 from typing import Annotated, Any, Literal
 
@@ -34,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from protocol import EngineHello, PoolOutput
 
 from ..errors import APIError, bad_request
+from ..ids import random_hex
 from ..openai_schemas import parse
 from ..openapi import request_body
 from ..state import STATE, GatewayState, ModelState
@@ -236,7 +236,7 @@ async def embeddings(request: web.Request) -> web.Response:
         why = (f"at most {hello.embed_size}" if hello.matryoshka else
                "this model does not support other dimensions (it is not a Matryoshka model)")
         raise bad_request(f"dimensions {req.dimensions}: {why}", param="dimensions")
-    outs = await _pool(state, f"embd-{uuid.uuid4().hex}", ids, "embed", req.normalize, req.dimensions)
+    outs = await _pool(state, f"embd-{random_hex()}", ids, "embed", req.normalize, req.dimensions)
     data = []
     for i, o in enumerate(outs):
         vec: Any = list(o.data)
@@ -257,7 +257,7 @@ async def pooling(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
     state, _, ids = _inputs(state, req, "embed")
-    rid = f"pool-{uuid.uuid4().hex}"
+    rid = f"pool-{random_hex()}"
     outs = await _pool(state, rid, ids, "embed", normalize=False if req.normalize is None else req.normalize)
     data = [{"index": i, "object": "pooling", "data": list(o.data)} for i, o in enumerate(outs)]
     return _listing(rid, state.name, data, _usage(outs))
@@ -271,7 +271,7 @@ async def score(request: web.Request) -> web.Response:
     req = parse(ScoreRequest, await request.read())
     state = state.for_model(req.model, SCORE_TASKS)
     model = state.name
-    rid = f"score-{uuid.uuid4().hex}"
+    rid = f"score-{random_hex()}"
     scores, usage = await _scores(state, rid, model, _items(req.text_1), _items(req.text_2),
                                   req.truncate_prompt_tokens, "text_2")
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
@@ -285,7 +285,7 @@ async def _rerank(request: web.Request) -> tuple[str, str, list[dict], dict]:
     state = state.for_model(req.model, SCORE_TASKS)
     model = state.name
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    rid = f"rerank-{uuid.uuid4().hex}"
+    rid = f"rerank-{random_hex()}"
     scores, usage = await _scores(state, rid, model, [req.query], docs, req.truncate_prompt_tokens, "documents")
     ranked = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or None]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}} if req.return_documents
@@ -317,7 +317,7 @@ async def classify(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(ClassifyRequest, await request.read())
     state, hello, ids = _inputs(state, req, "classify")
-    rid = f"classify-{uuid.uuid4().hex}"
+    rid = f"classify-{random_hex()}"
     outs = await _pool(state, rid, ids, "classify")
     data = []
     for i, o in enumerate(outs):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
@@ -30,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from .. import structured
 from ..errors import APIError, bad_request
+from ..ids import random_hex
 from ..openai_schemas import MAX_TOOLS, SamplingFields, parse, parse_query
 from ..openapi import JSON, SSE, query, request_body, response
 from ..sse import encode_event, open_stream
@@ -208,7 +208,7 @@ def _tool_use(state: ModelState, req: ResponsesRequest, tools: list[dict] | None
 # -- the response object --------------------------------------------------------------------------
 
 def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    return f"{prefix}_{random_hex()}"
 
 
 def text_config(req: ResponsesRequest) -> dict:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from zserve.grammar import json_in_lark, lark_string
 from zserve.registry import Registry
 
+from ..ids import random_hex
 from .streaming import Stripped, partial_tail
 
 
@@ -54,7 +54,7 @@ class ToolCallDelta:
 
 
 def _new_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+    return "call_" + random_hex(12)
 
 
 def _make_call(obj: Any) -> ToolCall | None:

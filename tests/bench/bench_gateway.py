@@ -11,10 +11,11 @@ echo app, the gateway process (found by its title, ``zserve: gateway 0``) for zs
 interleaved in rounds and medians reported. Then requests/s with 1, 2 and 4 gateways, nothing pinned.
 ``--stream-tokens`` measures instead the CPU per streamed token: 64 concurrent streams of 256 tokens
 (``ignore_eos``) from the tiny engine, against the aiohttp echo app streaming the same (one chunk to every
-stream per 20 ms step), the floor of zserve's stack. Rerun with:
+stream per 20 ms step), the floor of zserve's stack; ``--stream-intervals 1,4,8`` adds a zserve per
+``--stream-interval`` value (fewer, larger chunks). Rerun with:
 
     .venv/bin/python tests/bench/bench_gateway.py --requests 3000 --concurrency 32 --rounds 3
-    .venv/bin/python tests/bench/bench_gateway.py --stream-tokens
+    .venv/bin/python tests/bench/bench_gateway.py --stream-tokens --stream-intervals 1,4,8
 
 The FastAPI baseline needs the ``bench`` extra (``pip install -e .[bench]``).
 """
@@ -222,12 +223,13 @@ def start_echo(framework: str, core: int | None) -> Target:
 
 
 def start_zserve(gateways: int, core: int | None, engine_shares_core: bool, max_num_seqs: int,
-                 engine_threads: int | None = None) -> Target:
+                 engine_threads: int | None = None, stream_interval: int = 1) -> Target:
     """`launch api-server` with the tiny engine; with a core, the gateways are pinned to it (and the engine too
     when ``engine_shares_core``: the whole server inherits the core, so the engine's torch uses one thread)."""
     proc = subprocess.Popen([sys.executable, "-m", "launch", "api-server", "--model", "tiny-random", "--count",
                              str(gateways), "--dtype", "float32", "--port", "0", "--max-num-seqs", str(max_num_seqs),
-                             *(["--engine-threads", str(engine_threads)] if engine_threads else [])],
+                             *(["--engine-threads", str(engine_threads)] if engine_threads else []),
+                             "--stream-interval", str(stream_interval)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             preexec_fn=pinned_to(core if engine_shares_core else None))
     for raw in proc.stdout:
@@ -244,7 +246,10 @@ def start_zserve(gateways: int, core: int | None, engine_shares_core: bool, max_
             pin(pid, {core})
     with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
         model = json.loads(r.read())["data"][0]["id"]
-    return Target(f"zserve, {gateways} gateway{'s' * (gateways != 1)}", proc, base + "/v1/chat/completions", model,
+    name = f"zserve, {gateways} gateway{'s' * (gateways != 1)}"
+    if stream_interval > 1:
+        name += f", interval {stream_interval}"
+    return Target(name, proc, base + "/v1/chat/completions", model,
                   gws)
 
 
@@ -315,11 +320,11 @@ def print_streaming(targets: list[Target], args, placement: str) -> None:
           f"20 ms (an engine step); zserve: 1 gateway, tiny-random engine, float32")
     print(placement)
     floor = med(targets[0], lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
-    print(f"{'target':20} {'tokens/round':>12} {'tokens/s':>9} {'CPU µs/token':>13} {'vs aio':>7} {'server CPU':>10} "
+    print(f"{'target':30} {'tokens/round':>12} {'tokens/s':>9} {'CPU µs/token':>13} {'vs aio':>7} {'server CPU':>10} "
           f"{'failed':>6}")
     for t in targets:
         per_tok = med(t, lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
-        print(f"{t.name:20} {med(t, lambda r: r.tokens):12.0f} {med(t, lambda r: r.tokens / r.wall_s):9.0f} "
+        print(f"{t.name:30} {med(t, lambda r: r.tokens):12.0f} {med(t, lambda r: r.tokens / r.wall_s):9.0f} "
               f"{per_tok:13.1f} {per_tok / floor:6.2f}x {med(t, lambda r: r.server_cpu_s / r.wall_s) * 100:9.0f}% "
               f"{failures(t):6}")
     print("(CPU: the echo app's process, zserve's gateway process)")
@@ -340,6 +345,8 @@ def main() -> None:
     p.add_argument("--stream-tokens", nargs="?", type=int, const=256, default=0, metavar="N",
                    help="measure the gateway's CPU per streamed token instead (N tokens per stream, default 256)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams with --stream-tokens")
+    p.add_argument("--stream-intervals", type=lambda v: [int(x) for x in v.split(",")], default=[1], metavar="N,...",
+                   help="with --stream-tokens: one zserve per --stream-interval value (default 1)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--loader", help=argparse.SUPPRESS)  # internal: run the load generator with this JSON spec
     args = p.parse_args()
@@ -365,7 +372,8 @@ def main() -> None:
     try:
         if args.stream_tokens:
             targets = [start_echo("aiohttp", server_core),
-                       start_zserve(1, server_core, args.engine == "shared", max(64, args.streams))]
+                       *(start_zserve(1, server_core, args.engine == "shared", max(64, args.streams),
+                                      stream_interval=n) for n in args.stream_intervals)]
             measure(targets, args, loader_core, args.stream_tokens)
             print_streaming(targets, args, placement)
             results["streaming"] = {t.name: [asdict(r) for r in t.rounds] for t in targets}

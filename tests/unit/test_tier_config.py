@@ -49,6 +49,10 @@ def test_gateway_config_round_trips_and_checks_names() -> None:
         GatewayConfig(state_url="ftp://x")
     with pytest.raises(ValueError, match="responses_max_items"):
         GatewayConfig(responses_max_items=0)
+    assert GatewayConfig.from_json(GatewayConfig(stream_interval=8).to_json()).stream_interval == 8
+    for bad in (0, 1025, True, 2.0):
+        with pytest.raises(ValueError, match="stream_interval must be an integer in 1..1024"):
+            GatewayConfig(stream_interval=bad)
     with pytest.raises(ValueError, match="unknown gateway configuration field"):
         GatewayConfig.from_json('{"api_key": "x"}')
 

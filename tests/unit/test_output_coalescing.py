@@ -1,0 +1,64 @@
+"""Outputs that queue up for a busy consumer come merged (gateway/engine_client.py ``_Inbox``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.engine_client import _HandBack, _Inbox, merge_outputs
+from protocol import RequestOutput, TopLogprobs
+
+
+def out(ids, finish=None, **kw) -> RequestOutput:
+    return RequestOutput("r1", tuple(ids), finish, **kw)
+
+
+def test_merge_concatenates_tokens_logprobs_and_tops():
+    a = out([1, 2], logprobs=(-0.1, -0.2), top_logprobs=TopLogprobs(1, (1, 2), (-0.1, -0.2)), num_prompt_tokens=5,
+            prompt_logprobs=(-1.0,), num_cached_tokens=3)
+    b = out([3], "length", logprobs=(-0.3,), top_logprobs=TopLogprobs(1, (3,), (-0.3,)))
+    m = merge_outputs(a, b)
+    assert m.new_token_ids == (1, 2, 3)
+    assert m.finish_reason == "length"
+    assert m.logprobs == (-0.1, -0.2, -0.3)
+    assert m.top_logprobs == TopLogprobs(1, (1, 2, 3), (-0.1, -0.2, -0.3))
+    assert (m.num_prompt_tokens, m.prompt_logprobs, m.num_cached_tokens) == (5, (-1.0,), 3)
+
+
+def test_merge_without_logprobs_stays_without():
+    m = merge_outputs(out([1]), out([2]))
+    assert m.new_token_ids == (1, 2) and m.logprobs is None and m.top_logprobs is None and m.finish_reason is None
+
+
+def test_take_outputs_merges_up_to_the_finish():
+    box = _Inbox()
+    for o in (out([1]), out([2]), out([3], "stop"), out([4])):
+        box.put_nowait(o)
+    first = asyncio.run(box.get())
+    merged = box.take_outputs(first)
+    assert merged.new_token_ids == (1, 2, 3) and merged.finish_reason == "stop"
+    assert list(box.items) == [out([4])]  # nothing after a finish is folded in
+
+
+@pytest.mark.parametrize("stopper", [RequestOutput("r1", (), "error", error="engine lost"), "handback"])
+def test_take_outputs_stops_at_an_error_or_a_hand_back(stopper):
+    box = _Inbox()
+    stop = _HandBack(engine=None) if stopper == "handback" else stopper  # type: ignore[arg-type]
+    for o in (out([1]), out([2]), stop, out([3])):
+        box.put_nowait(o)
+    merged = box.take_outputs(asyncio.run(box.get()))
+    assert merged.new_token_ids == (1, 2)
+    assert box.items[0] is stop
+
+
+def test_get_waits_for_the_reader():
+    async def main():
+        box = _Inbox()
+        getter = asyncio.create_task(box.get())
+        await asyncio.sleep(0)
+        assert not getter.done()
+        asyncio.get_running_loop().call_soon(box.put_nowait, out([7]))
+        return await asyncio.wait_for(getter, 5)
+
+    assert asyncio.run(main()) == out([7])
