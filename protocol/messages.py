@@ -82,9 +82,13 @@ def _check_request_id(rid: object) -> None:
 
 
 def _check_token_ids(ids: object, what: str, vocab_limit: int = 1 << 31) -> None:
-    _check(isinstance(ids, tuple), f"{what} must be a tuple of ints")
-    for t in ids:  # type: ignore[union-attr]
-        _check(_is_int(t) and 0 <= t < vocab_limit, f"{what} holds an invalid token id {t!r}")
+    if not isinstance(ids, tuple):
+        raise ProtocolError(f"{what} must be a tuple of ints")
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_limit):
+        return  # the common case, checked in C; below, the first bad id is named
+    for t in ids:
+        if not (_is_int(t) and 0 <= t < vocab_limit):
+            raise ProtocolError(f"{what} holds an invalid token id {t!r}")
 
 
 @dataclass(frozen=True)
@@ -120,9 +124,10 @@ class SamplingParams:
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "too many stop_token_ids")
         _check_token_ids(self.stop_token_ids, "stop_token_ids")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            _check(_is_num(v) and -2.0 <= v <= 2.0, f"{name} out of range")
+        _check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty out of range")
+        _check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty out of range")
         _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                "repetition_penalty out of range")
         _check(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias too large")
@@ -351,8 +356,8 @@ class RequestOutput:
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
         _check_token_ids(self.new_token_ids, "new_token_ids")
-        _check(self.finish_reason is None or self.finish_reason in FINISH_REASONS,
-               f"unknown finish_reason {self.finish_reason!r}")
+        if not (self.finish_reason is None or self.finish_reason in FINISH_REASONS):
+            raise ProtocolError(f"unknown finish_reason {self.finish_reason!r}")
         if self.logprobs is not None:
             _check(len(self.logprobs) == len(self.new_token_ids), "one logprob per new token")
         if self.top_logprobs is not None:

@@ -460,6 +460,8 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         self._byte_level = _uses_byte_level(backend)
+        # Token id -> the bytes decode gives it, for a tokenizer whose decode is bytewise (``decodes_bytewise``).
+        self._token_bytes: dict[int, bytes] | None = {} if _decodes_bytewise(backend) else None
         refusal = _piecewise_refusal(backend)
         self._piecewise: _PiecewiseEncoder | None = None
         if refusal is None:
@@ -571,6 +573,27 @@ class Tokenizer:
             return bytes([int(match.group(1), 16)])
         return token.replace("\u2581", " ").encode("utf-8")  # sentencepiece spells spaces as U+2581
 
+    @property
+    def decodes_bytewise(self) -> bool:
+        """Whether ``decode(ids)`` is the (lossy) UTF-8 of the concatenated ``token_bytes`` of ``ids``: a lone
+        byte-level decoder, as GPT-2-style BPEs (SmolLM2's) have. Text can then be decoded incrementally with no
+        window of context (``gateway.text.detokenizer``)."""
+        return self._token_bytes is not None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the byte-level decoder makes of one token (``decodes_bytewise`` tokenizers only): its
+        characters through the byte table, or its own UTF-8 when one is outside it (an added token in plain
+        text), as ``tokenizers``' ByteLevel decoder does."""
+        table = self._token_bytes
+        assert table is not None, "token_bytes needs a bytewise decoder"
+        raw = table.get(token_id)
+        if raw is None:
+            token = self._token(token_id)
+            chars = _unicode_to_bytes()
+            raw = bytes(chars[c] for c in token) if all(c in chars for c in token) else token.encode("utf-8")
+            table[token_id] = raw
+        return raw
+
     def _token(self, token_id: int) -> str:
         token = self._backend.id_to_token(int(token_id))
         if token is None:
@@ -599,6 +622,13 @@ class Tokenizer:
     def backend(self) -> _Backend:
         """The underlying ``tokenizers.Tokenizer`` (for batch encoding and offsets)."""
         return self._backend
+
+
+def _decodes_bytewise(backend: _Backend) -> bool:
+    """A decoder that is ByteLevel alone (no Sequence with replacements, strips or byte fallback after it)."""
+    if backend.decoder is None:
+        return False
+    return json.loads(backend.decoder.__getstate__()).get("type") == "ByteLevel"
 
 
 def _uses_byte_level(backend: _Backend) -> bool:

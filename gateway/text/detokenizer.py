@@ -7,10 +7,15 @@ start of a text than after another token. So, like vLLM, each push decodes a sho
 starts a little before the new ids (the "prefix" offset, for context) and emits only the part
 after what was already emitted (the "read" offset), holding back a trailing incomplete character.
 Each push costs O(window), not O(sequence).
+
+A byte-level BPE's decode is simpler: the UTF-8 of its tokens' bytes, concatenated (``Tokenizer.decodes_bytewise``).
+For those, pushes go straight through an incremental UTF-8 decoder, which holds back at most the 3 bytes of an
+unfinished character, with no decode calls at all.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from zserve.tokenizer import Tokenizer
@@ -31,12 +36,17 @@ class IncrementalDetokenizer:
     ``tokenizer.decode(token_ids, skip_special_tokens)``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, bytewise: bool | None = None) -> None:
+        """``bytewise`` (default: whenever the tokenizer allows it) decodes through token bytes, not windows."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # the decode window starts here (already-emitted context)
         self._read = 0  # text of ids before this has been emitted
+        if bytewise is None:
+            bytewise = tokenizer.decodes_bytewise
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if bytewise else None
+        self._skipped = tokenizer.all_special_ids if skip_special_tokens else frozenset()
 
     @property
     def token_ids(self) -> list[int]:
@@ -48,10 +58,15 @@ class IncrementalDetokenizer:
         if not new_ids:
             return ""
         self._ids.extend(new_ids)
+        if self._utf8 is not None:
+            token_bytes, skipped = self._tokenizer.token_bytes, self._skipped
+            return self._utf8.decode(b"".join([token_bytes(i) for i in new_ids if i not in skipped]))
         return self._advance(final=False)
 
     def flush(self) -> str:
         """At the end of generation: the held-back text, incomplete characters included."""
+        if self._utf8 is not None:
+            return self._utf8.decode(b"", True)
         return self._advance(final=True)
 
     def _decode(self, start: int, end: int) -> str:

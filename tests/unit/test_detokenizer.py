@@ -24,6 +24,14 @@ def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
     return smollm2_tokenizer
 
 
+@pytest.fixture(autouse=True, params=["bytewise", "windows"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs both ways of decoding: through token bytes (SmolLM2's byte-level BPE allows it) and through
+    decode windows (what other tokenizers get)."""
+    monkeypatch.setattr(Tokenizer, "decodes_bytewise", property(lambda self: request.param == "bytewise"))
+    return request.param
+
+
 def stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip_special_tokens: bool = True) -> list[str]:
     """Push ``ids`` in chunks of the given sizes; return every piece of text, flush last."""
     detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
@@ -76,8 +84,12 @@ def test_a_chunk_ending_mid_character_emits_its_complete_text_now(tok: Tokenizer
     ids = tok.encode("Hi 😀")
     emoji_start = next(i for i, t in enumerate(ids) if "\ufffd" in tok.decode(ids[: i + 1]))
     detok = IncrementalDetokenizer(tok)
-    assert detok.push(ids[: emoji_start + 1]) == tok.decode(ids[:emoji_start])  # all but the emoji
-    assert detok.push(ids[emoji_start + 1:]).endswith("😀")
+    first = detok.push(ids[: emoji_start + 1])
+    # All but the emoji: the token that starts it (" " and its first byte) is held back whole by the window
+    # path, and up to the byte by the bytewise one.
+    assert first in (tok.decode(ids[:emoji_start]), tok.decode(ids[:emoji_start]) + " ")
+    rest = detok.push(ids[emoji_start + 1:])
+    assert rest.endswith("😀") and first + rest == tok.decode(ids)
 
 
 def test_flush_returns_an_unfinished_character_as_full_decode_does(tok: Tokenizer) -> None:
@@ -132,9 +144,36 @@ def test_each_push_decodes_a_short_window(tok: Tokenizer, monkeypatch: pytest.Mo
         return decode(window, skip_special_tokens=skip_special_tokens)
 
     monkeypatch.setattr(tok, "decode", measuring_decode)
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, bytewise=False)
     for i in ids:
         detok.push([i])
     detok.flush()
     assert len(ids) > 1000
     assert longest <= 8  # O(new tokens), never the whole sequence
+
+
+def test_bytewise_is_chosen_for_a_lone_byte_level_decoder_only(tok: Tokenizer) -> None:
+    from zserve.tokenizer import _decodes_bytewise
+
+    assert _decodes_bytewise(tok.backend)
+    from zserve import catalog
+
+    try:
+        minilm = Tokenizer.from_dir(catalog.minilm_model_dir())
+    except catalog.ModelNotFound as e:
+        pytest.skip(str(e))
+    assert not _decodes_bytewise(minilm.backend)  # WordPiece: "##" pieces join, others get spaces
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("seed", range(10))
+def test_bytewise_equals_decode_on_any_ids(tok: Tokenizer, seed: int, skip_special_tokens: bool) -> None:
+    """Arbitrary ids (stray bytes, halves of characters, special and added tokens): the bytewise path's text is
+    the backend's decode, whose lossy UTF-8 it must reproduce to the last replacement character."""
+    rng = random.Random(seed)
+    specials = sorted(tok.all_special_ids)
+    ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tok.vocab_size) for _ in range(300)]
+    ids += tok.encode("😀")[:1]  # end inside a character
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens, bytewise=True)
+    text = "".join(detok.push(ids[i:i + n]) for i, n in zip(range(0, len(ids), 3), [3] * len(ids)))
+    assert text + detok.flush() == tok.decode(ids, skip_special_tokens=skip_special_tokens)
