@@ -9,10 +9,16 @@ replacement, on the same endpoint) says hello again.
 Each engine serves one model (the supervisor's cluster state says which); ``ModelEngines`` is one
 model's share of the client, so a request only ever reaches its own model's engines.
 
-``generate`` sends a request to the least-loaded routable engine of its model (outstanding work, not
-round-robin) and yields its outputs; leaving the iterator early aborts the request in the
-engine. A request that an engine refuses (draining) or loses (dies) before producing any output
-goes to another engine; one that was already streaming ends with an error.
+``submit`` sends a request to the least-loaded routable engine of its model (outstanding work, not
+round-robin) and hands every output to the request's ``OutputSink`` as the engine reader receives
+it, with no task woken in between; ``cancel`` aborts it in the engine. ``generate`` is the same as an
+async iterator. A request that an engine refuses (draining, a full queue) or loses (dies) before
+producing any output goes to another engine; one that was already streaming ends with an error.
+
+The sockets are plain ZeroMQ sockets read from the event loop: ``loop.add_reader`` on each socket's
+file descriptor, and every message waiting is read in one callback (``_pump``). zmq.asyncio makes and
+resolves a Future per receive and per send and wakes a reader task for each; on the request path
+that was two thirds of a ZeroMQ round trip's cost (tests/bench/bench_gateway.py).
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol import (
@@ -58,9 +64,11 @@ log = logging.getLogger("zserve.gateway.engines")
 DRAINING = ERR_ENGINE_DRAINING
 MAX_HANDBACKS = 8
 DISCONNECT_GRACE = 0.2  # seconds; well inside the 1 s in which a dead engine's requests must end
+PUMP_BATCH = 256  # messages one reader callback takes before letting other callbacks run
+_EVENTS, _POLLIN, _NOBLOCK = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
 
 
-def gateway_context() -> zmq.asyncio.Context:
+def gateway_context() -> zmq.Context:
     """The gateway's ZeroMQ context, its I/O thread under ``SCHED_BATCH`` (set before the thread starts).
 
     A send wakes the context's I/O thread. As an ordinary thread it preempts the event loop at once when both
@@ -68,35 +76,10 @@ def gateway_context() -> zmq.asyncio.Context:
     (``tests/bench/bench_gateway.py``, gateway pinned to one core: 35 µs of wall time per send, 17 µs of I/O
     thread CPU per request). A batch thread does not preempt on wakeup: it runs when the loop waits, or at once on
     an idle core, and then carries every message queued meanwhile (11 µs, 2.5 µs)."""
-    ctx = zmq.asyncio.Context.instance()
+    ctx = zmq.Context.instance()
     if hasattr(os, "SCHED_BATCH"):
         ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
     return ctx
-
-
-def send_now(sock: zmq.asyncio.Socket, frames: list) -> None:
-    """Send a message without waiting (``zmq.Again`` when it cannot go now), with no Future.
-
-    ``zmq.asyncio``'s ``send_multipart`` makes and resolves a Future even for a non-blocking send; on
-    the request path that is a tenth of the send's cost. The socket's file descriptor is edge-triggered
-    and a send can consume the edge that would wake the socket's reader, so the reader is rescheduled if a
-    message is waiting, as ``zmq.asyncio`` itself does after its own sends, but once per loop iteration for
-    all the sends made in it (reading the socket's events costs as much as a send)."""
-    sock._shadow_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-    if not _RECHECK:
-        asyncio.get_running_loop().call_soon(_recheck)
-    _RECHECK.add(sock)
-
-
-_RECHECK: set[zmq.asyncio.Socket] = set()
-
-
-def _recheck() -> None:
-    socks = list(_RECHECK)
-    _RECHECK.clear()
-    for sock in socks:
-        if not sock.closed:
-            sock._schedule_remaining_events()
 
 
 class NoEngineAvailable(RuntimeError):
@@ -111,21 +94,24 @@ class EngineRequestError(RuntimeError):
     """The engine ended a request with an error (or died with it)."""
 
 
-@dataclass(frozen=True)
-class _HandBack:
-    """Queued for a request that ``engine`` refused (draining) or lost (died) before producing
-    anything; the request goes to another engine. Stale ones (from an engine already left) are
-    ignored: an engine's death is noticed by both the socket monitor and the supervisor."""
+class OutputSink(Protocol):
+    """Where a submitted request's results go, called from the engine reader (on the event loop, never
+    concurrently). ``output`` gets every ``RequestOutput`` in order (the last one carries the finish reason;
+    a ``PoolOutput`` for a pooling request); ``fail`` ends a request that will get no more outputs with
+    ``EngineRequestError``, ``NoEngineAvailable`` or ``EnginesBusy``. Exactly one of a final output or a
+    failure ends each request, unless it is cancelled first. Neither may block; an exception from either is
+    logged and aborts the request."""
 
-    engine: EngineConnection
-    busy: bool = False  # refused for a full queue (not draining, not lost)
+    def output(self, out: RequestOutput | PoolOutput) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)  # identity: one per socket, kept in sets
 class EngineConnection:
     endpoint: str
-    sock: zmq.asyncio.Socket
-    monitor: zmq.asyncio.Socket
+    sock: zmq.Socket
+    monitor: zmq.Socket
     cluster_state: str | None = None  # the supervisor's word: starting / ready / draining; None = standalone
     hello: EngineHello | None = None
     stats: EngineStats | None = None
@@ -133,6 +119,7 @@ class EngineConnection:
     known_rank: int | None = None  # kept after the engine is gone, for messages
     model: str | None = None  # the model it serves, from the cluster state; None = standalone (any)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    closed: bool = False
 
     def serves(self, model: str | None) -> bool:
         return model is None or self.model is None or self.model == model
@@ -161,8 +148,8 @@ class EngineConnection:
 
 
 class _Inbox:
-    """A request's messages from the engine reader: a deque and at most one waiting consumer (an
-    ``asyncio.Queue`` without what a single consumer never needs)."""
+    """An ``OutputSink`` for a task that pulls (``generate``): a deque of outputs and failures, and at most
+    one waiting consumer (an ``asyncio.Queue`` without what a single consumer never needs)."""
 
     __slots__ = ("items", "waiter")
 
@@ -170,31 +157,54 @@ class _Inbox:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
 
-    def put_nowait(self, item) -> None:
+    def put_nowait(self, item: RequestOutput | PoolOutput | Exception) -> None:
         self.items.append(item)
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def get(self):
+    output = fail = put_nowait
+
+    async def get(self, coalesce: bool = False) -> RequestOutput | PoolOutput:
+        """The next output (with ``coalesce``, merged with the outputs queued behind it: ``take_outputs``);
+        a failure is raised."""
         while not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
-        return self.items.popleft()
+        item = self.items.popleft()
+        if isinstance(item, Exception):
+            raise item
+        return self.take_outputs(item) if coalesce and type(item) is RequestOutput else item
 
     def take_outputs(self, out: RequestOutput) -> RequestOutput:
-        """``out`` with the outputs queued behind it merged in, up to a finish, an error or a hand-back.
+        """``out`` with the outputs queued behind it merged in, up to a finish or a failure.
 
         Under load a request's consumer can fall a few engine steps behind; it then takes them as one
         output (one detokenizer pass, one stream chunk, one write), as vLLM's output collector does."""
         items = self.items
-        while out.finish_reason is None and items and type(items[0]) is RequestOutput \
-                and items[0].finish_reason != "error":
+        while out.finish_reason is None and items and type(items[0]) is RequestOutput:
             out = merge_outputs(out, items.popleft())
         return out
+
+
+class _Waiter:
+    """An ``OutputSink`` for a request with one answer (pooling): a future."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def output(self, out: RequestOutput | PoolOutput) -> None:
+        if not self.future.done():
+            self.future.set_result(out)
+
+    def fail(self, error: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -215,12 +225,14 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 @dataclass
 class _Stream:
-    queue: _Inbox
+    request_id: str
+    sink: OutputSink
+    frames: list[bytes]  # the encoded request, resent on a hand-back
     engine: EngineConnection | None = None
-    failed_here: bool = False  # ended by this gateway (shutdown, engine lost), not by the engine
     started: bool = False  # the engine has sent output for it
     model: str | None = None  # routed only to engines of this model
     busy: int = 0  # engines that refused it for a full queue
+    refused: set[str] = field(default_factory=set)  # endpoints that refused or lost it before any output
 
 
 class EngineClient:
@@ -234,6 +246,7 @@ class EngineClient:
         self._turn = 0
         self.version = 0  # bumped whenever an engine joins, leaves, says hello, drops or changes state
         self._ready: list[EngineConnection] = []
+        self._recheck: set[EngineConnection] = set()  # sockets sent on in this loop iteration
 
     # -- membership ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -251,9 +264,13 @@ class EngineClient:
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         eng = EngineConnection(endpoint, sock, monitor)
-        eng.tasks = [asyncio.create_task(self._read(eng), name=f"engine-reader {endpoint}"),
-                     asyncio.create_task(self._watch(eng), name=f"engine-monitor {endpoint}")]
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.getsockopt(zmq.FD), self._pump, eng)
+        loop.add_reader(monitor.getsockopt(zmq.FD), self._pump_monitor, eng)
         self.engines[endpoint] = eng
+        # ZeroMQ's descriptors signal edges: what arrived before the readers were added is read now.
+        loop.call_soon(self._pump, eng)
+        loop.call_soon(self._pump_monitor, eng)
         return eng
 
     async def _drop(self, eng: EngineConnection, why: str) -> None:
@@ -265,6 +282,15 @@ class EngineClient:
         for t in eng.tasks:
             t.cancel()
         await asyncio.gather(*eng.tasks, return_exceptions=True)
+        self._close_sockets(eng)
+
+    def _close_sockets(self, eng: EngineConnection) -> None:
+        if eng.closed:
+            return
+        eng.closed = True
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(eng.sock.getsockopt(zmq.FD))
+        loop.remove_reader(eng.monitor.getsockopt(zmq.FD))
         eng.sock.disable_monitor()
         eng.monitor.close(0)
         eng.sock.close(0)
@@ -325,150 +351,237 @@ class EngineClient:
         self._turn += 1  # ties rotate, so light sequential traffic still reaches every engine
         return tied[self._turn % len(tied)]
 
-    # -- inbound ------------------------------------------------------------------------------
-    async def _watch(self, eng: EngineConnection) -> None:
-        while True:
-            event = parse_monitor_message(await eng.monitor.recv_multipart())["event"]
+    # -- the sockets ----------------------------------------------------------------------------
+    def _send_now(self, eng: EngineConnection, frames: list) -> None:
+        """Send a message without waiting (``zmq.Again`` when it cannot go now).
+
+        The socket's descriptor signals edges, and a send can consume the edge that would announce a message
+        that arrived meanwhile, so the socket is read again once this loop iteration's callbacks have run,
+        once for all the sends made in it (as zmq.asyncio does after each of its own sends)."""
+        eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        if not self._recheck:
+            asyncio.get_running_loop().call_soon(self._pump_sent)
+        self._recheck.add(eng)
+
+    def _pump_sent(self) -> None:
+        engines = list(self._recheck)
+        self._recheck.clear()
+        for eng in engines:
+            self._pump(eng)
+
+    def _pump(self, eng: EngineConnection) -> None:
+        """Read every message waiting on the engine's socket (up to ``PUMP_BATCH``, then again next iteration)."""
+        if eng.closed:
+            return
+        sock = eng.sock
+        for _ in range(PUMP_BATCH):
+            try:
+                # Asking first is cheaper than the zmq.Again a receive raises on an empty socket.
+                if not sock.get(_EVENTS) & _POLLIN:
+                    return
+                frames = sock.recv_multipart(_NOBLOCK)
+            except zmq.ZMQError as e:
+                if not eng.closed:
+                    log.warning("reading from engine %s failed: %s", eng.endpoint, e)
+                return
+            try:
+                self._dispatch(eng, frames)
+            except Exception:  # a bug here must not stop the reader: every request on the engine would hang
+                log.exception("error handling a message from engine %s", eng.endpoint)
+        asyncio.get_running_loop().call_soon(self._pump, eng)
+
+    def _pump_monitor(self, eng: EngineConnection) -> None:
+        while not eng.closed:
+            try:
+                frames = eng.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                await eng.sock.send_multipart(encode(ClientHello(self.client_id)))
+                try:
+                    self._send_now(eng, encode(ClientHello(self.client_id)))
+                except zmq.ZMQError as e:  # dropped again already: the next handshake says hello
+                    log.debug("could not greet engine %s: %s", eng.endpoint, e)
             elif event == zmq.EVENT_DISCONNECTED:
                 was = eng.rank
                 eng.hello = None
                 eng.stats = None
                 self._update_ready()
-                # The monitor and the data socket are not ordered: give the reader a moment to
-                # deliver what the engine sent before it went (a drained engine's last tokens).
-                await asyncio.sleep(DISCONNECT_GRACE)
-                n = self._fail_streams(eng, f"lost engine {was} while serving the request")
-                log.warning("lost the connection to engine %s at %s; failed its %d in-flight request(s)", was,
-                            eng.endpoint, n)
+                eng.tasks = [t for t in eng.tasks if not t.done()]
+                eng.tasks.append(asyncio.get_running_loop().create_task(self._lost(eng, was)))
+
+    async def _lost(self, eng: EngineConnection, was: int | None) -> None:
+        # The monitor and the data socket are not ordered: give the reader a moment to
+        # deliver what the engine sent before it went (a drained engine's last tokens).
+        await asyncio.sleep(DISCONNECT_GRACE)
+        n = self._fail_streams(eng, f"lost engine {was} while serving the request")
+        log.warning("lost the connection to engine %s at %s; failed its %d in-flight request(s)", was,
+                    eng.endpoint, n)
+
+    def _dispatch(self, eng: EngineConnection, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as e:
+            log.warning("dropped a bad frame from engine %s: %s", eng.endpoint, e)
+            return
+        kind = type(msg)
+        if kind is StepOutputs or kind is PoolOutputs:
+            streams = self._streams
+            for out in msg.outputs:  # type: ignore[union-attr]
+                st = streams.get(out.request_id)
+                if st is not None and st.engine is eng:
+                    self._deliver(st, out)
+        elif kind is EngineStats:
+            eng.stats = msg  # type: ignore[assignment]
+        elif kind is EngineHello:
+            eng.hello = msg  # type: ignore[assignment]
+            eng.known_rank = msg.rank  # type: ignore[union-attr]
+            self._update_ready()
+            log.info("engine %d at %s: %s, %s/%s", msg.rank, eng.endpoint, msg.model_id,  # type: ignore[union-attr]
+                     msg.device, msg.dtype)  # type: ignore[union-attr]
+        elif kind is ErrorMessage:
+            st = self._streams.get(msg.request_id) if msg.request_id else None  # type: ignore[union-attr]
+            if st is not None and st.engine is eng:
+                if msg.code in (DRAINING, ERR_ENGINE_BUSY):  # type: ignore[union-attr]
+                    self._hand_back(st, eng, busy=msg.code == ERR_ENGINE_BUSY)  # type: ignore[union-attr]
+                else:
+                    self._end(st, EngineRequestError(msg.message))  # type: ignore[union-attr]
+            else:
+                log.warning("engine %s reports %s: %s", eng.endpoint, msg.code, msg.message)  # type: ignore[union-attr]
+
+    # -- requests -------------------------------------------------------------------------------
+    def _deliver(self, st: _Stream, out: RequestOutput | PoolOutput) -> None:
+        st.started = True
+        if type(out) is RequestOutput:
+            if out.finish_reason is None:
+                self._call(st, st.sink.output, out)
+                return
+            if out.finish_reason == "error":
+                self._end(st, EngineRequestError(out.error or "the engine failed the request"))
+                return
+        self._forget(st)  # finished by the engine: nothing to abort
+        self._call(st, st.sink.output, out)
+
+    def _end(self, st: _Stream, error: Exception, abort: bool = False) -> None:
+        """End a request with ``error``; with ``abort``, tell its engine to stop working on it."""
+        eng = self._forget(st)
+        if abort and eng is not None:
+            self._abort(eng, st.request_id)
+        self._call(st, st.sink.fail, error)
+
+    def _call(self, st: _Stream, fn, arg) -> None:
+        try:
+            fn(arg)
+        except Exception:
+            log.exception("error handling the output of %s; aborting it", st.request_id)
+            self.cancel(st.request_id)
+
+    def _forget(self, st: _Stream) -> EngineConnection | None:
+        """Stop following a request; the engine it was on, if any."""
+        self._streams.pop(st.request_id, None)
+        eng = st.engine
+        if eng is not None:
+            eng.outstanding -= 1
+            st.engine = None
+        return eng
+
+    def _abort(self, eng: EngineConnection, request_id: str) -> None:
+        if eng.hello is not None and not eng.closed:
+            try:
+                self._send_now(eng, encode(AbortRequest((request_id,))))
+            except zmq.ZMQError:
+                pass
 
     def _fail_streams(self, eng: EngineConnection, why: str) -> int:
         n = 0
-        for rid, st in list(self._streams.items()):
+        for st in list(self._streams.values()):
             if st.engine is eng:
                 if st.started:
-                    st.failed_here = True
-                    st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
+                    self._end(st, EngineRequestError(why))
                 else:  # nothing was produced yet: safe to send it to another engine
-                    st.queue.put_nowait(_HandBack(eng))
+                    self._hand_back(st, eng)
                 n += 1
         return n
 
-    async def _read(self, eng: EngineConnection) -> None:
-        while True:
-            frames = await eng.sock.recv_multipart(copy=False)
-            try:
-                msg = decode([f.buffer for f in frames])
-            except ProtocolError as e:
-                log.warning("dropped a bad frame from engine %s: %s", eng.endpoint, e)
-                continue
-            if isinstance(msg, StepOutputs | PoolOutputs):
-                for out in msg.outputs:
-                    st = self._streams.get(out.request_id)
-                    if st is not None and st.engine is eng:
-                        st.started = True
-                        st.queue.put_nowait(out)
-            elif isinstance(msg, EngineStats):
-                eng.stats = msg
-            elif isinstance(msg, EngineHello):
-                eng.hello = msg
-                eng.known_rank = msg.rank
-                self._update_ready()
-                log.info("engine %d at %s: %s, %s/%s", msg.rank, eng.endpoint, msg.model_id, msg.device, msg.dtype)
-            elif isinstance(msg, ErrorMessage):
-                st = self._streams.get(msg.request_id) if msg.request_id else None
-                if st is not None and st.engine is eng:
-                    st.queue.put_nowait(_HandBack(eng, busy=msg.code == ERR_ENGINE_BUSY)
-                                        if msg.code in (DRAINING, ERR_ENGINE_BUSY) else
-                                        RequestOutput(msg.request_id, (), "error", error=msg.message))
-                else:
-                    log.warning("engine %s reports %s: %s", eng.endpoint, msg.code, msg.message)
+    def _hand_back(self, st: _Stream, eng: EngineConnection, busy: bool = False) -> None:
+        """``eng`` refused (draining, a full queue) or lost the request before any output: another engine of its
+        model that has not refused it gets it, or it fails (``EnginesBusy`` when full queues refused it)."""
+        st.refused.add(eng.endpoint)
+        st.busy += busy
+        eng.outstanding -= 1
+        st.engine = None
+        try:
+            self._send(st)
+        except NoEngineAvailable as e:
+            self._end(st, e)
 
-    # -- requests -------------------------------------------------------------------------------
     def fail_all(self, why: str) -> int:
-        """End every in-flight request with an error (shutdown timeout)."""
-        for rid, st in list(self._streams.items()):
-            st.failed_here = True
-            st.queue.put_nowait(RequestOutput(rid, (), "error", error=why))
-        return len(self._streams)
+        """End every in-flight request with an error, and abort it in its engine (shutdown timeout)."""
+        streams = list(self._streams.values())
+        for st in streams:
+            self._end(st, EngineRequestError(why), abort=True)
+        return len(streams)
 
-    async def _send(self, st: _Stream, frames: list[bytes], refused: set[str]) -> None:
+    def _send(self, st: _Stream) -> None:
         """Send the request to the least-loaded engine of its model that has not refused it."""
         while True:
-            if len(refused) > MAX_HANDBACKS:
+            if len(st.refused) > MAX_HANDBACKS:
                 raise NoEngineAvailable("no engine would take the request")
             try:
-                eng = self.pick_engine(refused, st.model)
+                eng = self.pick_engine(st.refused, st.model)
             except NoEngineAvailable:
                 if st.busy:
                     raise EnginesBusy("every engine of the model has a full queue") from None
                 raise
             try:
-                send_now(eng.sock, frames)
+                self._send_now(eng, st.frames)
             except zmq.Again:  # the connection dropped between the pick and the send
-                refused.add(eng.endpoint)
+                st.refused.add(eng.endpoint)
                 continue
             st.engine = eng
             eng.outstanding += 1
             return
 
-    @staticmethod
-    def _detach(st: _Stream) -> None:
-        if st.engine is not None:
-            st.engine.outstanding -= 1
-            st.engine = None
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, sink: OutputSink,
+               model: str | None = None) -> None:
+        """Send a generation request; its outputs go to ``sink``. Raises ``NoEngineAvailable`` when no engine
+        of ``model`` can take it now (nothing is left in flight then)."""
+        # Encoded (and so checked) before it is registered: a request the wire refuses must not stay in flight.
+        self._submit(request_id, encode(AddRequest(request_id, tuple(prompt_token_ids), sampling,
+                                                   REQUEST_ID.get())), sink, model)
+
+    def _submit(self, request_id: str, frames: list[bytes], sink: OutputSink, model: str | None) -> None:
+        st = _Stream(request_id, sink, frames, model=model)
+        self._send(st)
+        self._streams[request_id] = st
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request early (its client went away, a stop string ended it): abort it in its engine. Its
+        sink hears nothing more. Nothing happens for a request that has already ended."""
+        st = self._streams.get(request_id)
+        if st is not None:
+            eng = self._forget(st)
+            if eng is not None:
+                self._abort(eng, request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        model: str | None = None, coalesce: bool = True) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until one carries a finish reason; with ``coalesce``, outputs that queued up
-        while the consumer was busy come merged (``_Inbox.take_outputs``)."""
-        # Encoded (and so checked) before it is registered: a request the wire refuses must not stay in flight.
-        frames = encode(AddRequest(request_id, tuple(prompt_token_ids), sampling, REQUEST_ID.get()))
-        st = _Stream(_Inbox(), model=model)
-        self._streams[request_id] = st
-        refused: set[str] = set()
+        """``submit`` as an async iterator: the request's outputs until one carries a finish reason (a failure is
+        raised); with ``coalesce``, outputs that queued up while the consumer was busy come merged
+        (``_Inbox.take_outputs``). Leaving early aborts the request in the engine."""
+        inbox = _Inbox()
+        self.submit(request_id, prompt_token_ids, sampling, inbox, model)
         finished = False
         try:
-            await self._send(st, frames, refused)
-            while True:
-                out = await self._next_output(st, frames, refused, coalesce)
-                if out.finish_reason == "error":
-                    finished = True
-                    raise EngineRequestError(out.error or "the engine failed the request")
-                finished = out.finish_reason is not None
-                yield out
-                if finished:
-                    return
+            while not finished:
+                out = await inbox.get(coalesce)
+                finished = out.finish_reason is not None  # type: ignore[union-attr]
+                yield out  # type: ignore[misc]
         finally:
-            await self._release(request_id, st, abort=not finished or st.failed_here)
-
-    async def _next_output(self, st: _Stream, frames: list[bytes], refused: set[str], coalesce: bool = False):
-        """The request's next output. A hand-back (its engine refused or lost it before any output)
-        first sends it to another engine that has not refused it."""
-        while True:
-            out = await st.queue.get()
-            if type(out) is RequestOutput:
-                return st.queue.take_outputs(out) if coalesce else out
-            if not isinstance(out, _HandBack):
-                return out
-            if out.engine is st.engine:
-                refused.add(out.engine.endpoint)
-                st.busy += out.busy
-                self._detach(st)
-                await self._send(st, frames, refused)
-
-    async def _release(self, request_id: str, st: _Stream, abort: bool) -> None:
-        """Forget a request; with ``abort``, tell its engine to stop working on it."""
-        self._streams.pop(request_id, None)
-        if st.engine is not None:
-            eng = st.engine
-            self._detach(st)
-            if abort and eng.hello is not None:
-                try:
-                    send_now(eng.sock, encode(AbortRequest((request_id,))))
-                except zmq.ZMQError:
-                    pass
+            if not finished:
+                self.cancel(request_id)
 
     async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
                    normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0,
@@ -477,21 +590,17 @@ class EngineClient:
         request an engine refuses or loses before answering goes to another engine."""
         frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions, pair_start,
                                     REQUEST_ID.get()))
-        st = _Stream(_Inbox(), model=model)
-        self._streams[request_id] = st
-        refused: set[str] = set()
-        answered = False
+        waiter = _Waiter()
+        self._submit(request_id, frames, waiter, model)
         try:
-            await self._send(st, frames, refused)
-            out = await self._next_output(st, frames, refused)
-            answered = True
-            if isinstance(out, RequestOutput):  # failed here (shutdown) or refused with an error
-                raise EngineRequestError(out.error or "the engine failed the request")
-            if out.error is not None:
-                raise EngineRequestError(out.error)
-            return out
+            out = await waiter.future
         finally:
-            await self._release(request_id, st, abort=not answered)
+            self.cancel(request_id)  # a no-op once answered
+        if not isinstance(out, PoolOutput):
+            raise EngineRequestError("the engine answered a pooling request with generated tokens")
+        if out.error is not None:
+            raise EngineRequestError(out.error)
+        return out
 
 
 class ModelEngines:
@@ -564,6 +673,13 @@ class ModelEngines:
     @property
     def in_flight(self) -> int:
         return self.client.in_flight
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+               sink: OutputSink) -> None:
+        self.client.submit(request_id, prompt_token_ids, sampling, sink, self.model)
+
+    def cancel(self, request_id: str) -> None:
+        self.client.cancel(request_id)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  coalesce: bool = True) -> AsyncIterator[RequestOutput]:

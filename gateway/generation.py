@@ -1,13 +1,12 @@
 """From prompt ids to text deltas: engine tokens → incremental detokenizing → stop strings.
 
 Every generation route (OpenAI completions and chat, Anthropic Messages, Responses) shares this
-one pipeline; they only differ in how they shape its ``Delta``s into JSON.
+one pipeline (``TextPipeline``, run for each choice by ``routers.common.ChoiceRun``); they only
+differ in how they shape its ``Delta``s into JSON.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 
 from protocol import RequestOutput, SamplingParams
@@ -76,52 +75,75 @@ def _pair_logprobs(ids, lps, top) -> list[TokenLogprob] | None:
     return res
 
 
-async def generate_text(state: ModelState, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                        opts: TextOptions) -> AsyncIterator[Delta]:
-    """Yield text deltas until the request finishes; closing early aborts it in the engine.
+class TextPipeline:
+    """One request's engine outputs turned into text deltas, one output at a time and synchronously (so the
+    engine reader can run it: ``routers.common.ChoiceRun``): incremental detokenizing, stop strings,
+    ``--stream-interval`` and the request's token metrics.
 
     With ``--stream-interval N`` (N > 1) the first delta comes at once and later ones at least N tokens at a
     time (and the last one at the finish), as vLLM's option does: fewer, larger stream chunks for less CPU
-    per token. Stop strings are still checked on every engine output."""
-    detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens) \
-        if opts.detokenize else None
-    stopper = StopChecker(opts.stop, opts.include_stop_str_in_output) if opts.stop and detok else None
-    final_ids = state.eos_token_ids | set(sampling.stop_token_ids) if sampling.stop_token_ids else state.eos_token_ids
-    n_out = 0
-    interval = state.stream_interval
-    held: Delta | None = None  # what --stream-interval has not yet let out
-    sent_at = 0  # output tokens when a delta was last yielded
-    timer = TokenTimer()
-    PROMPT_TOKENS.inc(len(prompt_ids))
-    with IN_FLIGHT.track_inprogress():
-        # Outputs that queued up come merged, except where a stop string may end the text inside them: the
-        # tokens after it would count as output.
-        async with aclosing(state.engines.generate(request_id, prompt_ids, sampling, stopper is None)) as outs:
-            async for out in outs:
-                ids = list(out.new_token_ids)
-                n_out += len(ids)
-                timer.tokens(len(ids))
-                finish = out.finish_reason
-                # The token that ended generation (EOS or a stop token id) counts as output but is not text.
-                text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in final_ids else ids
-                text = detok.push(text_ids) if detok is not None else ""
-                if finish is not None and detok is not None:
-                    text += detok.flush()
-                if stopper is not None:
-                    text, stopped = stopper.push(text)
-                    if stopped:
-                        finish = "stop"  # returning below aborts the request in the engine
-                    elif finish is not None:
-                        text += stopper.flush()
-                d = Delta(text, ids, _logprobs(out), finish, n_out, _prompt_logprobs(out, prompt_ids),
-                          out.num_cached_tokens, stopper.matched if stopper is not None else None)
-                if interval > 1:
-                    if held is not None:
-                        d = held.then(d)
-                    if finish is None and sent_at and n_out - sent_at < interval:
-                        held = d
-                        continue
-                    held, sent_at = None, n_out
-                yield d
-                if finish is not None:
-                    return
+    per token. Stop strings are still checked on every engine output. The delta with a finish reason is the
+    last; when a stop string ended the text, the engine is still generating and its request must be cancelled
+    (``ended_early``). ``close`` (idempotent) ends the in-flight gauge's count of the request."""
+
+    __slots__ = ("detok", "stopper", "final_ids", "prompt_ids", "n_out", "interval", "held", "sent_at", "timer",
+                 "ended_early", "_open")
+
+    def __init__(self, state: ModelState, prompt_ids: list[int], sampling: SamplingParams, opts: TextOptions):
+        self.detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens) \
+            if opts.detokenize else None
+        self.stopper = StopChecker(opts.stop, opts.include_stop_str_in_output) if opts.stop and self.detok else None
+        self.final_ids = state.eos_token_ids | set(sampling.stop_token_ids) if sampling.stop_token_ids \
+            else state.eos_token_ids
+        self.prompt_ids = prompt_ids
+        self.n_out = 0
+        self.interval = state.stream_interval
+        self.held: Delta | None = None  # what --stream-interval has not yet let out
+        self.sent_at = 0  # output tokens when a delta was last let out
+        self.timer = TokenTimer()
+        self.ended_early = False
+        PROMPT_TOKENS.inc(len(prompt_ids))
+        IN_FLIGHT.inc()
+        self._open = True
+
+    @property
+    def coalesce(self) -> bool:
+        """Whether outputs that queued up may come merged: not where a stop string may end the text inside
+        them (the tokens after it would count as output)."""
+        return self.stopper is None
+
+    def push(self, out: RequestOutput) -> Delta | None:
+        """The delta of one engine output, or None while ``--stream-interval`` holds it back."""
+        ids = list(out.new_token_ids)
+        self.n_out += len(ids)
+        self.timer.tokens(len(ids))
+        finish = out.finish_reason
+        # The token that ended generation (EOS or a stop token id) counts as output but is not text.
+        text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in self.final_ids else ids
+        detok = self.detok
+        text = detok.push(text_ids) if detok is not None else ""
+        if finish is not None and detok is not None:
+            text += detok.flush()
+        stopper = self.stopper
+        if stopper is not None:
+            text, stopped = stopper.push(text)
+            if stopped:
+                finish = "stop"
+                self.ended_early = out.finish_reason is None
+            elif finish is not None:
+                text += stopper.flush()
+        d = Delta(text, ids, _logprobs(out), finish, self.n_out, _prompt_logprobs(out, self.prompt_ids),
+                  out.num_cached_tokens, stopper.matched if stopper is not None else None)
+        if self.interval > 1:
+            if self.held is not None:
+                d = self.held.then(d)
+            if finish is None and self.sent_at and self.n_out - self.sent_at < self.interval:
+                self.held = d
+                return None
+            self.held, self.sent_at = None, self.n_out
+        return d
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            IN_FLIGHT.dec()

@@ -16,13 +16,14 @@ from typing import Any, ClassVar
 
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_BATCH_ITEMS = 65536
+MAX_ERROR_CHARS = 4096
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -154,7 +155,7 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def to_wire(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d = dict(self.__dict__)  # every field (a frozen dataclass without slots keeps them there)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(p) for p in self.logit_bias]
         d["structured"] = None if self.structured is None else list(self.structured)
@@ -295,7 +296,7 @@ class PoolOutput:
         _check_request_id(self.request_id)
         _check(isinstance(self.data, tuple) and len(self.data) <= MAX_POOLED_SIZE, "data too long")
         _check(_is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
-        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= 4096),
+        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
                "error must be a short str")
         _check((self.error is None) == bool(self.data), "a pool output holds data or an error")
 
@@ -376,8 +377,20 @@ class RequestOutput:
             _check(_is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "prompt_top_logprobs k out of range")
             n = t.k * len(self.prompt_logprobs)  # type: ignore[arg-type]
             _check(len(t.token_ids) == n and len(t.logprobs) == n, "prompt_top_logprobs size mismatch")
-        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= 4096),
+        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
                "error must be a short str")
+
+    @classmethod
+    def checked(cls, request_id: str, new_token_ids: tuple[int, ...], finish_reason: str | None,
+                num_prompt_tokens: int, error: str | None, num_cached_tokens: int) -> RequestOutput:
+        """An output without logprobs whose fields the caller has checked as ``__post_init__`` would (the codec,
+        decoding a frame), built without checking them again or paying the frozen dataclass's setattr per
+        field: a gateway builds one for every streamed token."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finish_reason=finish_reason,
+                            logprobs=None, top_logprobs=None, num_prompt_tokens=num_prompt_tokens, error=error,
+                            prompt_logprobs=None, prompt_top_logprobs=None, num_cached_tokens=num_cached_tokens)
+        return obj
 
 
 @dataclass(frozen=True)

@@ -615,8 +615,8 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
-    def all_special_ids(self) -> set[int]:
-        return set(self._special_ids)
+    def all_special_ids(self) -> frozenset[int]:
+        return self._special_ids
 
     @property
     def backend(self) -> _Backend:

@@ -1,5 +1,5 @@
 """What every generation family shares: model and prompt checks, sampling parameters, chat prompts
-with tools, running a request's choices through ``generation.generate_text``, engine errors.
+with tools, running a request's choices through ``generation.TextPipeline`` (``ChoiceRun``), engine errors.
 
 A family module (openai, anthropic, responses, native) validates its own body, calls these to get
 prompt ids, ``SamplingParams`` and deltas, and shapes the result in its own JSON. Nothing here
@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from protocol import SamplingParams
+from protocol import RequestOutput, SamplingParams
 
 from ..engine_client import EngineRequestError, EnginesBusy, NoEngineAvailable
 from ..errors import APIError, bad_request
-from ..generation import Delta, TextOptions, TokenLogprob, generate_text
+from ..generation import Delta, TextOptions, TextPipeline, TokenLogprob
 from ..openai_schemas import SEED_END, SamplingFields
 from ..state import ModelState
 from ..structured import StructuredSpec, sized
@@ -317,51 +317,130 @@ def engine_error(e: Exception) -> APIError:
 ENGINE_ERRORS = (EngineRequestError, NoEngineAvailable)
 
 
+class ChoiceRun:
+    """A request's choices on the engines, driven by the engine reader: each engine output goes through its
+    choice's ``TextPipeline`` and each delta to ``on_delta(choice, delta)`` at once, with no task woken in
+    between (``EngineClient.submit``). ``wait`` returns once every choice has finished and raises the first
+    failure: an engine error, or whatever ``on_delta`` raised (the other choices are then cancelled).
+    ``cancel`` (also on leaving ``wait`` early) aborts whatever still runs."""
+
+    def __init__(self, state: ModelState, request_id: str, choices: list[Choice], opts: TextOptions,
+                 on_delta: Callable[[Choice, Delta], None]):
+        self.engines = state.engines
+        self.on_delta = on_delta
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._left = len(choices)
+        self._sinks = [_ChoiceSink(self, f"{request_id}-{c.index}", c, TextPipeline(state, c.prompt_ids, c.sampling,
+                                                                                     opts)) for c in choices]
+
+    def start(self) -> None:
+        """Send every choice to an engine (``NoEngineAvailable`` if one cannot go: nothing is left running)."""
+        try:
+            for s in self._sinks:
+                self.engines.submit(s.rid, s.choice.prompt_ids, s.choice.sampling, s)
+                s.live = True
+        except BaseException:
+            self.cancel()
+            raise
+
+    async def wait(self) -> None:
+        try:
+            await self.done
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        for s in self._sinks:
+            if s.live:
+                s.live = False
+                self.engines.cancel(s.rid)
+            s.pipe.close()
+        if self.done.done() and not self.done.cancelled():
+            self.done.exception()  # seen: a failure after the consumer left is not an unretrieved one
+
+    def _finished(self, sink: _ChoiceSink) -> None:
+        sink.live = False
+        sink.pipe.close()
+        self._left -= 1
+        if not self._left and not self.done.done():
+            self.done.set_result(None)
+
+    def _failed(self, sink: _ChoiceSink, error: BaseException) -> None:
+        sink.live = False
+        self.cancel()
+        if not self.done.done():
+            self.done.set_exception(error)
+
+
+class _ChoiceSink:
+    """One choice's ``OutputSink``: engine outputs → its ``TextPipeline`` → the run's ``on_delta``."""
+
+    __slots__ = ("run", "rid", "choice", "pipe", "live")
+
+    def __init__(self, run: ChoiceRun, rid: str, choice: Choice, pipe: TextPipeline):
+        self.run, self.rid, self.choice, self.pipe = run, rid, choice, pipe
+        self.live = False  # sent to an engine and not yet ended
+
+    def output(self, out: RequestOutput) -> None:
+        if not self.live:
+            return
+        d = self.pipe.push(out)
+        if d is None:
+            return
+        last = d.finish_reason is not None
+        if last and self.pipe.ended_early:  # a stop string ended the text: the engine is still at it
+            self.live = False
+            self.run.engines.cancel(self.rid)
+        try:
+            self.run.on_delta(self.choice, d)
+        except Exception as e:  # an APIError from the shaping, a write to a client that went away
+            self.run._failed(self, e)
+            return
+        if last:
+            self.run._finished(self)
+
+    def fail(self, error: Exception) -> None:
+        if self.live:
+            self.run._failed(self, error)
+
+
 async def run_choices(state: ModelState, request_id: str, choices: list[Choice], opts: TextOptions
                       ) -> AsyncIterator[tuple[Choice, Delta]]:
-    """Generate all choices concurrently and yield their deltas as they come."""
-    if len(choices) == 1:  # the common case needs no queue and no extra task
-        c = choices[0]
-        async with aclosing(generate_text(state, f"{request_id}-0", c.prompt_ids, c.sampling, opts)) as it:
-            async for d in it:
-                yield c, d
-        return
-    q: asyncio.Queue = asyncio.Queue()
-    done = object()
+    """Generate all choices concurrently and yield their deltas as they come, for a handler that awaits between
+    them (a stream written with awaits). Deltas of one choice that queued up while the handler was busy come
+    merged (``Delta.then``): one stream event for them, as vLLM's output collector does."""
+    queue: deque[tuple[Choice, Delta]] = deque()
+    wake: list[asyncio.Future] = []
 
-    async def pump(c: Choice) -> None:
-        try:
-            async with aclosing(generate_text(state, f"{request_id}-{c.index}", c.prompt_ids, c.sampling, opts)) as it:
-                async for d in it:
-                    await q.put((c, d))
-        except BaseException as e:  # handed to the consumer, which raises it
-            await q.put((c, e))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            await q.put((c, done))
+    def put(c: Choice, d: Delta) -> None:
+        queue.append((c, d))
+        if wake and not wake[0].done():
+            wake[0].set_result(None)
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
-    remaining = len(tasks)
+    run = ChoiceRun(state, request_id, choices, opts, put)
+    run.done.add_done_callback(lambda _: wake and not wake[0].done() and wake[0].set_result(None))
+    run.start()
     try:
-        while remaining:
-            c, item = await q.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield c, item
+        while True:
+            while queue:
+                c, d = queue.popleft()
+                while d.finish_reason is None and queue and queue[0][0] is c:
+                    d = d.then(queue.popleft()[1])
+                yield c, d
+            if run.done.done():
+                run.done.result()  # the first failure, raised
+                return
+            wake[:] = [asyncio.get_running_loop().create_future()]
+            await wake[0]
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        run.cancel()
 
 
 async def collect(state: ModelState, request_id: str, choices: list[Choice], opts: TextOptions) -> None:
     """Run every choice to its end (non-streamed responses); engine failures become API errors."""
+    run = ChoiceRun(state, request_id, choices, opts, Choice.collect)
     try:
-        async for c, d in run_choices(state, request_id, choices, opts):
-            c.collect(d)
+        run.start()
+        await run.wait()
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None

@@ -2,9 +2,10 @@
 
 Each handler validates its body and turns it into a ``Plan`` — prompt ids and SamplingParams for
 every choice (``common``), which is what the render routes show (``routers.render``) — then runs
-every choice through ``generation.generate_text`` concurrently, and shapes the deltas as the OpenAI
-API does, as one JSON body or as an SSE stream. Chat completions also carry tool calls and
-reasoning (``reasoning_content``) when the server runs a tool-call or reasoning parser.
+every choice through ``common.ChoiceRun`` concurrently, and shapes the deltas as the OpenAI API
+does, as one JSON body or as an SSE stream (written from the engine reader: ``sse.EventWriter``).
+Chat completions also carry tool calls and reasoning (``reasoning_content``) when the server runs a
+tool-call or reasoning parser.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..generation import Delta, TextOptions, TokenLogprob
 from ..ids import random_hex
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import JSON, SSE, request_body, response
-from ..sse import open_stream, send_done, send_event
+from ..sse import EventWriter, open_stream
 from ..state import STATE, GatewayState, ModelState, ServedModel
 from ..text.token_text import TokenText
 from ..text.tool_parsers import ToolCall, ToolCallDelta
@@ -30,6 +31,7 @@ from .common import (
     ENGINE_ERRORS,
     NO_TOOLS,
     Choice,
+    ChoiceRun,
     ToolUse,
     admit,
     build_sampling,
@@ -40,7 +42,6 @@ from .common import (
     engine_error,
     final_tool_calls,
     message_parser,
-    run_choices,
     text_options,
     tool_use,
     wants_generation_prompt,
@@ -100,28 +101,35 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
 
 
     resp = await open_stream(request)
+    events = EventWriter(request, resp)
+
+    def on_delta(c: Choice, d: Delta) -> None:  # run by the engine reader, for each engine output
+        c.take(d)
+        delta = shape.delta(c, d)
+        if delta is not None:
+            events.send(shape.chunk(request_id, created, model, [delta], include_usage,
+                                    usage(prompt_tokens, choices) if continuous_usage else None))
+
     try:
         for c in choices:
             first = shape.first_chunk(c)
             if first is not None:
-                await send_event(resp, shape.chunk(request_id, created, model, [first], include_usage,
-                                                   usage(prompt_tokens, choices) if continuous_usage else None))
-        async for c, d in run_choices(state, request_id, choices, opts):
-            c.take(d)
-            delta = shape.delta(c, d)
-            if delta is not None:
-                await send_event(resp, shape.chunk(request_id, created, model, [delta], include_usage,
-                                                   usage(prompt_tokens, choices) if continuous_usage else None))
+                events.send(shape.chunk(request_id, created, model, [first], include_usage,
+                                        usage(prompt_tokens, choices) if continuous_usage else None))
+        run = ChoiceRun(state, request_id, choices, opts, on_delta)
+        try:
+            run.start()
+            await events.until(run.done)
+        finally:
+            run.cancel()
         if include_usage:
-            await send_event(resp, shape.chunk(request_id, created, model, [], include_usage,
-                                               usage(prompt_tokens, choices)))
+            events.send(shape.chunk(request_id, created, model, [], include_usage, usage(prompt_tokens, choices)))
     except (*ENGINE_ERRORS, APIError) as e:
-        await send_event(resp, (e if isinstance(e, APIError) else engine_error(e)).body())
+        events.send((e if isinstance(e, APIError) else engine_error(e)).body())
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("client went away during %s; aborted its generation", request_id)
         raise
-    await send_done(resp)
-    await resp.write_eof()
+    await events.close()
     return resp
 
 

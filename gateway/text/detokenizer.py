@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from zserve.tokenizer import Tokenizer
 
+_UTF8 = codecs.getincrementaldecoder("utf-8")
+
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
 # A UTF-8 character is at most 4 bytes, so at most 3 trailing tokens can hold an unfinished one.
@@ -45,7 +47,7 @@ class IncrementalDetokenizer:
         self._read = 0  # text of ids before this has been emitted
         if bytewise is None:
             bytewise = tokenizer.decodes_bytewise
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if bytewise else None
+        self._utf8 = _UTF8("replace") if bytewise else None
         self._skipped = tokenizer.all_special_ids if skip_special_tokens else frozenset()
 
     @property

@@ -1,9 +1,13 @@
 """What zserve's gateway costs beside bare echo apps, and how requests/s grow with gateways (issue 13).
 
-Three targets answer the same non-streaming chat completion (one short user message, max_tokens 1,
-temperature 0): a bare aiohttp + uvloop + orjson echo app, a bare FastAPI + uvicorn + pydantic echo app
-(both in echo_apps.py) and `launch api-server --model tiny-random --count 1 --dtype float32`. One load
-generator serves all three: a separate process with C keep-alive HTTP/1.1 connections on raw asyncio
+Four targets answer the same non-streaming chat completion (one short user message, max_tokens 1,
+temperature 0): a bare aiohttp + uvloop + orjson echo app, a bare FastAPI + uvicorn + pydantic echo app,
+the aiohttp echo app forwarding a prompt of the same length to zserve's engine over ZeroMQ and answering
+when the token comes back (all three in echo_apps.py) and `launch api-server --model tiny-random --count 1
+--dtype float32`. The echo apps answer at once; the forwarding one and zserve wait for an engine that
+shares their core, which costs any process in front of it CPU of its own (idle wake-ups, the engine's
+time slices and cache footprint): that app is the floor of a gateway here, with none of a gateway's work.
+One load generator serves all four: a separate process with C keep-alive HTTP/1.1 connections on raw asyncio
 streams (cheaper per request than an HTTP client library, so it stays out of the way), pinned to its own
 core when the machine has two. For each target: requests/s and the measured process's CPU time per
 request (utime + stime from /proc over the measured window, divided by requests): the app process for an
@@ -201,9 +205,9 @@ def drain(stream) -> None:
     threading.Thread(target=lambda: [None for _ in stream], daemon=True).start()
 
 
-def start_echo(framework: str, core: int | None) -> Target:
+def start_echo(framework: str, core: int | None, extra: list[str] = ()) -> Target:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ECHO_APPS), framework, "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, str(ECHO_APPS), framework, "--port", str(port), *extra], cwd=ROOT,
                             stdout=subprocess.PIPE, preexec_fn=pinned_to(core))
     note = proc.stdout.readline().decode().strip()
     drain(proc.stdout)
@@ -217,9 +221,23 @@ def start_echo(framework: str, core: int | None) -> Target:
                     break
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
                 raise RuntimeError(f"the {framework} echo app did not start") from None
             time.sleep(0.2)
     return Target(f"{framework} echo", proc, url, "echo", [proc.pid], note)
+
+
+def start_forward(zserve: Target, core: int | None) -> Target:
+    """The ``forward`` echo app against ``zserve``'s engine, sending prompts as long as zserve's for the benchmark's
+    message (its /tokenize route renders the chat template as the chat route does)."""
+    base = zserve.url.removesuffix("/v1/chat/completions")
+    with urllib.request.urlopen(base + "/load", timeout=10) as r:
+        endpoint = json.loads(r.read())["engines"][0]["endpoint"]
+    body = json.dumps({"model": zserve.model, "messages": chat_body(zserve.model)["messages"]}).encode()
+    request = urllib.request.Request(base + "/tokenize", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        n = json.loads(r.read())["count"]
+    return start_echo("forward", core, ["--engine", endpoint, "--prompt-tokens", str(n)])
 
 
 def start_zserve(gateways: int, core: int | None, engine_shares_core: bool, max_num_seqs: int,
@@ -284,6 +302,7 @@ def failures(t: Target) -> int:
 
 def print_head_to_head(targets: list[Target], args, placement: str) -> None:
     a, f = targets[0], targets[1]
+    fwd = next((t for t in targets if t.name == "forward echo"), None)
     print(f"Head to head: {args.requests} requests x {args.rounds} rounds (interleaved, medians), {args.concurrency} "
           f"keep-alive connections, non-streaming chat completion, max_tokens 1, temperature 0")
     print(placement)
@@ -291,15 +310,18 @@ def print_head_to_head(targets: list[Target], args, placement: str) -> None:
         if t.note:
             print(f"  {t.name}: {t.note}")
     print(f"{'target':20} {'req/s':>7} {'vs aio':>7} {'vs fapi':>7} {'CPU µs/req':>11} {'vs aio':>7} {'vs fapi':>7} "
-          f"{'server CPU':>10} {'loader CPU':>10} {'failed':>6}")
+          f"{'vs fwd':>7} {'server CPU':>10} {'loader CPU':>10} {'failed':>6}")
     for t in targets:
         r, c = med(t, rps), med(t, cpu_us)
         busy = med(t, lambda x: x.server_cpu_s / x.wall_s) * 100
         loader = med(t, lambda x: x.loader_cpu_s / x.wall_s) * 100
+        vs_fwd = f"{c / med(fwd, cpu_us):6.2f}x" if fwd is not None else "      -"
         print(f"{t.name:20} {r:7.0f} {r / med(a, rps):6.2f}x {r / med(f, rps):6.2f}x {c:11.0f} "
-              f"{c / med(a, cpu_us):6.2f}x {c / med(f, cpu_us):6.2f}x {busy:9.0f}% {loader:9.0f}% {failures(t):6}")
+              f"{c / med(a, cpu_us):6.2f}x {c / med(f, cpu_us):6.2f}x {vs_fwd} {busy:9.0f}% {loader:9.0f}% "
+              f"{failures(t):6}")
     print("(server CPU: the measured process's CPU time over the window's wall time; loader CPU: the load "
-          "generator's; near 100% means that process was the bottleneck)")
+          "generator's; near 100% means that process was the bottleneck. forward echo: the aiohttp echo that also "
+          "waits for zserve's engine to generate the token, the floor of any gateway in front of that engine)")
 
 
 def print_scaling(targets: list[Target], args, cores: int) -> None:
@@ -371,23 +393,29 @@ def main() -> None:
     targets: list[Target] = []
     try:
         if args.stream_tokens:
-            targets = [start_echo("aiohttp", server_core),
-                       *(start_zserve(1, server_core, args.engine == "shared", max(64, args.streams),
-                                      stream_interval=n) for n in args.stream_intervals)]
+            # Appended one at a time: a target that fails to start must not leave the ones before it running.
+            targets.append(start_echo("aiohttp", server_core))
+            for n in args.stream_intervals:
+                targets.append(start_zserve(1, server_core, args.engine == "shared", max(64, args.streams),
+                                            stream_interval=n))
             measure(targets, args, loader_core, args.stream_tokens)
             print_streaming(targets, args, placement)
             results["streaming"] = {t.name: [asdict(r) for r in t.rounds] for t in targets}
         else:
-            targets = [start_echo("aiohttp", server_core), start_echo("fastapi", server_core),
-                       start_zserve(1, server_core, args.engine == "shared", max(32, args.concurrency))]
+            targets.append(start_echo("aiohttp", server_core))
+            targets.append(start_echo("fastapi", server_core))
+            targets.append(start_zserve(1, server_core, args.engine == "shared", max(32, args.concurrency)))
+            targets.insert(2, start_forward(targets[2], server_core))
             measure(targets, args, loader_core)
             for t in targets:
                 t.stop()
             print_head_to_head(targets, args, placement)
             results["head_to_head"] = {t.name: [asdict(r) for r in t.rounds] for t in targets}
             if not args.skip_scaling:
-                targets = [start_zserve(n, None, False, max(32, args.concurrency), args.scaling_engine_threads)
-                           for n in (1, 2, 4)]
+                targets = []
+                for n in (1, 2, 4):
+                    targets.append(start_zserve(n, None, False, max(32, args.concurrency),
+                                                args.scaling_engine_threads))
                 measure(targets, args, None)
                 print_scaling(targets, args, len(cores))
                 results["scaling"] = {len(t.measured): [asdict(r) for r in t.rounds] for t in targets}

@@ -6,10 +6,15 @@ The aiohttp app also streams (``"stream": true``): like an engine step, every ``
 chunk and ``[DONE]``: the floor of a streamed token on zserve's stack.
 ``aiohttp`` is zserve's own stack with no zserve code (aiohttp + uvloop + orjson); ``fastapi`` is the common
 alternative (FastAPI + uvicorn + a pydantic model of the request; uvicorn on uvloop, with httptools when it
-is installed, else h11). Run one with:
+is installed, else h11). ``forward`` is the aiohttp app that also asks an engine for its token: each request
+sends a fixed prompt (``--prompt-tokens`` ids, max_tokens 1, greedy) to a running zserve engine over ZeroMQ
+(protocol/, the socket read from the event loop as zserve's gateway reads it) and answers when the engine's
+output comes back: what any gateway of this two-tier design pays to wait on an engine, with none of the
+work a real gateway does (validation, chat template, tokenizer, sampling parameters, text). Run one with:
 
     .venv/bin/python tests/bench/echo_apps.py aiohttp --port 8101
     .venv/bin/python tests/bench/echo_apps.py fastapi --port 8102
+    .venv/bin/python tests/bench/echo_apps.py forward --port 8103 --engine ipc:///run/zserve/engine-0.sock
 
 FastAPI and uvicorn come from the ``bench`` extra (``pip install -e .[bench]``); zserve never imports them.
 """
@@ -118,6 +123,72 @@ def serve_aiohttp(host: str, port: int, step_ms: float = 20.0) -> None:
     uvloop.run(serve())
 
 
+def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None:
+    import os
+    import sys
+    from pathlib import Path
+
+    import orjson
+    import uvloop
+    import zmq
+    from aiohttp import web
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from protocol import AddRequest, SamplingParams, StepOutputs, decode, encode
+
+    answer = orjson.dumps(ANSWER)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    prompt = tuple(range(1, prompt_tokens + 1))
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        ctx = zmq.Context()
+        if hasattr(os, "SCHED_BATCH"):  # as zserve's gateway sets it (gateway/engine_client.py)
+            ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"forward-{os.getpid()}".encode())
+        sock.connect(engine)
+        waiting: dict[str, asyncio.Future] = {}
+        recheck: list[bool] = []
+
+        def pump() -> None:
+            recheck.clear()
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+                msg = decode(sock.recv_multipart(zmq.NOBLOCK))
+                if isinstance(msg, StepOutputs):
+                    for out in msg.outputs:
+                        fut = waiting.pop(out.request_id, None)
+                        if fut is not None and out.finish_reason is not None:
+                            fut.set_result(out)
+
+        loop.add_reader(sock.get(zmq.FD), pump)
+        counter = iter(range(1 << 62))
+
+        async def chat(request: web.Request) -> web.Response:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                return web.json_response({"error": {"message": "messages must be a list"}}, status=400)
+            rid = f"fwd-{next(counter)}"
+            fut = waiting[rid] = loop.create_future()
+            sock.send_multipart(encode(AddRequest(rid, prompt, sampling)), zmq.NOBLOCK, copy=False)
+            if not recheck:  # a send can take the edge that announces a reply: read once per loop iteration
+                recheck.append(True)
+                loop.call_soon(pump)
+            await fut
+            return web.Response(body=answer, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        print(f"echo: forward serving at http://{host}:{port} (engine {engine}, {prompt_tokens}-token prompt)",
+              flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
 def serve_fastapi(host: str, port: int) -> None:
     import uvicorn
     from fastapi import FastAPI
@@ -134,14 +205,20 @@ def serve_fastapi(host: str, port: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("framework", choices=["aiohttp", "fastapi"])
+    p.add_argument("framework", choices=["aiohttp", "fastapi", "forward"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--step-ms", type=float, default=20.0,
                    help="aiohttp, streamed requests: one token to every open stream this often (an engine's step)")
+    p.add_argument("--engine", help="forward: the engine's ZeroMQ endpoint (a gateway's /load lists them)")
+    p.add_argument("--prompt-tokens", type=int, default=20, help="forward: the prompt's length in tokens")
     a = p.parse_args()
     if a.framework == "aiohttp":
         serve_aiohttp(a.host, a.port, a.step_ms)
+    elif a.framework == "forward":
+        if not a.engine:
+            p.error("forward needs --engine")
+        serve_forward(a.host, a.port, a.engine, a.prompt_tokens)
     else:
         serve_fastapi(a.host, a.port)
 

@@ -153,12 +153,39 @@ def test_oversized_frame_is_rejected_before_parsing():
 
 def test_outputs_whose_arrays_disagree_with_items_are_rejected():
     frames = encode(StepOutputs(0, (RequestOutput("a", (1, 2)),)))
+    assert len(frames) == 2 and len(frames[1]) == 8  # all seven arrays in one frame: here two int32 tokens
+    head = orjson.loads(frames[0])
+    with pytest.raises(ProtocolError, match="length does not match"):
+        decode([frames[0], frames[1][:4]])
+    with pytest.raises(ProtocolError, match="length does not match"):
+        decode([frames[0], frames[1] + frames[1]])
+    with pytest.raises(ProtocolError, match="more values"):  # lens and the frame agree, the items do not
+        decode([orjson.dumps({**head, "lens": [4, 0, 0, 0, 0, 0, 0]}), frames[1] + frames[1]])
+    for lens in ([2, 0, 0], [2, 0, 0, 0, 0, 0, -1], [2.0, 0, 0, 0, 0, 0, 0], "2"):
+        with pytest.raises(ProtocolError, match="lens"):
+            decode([orjson.dumps({**head, "lens": lens}), frames[1]])
     with pytest.raises(ProtocolError):
-        decode([frames[0], frames[1][:4], *frames[2:]])
-    with pytest.raises(ProtocolError, match="more values"):
-        decode([frames[0], frames[1] + frames[1], *frames[2:]])
+        decode(frames[:1])
+    with pytest.raises(ProtocolError, match="negative"):
+        decode([frames[0], b"\xff\xff\xff\xff" + frames[1][4:]])
+
+
+@pytest.mark.parametrize("field, bad", [("rid", ""), ("rid", 7), ("rid", "x" * 129), ("finish", "exploded"),
+                                        ("np", -1), ("np", "3"), ("nc", True), ("err", 5), ("err", "e" * 5000)])
+def test_a_plain_output_is_checked_field_by_field(field, bad):
+    """Outputs without logprobs skip RequestOutput's own checks (the codec makes them): each bad field is refused."""
+    frames = encode(StepOutputs(0, (RequestOutput("a", (1, 2), num_prompt_tokens=3),)))
+    head = orjson.loads(frames[0])
+    head["items"][0][field] = bad
     with pytest.raises(ProtocolError):
-        decode(frames[:3])
+        decode([orjson.dumps(head), frames[1]])
+
+
+def test_a_plain_output_decodes_equal_to_the_checked_one():
+    sent = StepOutputs(3, (RequestOutput("a", (1, 2), num_prompt_tokens=3, num_cached_tokens=2),
+                           RequestOutput("b", (5,), "stop"), RequestOutput("c", (), "error", error="boom")))
+    got = decode(encode(sent))
+    assert got == sent and all(type(o) is RequestOutput for o in got.outputs)
 
 
 def test_building_an_invalid_message_fails_too():
@@ -174,21 +201,27 @@ def test_prompt_logprobs_frames_that_disagree_with_items_are_rejected():
     msg = StepOutputs(0, (RequestOutput("a", (1,), prompt_logprobs=(-1.0, -2.0),
                                         prompt_top_logprobs=TopLogprobs(1, (3, 4), (-0.5, -0.25))),))
     frames = encode(msg)
-    assert len(frames) == 8 and len(frames[5]) == 8  # two float32 prompt logprobs
-    with pytest.raises(ProtocolError):
-        decode([*frames[:5], frames[5][:4], *frames[6:]])  # one prompt logprob short
-    with pytest.raises(ProtocolError, match="more values"):
-        decode([*frames[:5], frames[5] + frames[5], *frames[6:]])
-    with pytest.raises(ProtocolError):
-        decode([*frames[:6], frames[6][:4], frames[7][:4]])  # top-k arrays too short for k * n
     head = orjson.loads(frames[0])
-    head["items"][0]["pk"] = "two"
+    assert len(frames) == 2 and head["lens"] == [1, 0, 0, 0, 2, 2, 2]  # two prompt logprobs, top-1 of each
+    data = frames[1]
+
+    def with_lens(lens: list[int], frame: bytes) -> list[bytes]:
+        return [orjson.dumps({**head, "lens": lens}), frame]
+
+    with pytest.raises(ProtocolError):  # one prompt logprob short
+        decode(with_lens([1, 0, 0, 0, 1, 2, 2], data[:8] + data[12:]))
+    with pytest.raises(ProtocolError, match="more values"):
+        decode(with_lens([1, 0, 0, 0, 4, 2, 2], data[:12] + data[4:12] + data[12:]))
+    with pytest.raises(ProtocolError):  # top-k arrays too short for k * n
+        decode(with_lens([1, 0, 0, 0, 2, 1, 1], data[:16] + data[20:24]))
+    bad = dict(head)
+    bad["items"] = [dict(head["items"][0], pk="two")]
     with pytest.raises(ProtocolError):
-        decode([orjson.dumps(head), *frames[1:]])
-    del head["items"][0]["plp"]
-    head["items"][0]["pk"] = 1
+        decode([orjson.dumps(bad), data])
+    item = dict(head["items"][0], pk=1)
+    del item["plp"]
     with pytest.raises(ProtocolError, match="without prompt logprobs"):
-        decode([orjson.dumps(head), *frames[1:]])
+        decode([orjson.dumps({**head, "items": [item]}), data])
 
 
 def test_prompt_top_logprobs_need_matching_sizes():

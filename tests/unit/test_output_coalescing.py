@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.engine_client import _HandBack, _Inbox, merge_outputs
+from gateway.engine_client import EngineRequestError, _Inbox, merge_outputs
 from protocol import RequestOutput, TopLogprobs
 
 
@@ -35,21 +35,28 @@ def test_take_outputs_merges_up_to_the_finish():
     box = _Inbox()
     for o in (out([1]), out([2]), out([3], "stop"), out([4])):
         box.put_nowait(o)
-    first = asyncio.run(box.get())
-    merged = box.take_outputs(first)
+    merged = asyncio.run(box.get(coalesce=True))
     assert merged.new_token_ids == (1, 2, 3) and merged.finish_reason == "stop"
     assert list(box.items) == [out([4])]  # nothing after a finish is folded in
 
 
-@pytest.mark.parametrize("stopper", [RequestOutput("r1", (), "error", error="engine lost"), "handback"])
-def test_take_outputs_stops_at_an_error_or_a_hand_back(stopper):
+def test_take_outputs_stops_at_a_failure_which_get_then_raises():
     box = _Inbox()
-    stop = _HandBack(engine=None) if stopper == "handback" else stopper  # type: ignore[arg-type]
-    for o in (out([1]), out([2]), stop, out([3])):
+    failure = EngineRequestError("engine lost")
+    for o in (out([1]), out([2]), failure, out([3])):
         box.put_nowait(o)
-    merged = box.take_outputs(asyncio.run(box.get()))
+    merged = asyncio.run(box.get(coalesce=True))
     assert merged.new_token_ids == (1, 2)
-    assert box.items[0] is stop
+    with pytest.raises(EngineRequestError, match="engine lost"):
+        asyncio.run(box.get(coalesce=True))
+
+
+def test_without_coalescing_outputs_come_one_by_one():
+    box = _Inbox()
+    for o in (out([1]), out([2], "length")):
+        box.put_nowait(o)
+    assert asyncio.run(box.get()).new_token_ids == (1,)
+    assert asyncio.run(box.get()).new_token_ids == (2,)
 
 
 def test_get_waits_for_the_reader():
