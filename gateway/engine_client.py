@@ -223,16 +223,20 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                    else b.prompt_top_logprobs)
 
 
-@dataclass
 class _Stream:
-    request_id: str
-    sink: OutputSink
-    frames: list[bytes]  # the encoded request, resent on a hand-back
-    engine: EngineConnection | None = None
-    started: bool = False  # the engine has sent output for it
-    model: str | None = None  # routed only to engines of this model
-    busy: int = 0  # engines that refused it for a full queue
-    refused: set[str] = field(default_factory=set)  # endpoints that refused or lost it before any output
+    """One request in flight on an engine."""
+
+    __slots__ = ("request_id", "sink", "frames", "model", "engine", "started", "busy", "refused")
+
+    def __init__(self, request_id: str, sink: OutputSink, frames: list[bytes], model: str | None):
+        self.request_id = request_id
+        self.sink = sink
+        self.frames = frames  # the encoded request, resent on a hand-back
+        self.model = model  # routed only to engines of this model
+        self.engine: EngineConnection | None = None
+        self.started = False  # the engine has sent output for it
+        self.busy = 0  # engines that refused it for a full queue
+        self.refused: set[str] = set()  # endpoints that refused or lost it before any output
 
 
 class EngineClient:
@@ -246,6 +250,7 @@ class EngineClient:
         self._turn = 0
         self.version = 0  # bumped whenever an engine joins, leaves, says hello, drops or changes state
         self._ready: list[EngineConnection] = []
+        self._ready_by_model: dict[str | None, list[EngineConnection]] = {}  # ``_ready`` by model, as asked
         self._recheck: set[EngineConnection] = set()  # sockets sent on in this loop iteration
 
     # -- membership ---------------------------------------------------------------------------
@@ -323,6 +328,7 @@ class EngineClient:
         """Recompute what routing reads on every request; called on every membership change."""
         self.version += 1
         self._ready = [e for e in self.engines.values() if e.routable]
+        self._ready_by_model.clear()
         if self._ready:
             self.any_ready.set()
         else:
@@ -341,7 +347,11 @@ class EngineClient:
         return len(self._streams)
 
     def pick_engine(self, exclude: set[str] = frozenset(), model: str | None = None) -> EngineConnection:
-        ready = [e for e in self._ready if e.endpoint not in exclude and e.serves(model)]
+        ready = self._ready_by_model.get(model)
+        if ready is None:
+            ready = self._ready_by_model[model] = [e for e in self._ready if e.serves(model)]
+        if exclude:
+            ready = [e for e in ready if e.endpoint not in exclude]
         if len(ready) == 1:
             return ready[0]
         if not ready:
@@ -553,7 +563,7 @@ class EngineClient:
                                                    REQUEST_ID.get())), sink, model)
 
     def _submit(self, request_id: str, frames: list[bytes], sink: OutputSink, model: str | None) -> None:
-        st = _Stream(request_id, sink, frames, model=model)
+        st = _Stream(request_id, sink, frames, model)
         self._send(st)
         self._streams[request_id] = st
 

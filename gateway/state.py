@@ -65,6 +65,8 @@ class GatewayState:
 
     def __post_init__(self) -> None:
         self._by_name = {name: m for m in self.models for name in m.names}
+        # One view per name a request may use, made once: requests only read them.
+        self._views = {name: ModelState(self, m, name) for m in self.models for name in m.names}
 
     @property
     def can_serve(self) -> bool:
@@ -88,12 +90,11 @@ class GatewayState:
         if name is None:
             model = next((m for m in self.models if m.engines.primary_task in tasks), None) or next(
                 (m for m in self.models if m.engines.tasks.intersection(tasks)), self.models[0])
-            view = ModelState(self, model, model.names[0])
+            view = self._views[model.names[0]]
         else:
-            model = self._by_name.get(name)
-            if model is None:
+            view = self._views.get(name)  # type: ignore[assignment]
+            if view is None:
                 raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-            view = ModelState(self, model, name)
         if tasks:
             view.check_task(*tasks)
         return view
@@ -112,6 +113,8 @@ class ModelState:
         self.model = model
         self.name = name  # the name the request used: responses echo it
         self.engines = model.engines
+        self._eos_of: frozenset[int] | None = None  # the engines' EOS ids that ``_eos`` was made from
+        self._eos: frozenset[int] = frozenset()
 
     def __getattr__(self, attr: str):
         return getattr(self.gateway, attr)
@@ -161,11 +164,14 @@ class ModelState:
         return self.gateway.default_max_model_len if limit is None else limit
 
     @property
-    def eos_token_ids(self) -> set[int]:
-        ids = set(self.engines.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+    def eos_token_ids(self) -> frozenset[int]:
+        """The engines' EOS ids and the tokenizer's (made again only when the engines' set changes)."""
+        engines_eos = self.engines.eos_token_ids
+        if engines_eos is not self._eos_of:
+            eos = self.tokenizer.eos_token_id
+            self._eos = engines_eos if eos is None else engines_eos | {eos}
+            self._eos_of = engines_eos
+        return self._eos
 
 
 STATE: web.AppKey[GatewayState] = web.AppKey("zserve_state", GatewayState)

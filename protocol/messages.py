@@ -67,6 +67,9 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_EXACT_NUM = (int, float)
+
+
 def _is_num(v: object) -> bool:
     return (isinstance(v, (int, float))) and not isinstance(v, bool)
 
@@ -115,6 +118,8 @@ class SamplingParams:
     structured: tuple[str, str] | None = None  # (kind, spec): see STRUCTURED_KINDS
 
     def __post_init__(self) -> None:
+        if self._plain_and_valid():
+            return
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens out of range")
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature out of range")
         _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p out of range")
@@ -149,6 +154,26 @@ class SamplingParams:
                    and self.structured[0] in STRUCTURED_KINDS and isinstance(self.structured[1], str),
                    f"structured must be (kind, spec) with kind one of {STRUCTURED_KINDS}")
             _check(0 < len(self.structured[1]) <= MAX_GRAMMAR_CHARS, "structured spec empty or too long")
+
+    def _plain_and_valid(self) -> bool:
+        """The checks below in one expression, for parameters of exactly int / float / bool types and without stop
+        ids, biases, logprobs or a structure (what almost every request sends); anything else, valid or not, is
+        left to them (they name what is wrong)."""
+        num = _EXACT_NUM
+        return (type(self.max_tokens) is int and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT
+                and type(self.temperature) in num and 0.0 <= self.temperature <= 100.0
+                and type(self.top_p) in num and 0.0 < self.top_p <= 1.0
+                and type(self.top_k) is int and 0 <= self.top_k <= 1 << 20
+                and type(self.min_p) in num and 0.0 <= self.min_p <= 1.0
+                and (self.seed is None or (type(self.seed) is int and -(1 << 63) <= self.seed < (1 << 64)))
+                and type(self.min_tokens) is int and 0 <= self.min_tokens <= self.max_tokens
+                and self.stop_token_ids == () and type(self.ignore_eos) is bool
+                and type(self.presence_penalty) in num and -2.0 <= self.presence_penalty <= 2.0
+                and type(self.frequency_penalty) in num and -2.0 <= self.frequency_penalty <= 2.0
+                and type(self.repetition_penalty) in num and 0.0 < self.repetition_penalty <= 10.0
+                and self.logit_bias == () and self.logprobs is None and self.prompt_logprobs is None
+                and type(self.priority) is int and -(1 << 31) <= self.priority < (1 << 31)
+                and self.structured is None)
 
     @property
     def greedy(self) -> bool:

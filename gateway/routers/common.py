@@ -184,6 +184,11 @@ def chat_prompt(state: ModelState, messages: list[dict], *, tools: list[dict] | 
         # Nothing to continue: the same prompt as a new assistant turn.
         messages, add_generation_prompt, continue_final_message = messages[:-1], True, False
     try:
+        if not continue_final_message and not use.forced:  # the text as rendered is the prompt: ids cached too
+            text, ids = state.chat_template.render_ids(messages, state.tokenizer.encode,
+                                                       add_generation_prompt=add_generation_prompt, tools=tools,
+                                                       **(template_kwargs or {}))
+            return ChatPrompt(ids, text)
         text = state.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                           **(template_kwargs or {}))
     except ChatTemplateError as e:

@@ -8,14 +8,15 @@ text the model was trained on. Anything wrong with the request's messages or the
 
 Rendering costs tens to hundreds of microseconds of gateway CPU per request, and identical requests
 are common (retries, benchmarks, fixed few-shot prompts), so a template that gives the same text
-for the same inputs keeps recent renders in a bounded cache keyed by the inputs' JSON.
+for the same inputs keeps recent renders in a bounded cache keyed by the inputs' JSON, with their
+token ids once the gateway has tokenized them (``render_ids``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -254,9 +255,9 @@ def _normalise_messages(messages: Any) -> list[dict[str, Any]]:
 class ChatTemplate:
     """A compiled chat template, rendered the way transformers' apply_chat_template renders it.
 
-    ``cache`` holds recent renders (a ``SizedLRU`` of inputs' JSON -> text); it is None for a
-    template whose text can change between calls with the same inputs (one that reads the clock).
-    Only successful renders are kept: a failing one fails again on every call.
+    ``cache`` holds recent renders (a ``SizedLRU`` of inputs' JSON -> (text, its token ids or None));
+    it is None for a template whose text can change between calls with the same inputs (one that
+    reads the clock). Only successful renders are kept: a failing one fails again on every call.
     """
 
     def __init__(
@@ -264,7 +265,7 @@ class ChatTemplate:
         template: str,
         bos_token: str | None,
         eos_token: str | None,
-        cache: SizedLRU[bytes, str] | None = None,
+        cache: SizedLRU[bytes, tuple[str, list[int] | None]] | None = None,
     ) -> None:
         self.source = template
         self.bos_token = bos_token
@@ -290,15 +291,36 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for ``messages``; ``extra`` reaches the template as variables
         (e.g. ``documents``, ``enable_thinking``)."""
+        return self._cached(messages, add_generation_prompt, tools, extra, None)[0]
+
+    def render_ids(
+        self,
+        messages: list[dict],
+        encode: Callable[[str], list[int]],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **extra: Any,
+    ) -> tuple[str, list[int]]:
+        """``render``'s text and ``encode`` of it (the model's tokenizer: a template serves one model), both
+        kept in the cache, so that a conversation seen before is neither rendered nor tokenized again."""
+        text, ids = self._cached(messages, add_generation_prompt, tools, extra, encode)
+        return text, list(ids)  # a copy: lists held by the cache never reach callers
+
+    def _cached(self, messages: Any, add_generation_prompt: Any, tools: Any, extra: dict[str, Any],
+                encode: Callable[[str], list[int]] | None) -> tuple[str, list[int] | None]:
+        """The text (and, given ``encode``, its ids) from the cache or made now; cache entries hold the text and
+        the ids once some caller has asked for them (an entry's size counts 4 bytes an id)."""
         key = None if self.cache is None else _render_key(messages, add_generation_prompt, tools, extra)
         if key is not None:
-            text = self.cache.get(key)
-            if text is not None:
-                return text
+            hit = self.cache.get(key)
+            if hit is not None and (encode is None or hit[1] is not None):
+                return hit
+            text = hit[0] if hit is not None else self._render(messages, add_generation_prompt, tools, extra)
+            ids = None if encode is None else encode(text)
+            self.cache.put(key, (text, ids), len(key) + len(text) + (0 if ids is None else 4 * len(ids)))
+            return text, ids
         text = self._render(messages, add_generation_prompt, tools, extra)
-        if key is not None:
-            self.cache.put(key, text, len(key) + len(text))
-        return text
+        return text, None if encode is None else encode(text)
 
     def _render(self, messages: Any, add_generation_prompt: Any, tools: Any, extra: dict[str, Any]) -> str:
         chat = _normalise_messages(messages)

@@ -244,3 +244,47 @@ def test_pooled_vectors_travel_as_one_float_frame_and_must_match_their_items():
         PoolOutput("c", (), 1)  # neither data nor an error
     with pytest.raises(ProtocolError, match="task"):
         PoolRequest("d", (1,), task="generate")
+
+
+def test_sampling_params_fast_check_accepts_and_refuses_exactly_what_the_full_checks_do(monkeypatch):
+    """``SamplingParams`` checks the common case in one expression; over random field values, valid and not, of
+    exact and odd types, it must accept and refuse exactly what the field-by-field checks alone do."""
+    import random
+    from enum import IntEnum
+
+    class Odd(IntEnum):  # an int subclass: only the full checks may judge it
+        ONE = 1
+
+    values = {
+        "max_tokens": [1, 16, 0, -1, 1 << 21, 2.0, True, Odd.ONE],
+        "temperature": [0.0, 1.0, 0, 100.0, 100.5, -0.1, True, "1"],
+        "top_p": [1.0, 0.5, 0.0, 1.5, 1],
+        "top_k": [0, 1, -1, 1 << 21, 1.0, Odd.ONE],
+        "min_p": [0.0, 1.0, 1.1, -0.1],
+        "seed": [None, 0, -(1 << 63), (1 << 64) - 1, 1 << 64, -(1 << 63) - 1, 1.0],
+        "min_tokens": [0, 1, 17, -1],
+        "stop_token_ids": [(), (2,), (-1,), [2]],
+        "ignore_eos": [False, True, 0],
+        "presence_penalty": [0.0, 2.0, -2.1],
+        "frequency_penalty": [0.0, -2.0, 2.5],
+        "repetition_penalty": [1.0, 10.0, 0.0, 10.5],
+        "logit_bias": [(), ((1, 1.0),), ((1, 200.0),)],
+        "logprobs": [None, 0, 20, 21],
+        "prompt_logprobs": [None, 5, -1],
+        "priority": [0, -(1 << 31), 1 << 31],
+        "structured": [None, ("json", "{}"), ("xml", "x")],
+    }
+
+    def verdict(kw) -> str | None:
+        try:
+            SamplingParams(**kw)
+        except ProtocolError as e:
+            return str(e)
+        return None
+
+    rng = random.Random(5)
+    cases = [{k: rng.choice(v) if rng.random() < 0.3 else v[0] for k, v in values.items()} for _ in range(3000)]
+    fast = [verdict(kw) for kw in cases]
+    monkeypatch.setattr(SamplingParams, "_plain_and_valid", lambda self: False)
+    assert fast == [verdict(kw) for kw in cases]
+    assert None in fast and any(v is not None for v in fast)

@@ -284,6 +284,38 @@ def test_cached_render_equals_uncached_render(source: str) -> None:
     assert cached.cache.hits >= len(cases)
 
 
+def test_render_ids_equals_render_then_encode_cold_cached_and_mixed() -> None:
+    """``render_ids`` (text and ids from one cache entry) gives what rendering and tokenizing without any cache give,
+    whether the entry is new, was made by ``render`` (text only) or by ``render_ids`` before; the ids it returns
+    are the caller's to change."""
+    tok = load("smollm2")
+    cached = smollm2_template()
+    plain = uncached(cached)
+    rng = random.Random(7)
+    cases = [(random_messages(rng), random_kwargs(rng)) for _ in range(200)]
+    for i, (messages, kwargs) in enumerate(cases):
+        if i % 3 == 0:
+            cached.render(messages, **kwargs)  # an entry with the text only
+    for _ in range(2):
+        for messages, kwargs in cases:
+            text = plain.render(messages, **kwargs)
+            ids = tok.backend.encode(text, add_special_tokens=False).ids
+            got_text, got_ids = cached.render_ids(messages, tok.encode, **kwargs)
+            assert (got_text, got_ids) == (text, ids)
+            got_ids.append(-1)  # the cache keeps its own list
+            assert cached.render_ids(messages, tok.encode, **kwargs)[1] == ids
+            assert cached.render(messages, **kwargs) == text
+
+
+def test_render_ids_tokenizes_a_conversation_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    template = smollm2_template()
+    calls: list[str] = []
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    for _ in range(3):
+        text, ids = template.render_ids(messages, lambda t: calls.append(t) or [1, 2, 3])
+    assert calls == [text] and ids == [1, 2, 3]
+
+
 def test_a_repeated_render_does_not_run_jinja(monkeypatch: pytest.MonkeyPatch) -> None:
     template = ChatTemplate(TOOLS_TEMPLATE, "<s>", "</s>")
     calls = []
