@@ -7,16 +7,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from .admission import (
-    CORS,
-    GUARD,
-    Guard,
-    front_middleware,
-    guard_middleware,
-    response_headers,
-)
-from .errors import error_middleware
-from .metrics import flush_periodically, metrics_middleware
+from .admission import CORS, GUARD, Guard, gateway_middleware, response_headers
+from .metrics import flush_periodically
 from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
 from .routers import anthropic, control, core, docs, native, openai, pooling, render, responses, sagemaker
 from .security import CorsPolicy, Keys
@@ -41,16 +33,14 @@ def build_app(state: GatewayState, families: list[str] | None = None, plugins: S
     route two of them claim) with ``context`` for the plugins' hooks and handlers; ``guard`` (keys, the
     concurrency limit) and ``cors`` default to none.
 
-    Middlewares, outermost first: request id and CORS preflights, metrics, errors (in the family's shape), then
-    keys, the concurrency limit and the body's read deadline (gateway/admission.py) — so a refusal is counted,
+    One middleware (gateway/admission.py): request id and CORS preflights, then metrics and errors (in the
+    family's shape) around keys, the concurrency limit and the body's read deadline — so a refusal is counted,
     shaped, and carries the request id, and no stranger's body is read."""
-    app = web.Application(middlewares=[front_middleware, metrics_middleware, error_middleware, guard_middleware],
-                          client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[gateway_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app[GUARD] = guard or Guard(Keys(), metrics_auth=False, max_concurrent=None)
     app[CORS] = cors or CorsPolicy()
     app.cleanup_ctx.append(flush_periodically)  # request metrics are buffered: write them out
-    app.on_response_prepare.append(_close_while_draining)
     app.on_response_prepare.append(response_headers)
     chosen = {name: ROUTE_FAMILIES[name].routes for name in families or list(ROUTE_FAMILIES)}
     # Every gateway mounts the same routes: only gateway 0 says so at warning level.
@@ -60,9 +50,3 @@ def build_app(state: GatewayState, families: list[str] | None = None, plugins: S
         add_hooks(app, plugins, context)
     return app
 
-
-async def _close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
-    """A draining gateway answers what reaches it, but tells keep-alive clients to reconnect
-    (to a gateway that is staying)."""
-    if request.app[STATE].draining:
-        response.headers["Connection"] = "close"

@@ -2,7 +2,7 @@
 
 aiohttp has no body-read timeout: ``await request.read()`` waits as long as bytes keep coming, one a
 second if the client likes, holding the connection, the handler and any concurrency slot it took.
-``read_body`` (called by ``gateway.admission.guard_middleware`` before the handler) reads the body within
+``read_body`` (called by ``gateway.admission.gateway_middleware`` before the handler) reads the body within
 ``BODY_TIMEOUT_S`` plus the time its declared length takes at ``BODY_MIN_RATE``, and answers 408
 otherwise (a body without a length, chunked, gets ``BODY_TIMEOUT_S``). aiohttp keeps the bytes, so the
 handler's own read returns them at once. After the 408 aiohttp reads what still comes for its lingering

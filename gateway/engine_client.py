@@ -443,6 +443,7 @@ class EngineClient:
                 st = streams.get(out.request_id)
                 if st is not None and st.engine is eng:
                     self._deliver(st, out)
+
         elif kind is EngineStats:
             eng.stats = msg  # type: ignore[assignment]
         elif kind is EngineHello:
@@ -465,14 +466,18 @@ class EngineClient:
     def _deliver(self, st: _Stream, out: RequestOutput | PoolOutput) -> None:
         st.started = True
         if type(out) is RequestOutput:
-            if out.finish_reason is None:
-                self._call(st, st.sink.output, out)
-                return
-            if out.finish_reason == "error":
+            finish = out.finish_reason
+            if finish == "error":
                 self._end(st, EngineRequestError(out.error or "the engine failed the request"))
                 return
-        self._forget(st)  # finished by the engine: nothing to abort
-        self._call(st, st.sink.output, out)
+            if finish is not None:
+                self._forget(st)  # finished by the engine: nothing to abort
+        else:
+            self._forget(st)
+        try:
+            st.sink.output(out)
+        except Exception:
+            self._sink_failed(st)
 
     def _end(self, st: _Stream, error: Exception, abort: bool = False) -> None:
         """End a request with ``error``; with ``abort``, tell its engine to stop working on it."""
@@ -485,8 +490,11 @@ class EngineClient:
         try:
             fn(arg)
         except Exception:
-            log.exception("error handling the output of %s; aborting it", st.request_id)
-            self.cancel(st.request_id)
+            self._sink_failed(st)
+
+    def _sink_failed(self, st: _Stream) -> None:
+        log.exception("error handling the output of %s; aborting it", st.request_id)
+        self.cancel(st.request_id)
 
     def _forget(self, st: _Stream) -> EngineConnection | None:
         """Stop following a request; the engine it was on, if any."""

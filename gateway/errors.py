@@ -84,17 +84,25 @@ def error_response(err: APIError, body: ErrorBody = APIError.body) -> web.Respon
                         headers=err.headers)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
+def handler_error(request: web.Request, e: Exception) -> web.Response:
+    """The response for what a handler raised, in its family's shape; called while handling ``e`` (a redirect,
+    an HTTPException under 400, is raised again for aiohttp to send)."""
+    if isinstance(e, APIError):
         return error_response(e, shape_of(request.match_info.handler))
-    except web.HTTPException as e:
+    if isinstance(e, web.HTTPException):
         if e.status < 400:
-            raise
+            raise e
         err = routing_error(e.status, request.method, request.path, e.reason, e.headers.get("Allow"))
         return error_response(err, shape_of(request.match_info.handler))
-    except Exception:
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        return error_response(APIError(500, "internal server error"), shape_of(request.match_info.handler))
+    log.exception("unhandled error serving %s %s", request.method, request.path)
+    return error_response(APIError(500, "internal server error"), shape_of(request.match_info.handler))
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """``handler_error`` alone, for an app without the gateway's middleware (``admission.gateway_middleware``
+    does the same inside)."""
+    try:
+        return await handler(request)
+    except Exception as e:
+        return handler_error(request, e)

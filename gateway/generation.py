@@ -24,7 +24,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     text: str
     token_ids: list[int]
@@ -132,7 +132,8 @@ class TextPipeline:
                 self.ended_early = out.finish_reason is None
             elif finish is not None:
                 text += stopper.flush()
-        d = Delta(text, ids, _logprobs(out), finish, self.n_out, _prompt_logprobs(out, self.prompt_ids),
+        d = Delta(text, ids, None if out.logprobs is None else _logprobs(out), finish, self.n_out,
+                  None if out.prompt_logprobs is None else _prompt_logprobs(out, self.prompt_ids),
                   out.num_cached_tokens, stopper.matched if stopper is not None else None)
         if self.interval > 1:
             if self.held is not None:

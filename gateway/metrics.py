@@ -236,11 +236,19 @@ async def _flush_every(interval: float) -> None:
                           "trying again in %.1fs", interval)
 
 
-@web.middleware
-async def metrics_middleware(request: web.Request, handler):
-    start = monotonic()
+def record_request(request: web.Request, status: int, start: float) -> None:
+    """Count an answered request by its route's pattern (not its path: ids would make a label per request)."""
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
+    HTTP_REQUESTS.inc(1, (request.method, route, status))
+    HTTP_DURATION.observe(monotonic() - start, (route,))
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    """``record_request`` alone, for an app without the gateway's middleware (``admission.gateway_middleware``
+    does the same inside)."""
+    start = monotonic()
     status = 500
     try:
         resp = await handler(request)
@@ -250,8 +258,7 @@ async def metrics_middleware(request: web.Request, handler):
         status = e.status
         raise
     finally:
-        HTTP_REQUESTS.inc(1, (request.method, route, status))
-        HTTP_DURATION.observe(monotonic() - start, (route,))
+        record_request(request, status, start)
 
 
 class TokenTimer:

@@ -65,16 +65,30 @@ class EventWriter:
         self._wake: asyncio.Future | None = None
 
     def send(self, payload: dict) -> None:
-        self.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+        self.data(orjson.dumps(payload))
 
-    def write(self, data: bytes) -> None:
+    def data(self, payload: bytes) -> None:
+        """One ``data:`` event of JSON text ``payload``."""
         if self._direct and not self._pending and not self._protocol.writing_paused:
             t = self._transport
             if t is None or t.is_closing():
                 raise ConnectionResetError("the client closed the connection")
-            t.write(b"%x\r\n%b\r\n" % (len(data), data))
+            t.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))  # the chunk of 'data: ...\n\n'
             return
-        self._pending.append(data)
+        self._wait(b"data: " + payload + b"\n\n")
+
+    def write(self, event: bytes) -> None:
+        """One whole event (its ``event:`` and ``data:`` lines and the blank line)."""
+        if self._direct and not self._pending and not self._protocol.writing_paused:
+            t = self._transport
+            if t is None or t.is_closing():
+                raise ConnectionResetError("the client closed the connection")
+            t.write(b"%x\r\n%b\r\n" % (len(event), event))
+            return
+        self._wait(event)
+
+    def _wait(self, event: bytes) -> None:
+        self._pending.append(event)
         w = self._wake
         if w is not None and not w.done():
             w.set_result(None)

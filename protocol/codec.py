@@ -189,7 +189,7 @@ def _prompt_frame(head: dict, frames: Sequence[bytes | memoryview], what: str) -
     ids = _unpack("i", frames[1], "prompt")
     if len(ids) != head["n_prompt"]:
         raise ProtocolError("prompt frame length does not match n_prompt")
-    if any(t < 0 for t in ids):
+    if ids and min(ids) < 0:
         raise ProtocolError("negative token id in prompt")
     return tuple(ids)
 
@@ -262,7 +262,16 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
         new = tuple(toks[t : t + n])
         t += n
         if len(item) <= 5 and not item.keys() & _LOGPROB_KEYS:  # the common case: checked here, field by field
-            outs.append(_plain_output(item, new))
+            rid, finish, err = item.get("rid"), item.get("finish"), item.get("err")
+            n_prompt, n_cached = item.get("np", 0), item.get("nc", 0)
+            if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_LEN or (
+                    finish is not None and finish not in FINISH_REASONS) or type(n_prompt) is not int \
+                    or n_prompt < 0 or type(n_cached) is not int or n_cached < 0 or (
+                    err is not None and (type(err) is not str or len(err) > MAX_ERROR_CHARS)):
+                _refuse_plain(item)
+            # Built without RequestOutput's own checks (or the frozen dataclass's setattr per field): this runs
+            # for every streamed token.
+            outs.append(RequestOutput.checked(rid, new, finish, n_prompt, err, n_cached))
             continue
         logprobs = None
         if item.get("lp"):
@@ -315,17 +324,13 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
 _LOGPROB_KEYS = frozenset({"lp", "k", "plp", "pk"})
 
 
-def _plain_output(item: dict, new: tuple[int, ...]) -> RequestOutput:
-    """An output without logprobs, every field checked as ``RequestOutput`` checks it (its ids already, with the
-    whole tokens array), built without checking again: this runs for every streamed token."""
+def _refuse_plain(item: dict) -> None:
+    """Raise the error that ``RequestOutput``'s checks would for this output item without logprobs."""
     rid, finish, err = item.get("rid"), item.get("finish"), item.get("err")
-    n_prompt, n_cached = item.get("np", 0), item.get("nc", 0)
     if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
         raise ProtocolError("request_id must be a non-empty str of at most 128 chars")
     if finish is not None and finish not in FINISH_REASONS:
         raise ProtocolError(f"unknown finish_reason {finish!r}", rid)
-    if type(n_prompt) is not int or n_prompt < 0 or type(n_cached) is not int or n_cached < 0:
-        raise ProtocolError("num_prompt_tokens and num_cached_tokens must be counts", rid)
     if err is not None and (type(err) is not str or len(err) > MAX_ERROR_CHARS):
         raise ProtocolError("error must be a short str", rid)
-    return RequestOutput.checked(rid, new, finish, n_prompt, err, n_cached)
+    raise ProtocolError("num_prompt_tokens and num_cached_tokens must be counts", rid)

@@ -38,9 +38,9 @@ from .common import (
     chat_prompt,
     check_prompt_ids,
     collect,
-    dumps,
     engine_error,
     final_tool_calls,
+    json_body,
     message_parser,
     run_choices,
     text_options,
@@ -378,7 +378,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await stream_message(request, state, rid, req.model, c, use, len(prompt.ids), text_options(fields))
     await collect(state, rid, [c], text_options(fields))
-    return web.json_response(full_message(rid, req.model, c, use, len(prompt.ids)), dumps=dumps)
+    return json_body(full_message(rid, req.model, c, use, len(prompt.ids)))
 
 
 @routes.post("/v1/messages/count_tokens")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 from protocol import RequestOutput, SamplingParams
 
@@ -30,8 +31,11 @@ from ..text.message import MessageParser, MessagePiece
 from ..text.tool_parsers import TOOL_PARSERS, ToolCall, function_tools
 
 
-def dumps(obj: Any) -> str:
-    return orjson.dumps(obj).decode()
+def json_body(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """``web.json_response`` through orjson, its bytes as the body (no str in between); the same
+    ``application/json; charset=utf-8``."""
+    return web.Response(body=orjson.dumps(obj), status=status, headers=headers, content_type="application/json",
+                        charset="utf-8")
 
 
 def check_prompt_ids(state: ModelState, ids: list[int], max_tokens: int | None, param: str = "prompt",

@@ -33,8 +33,8 @@ from .common import (
     chat_prompt,
     check_prompt_ids,
     collect,
-    dumps,
     engine_error,
+    json_body,
     run_choices,
     wants_generation_prompt,
 )
@@ -113,8 +113,8 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return web.json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                              "token_strs": strs}, dumps=dumps)
+    return json_body({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                      "token_strs": strs})
 
 
 @routes.post("/detokenize")
@@ -124,7 +124,7 @@ async def detokenize(request: web.Request) -> web.Response:
     req: DetokenizeRequest = parse(DetokenizeRequest, await request.read())
     state = state.for_model(req.model)
     _check_ids(state, req.tokens, "tokens")
-    return web.json_response({"prompt": state.tokenizer.decode(req.tokens)}, dumps=dumps)
+    return json_body({"prompt": state.tokenizer.decode(req.tokens)})
 
 
 def _logprobs(lps: list[TokenLogprob]) -> list[dict]:
@@ -171,9 +171,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         await collect(state, engine_rid, choices, opts)
         outs = [_choice(c, c.token_ids, c.logprobs if sp.logprobs is not None else None, c.finish_reason)
                 for c in choices]
-        return web.json_response({"request_id": rid, "choices": outs,
-                                  "prompt_logprobs": _prompt_logprobs(ids, choices[0].prompt_logprobs)},
-                                 dumps=dumps)
+        return json_body({"request_id": rid, "choices": outs,
+                          "prompt_logprobs": _prompt_logprobs(ids, choices[0].prompt_logprobs)})
     resp = await open_stream(request)
     try:
         async for c, d in run_choices(state, engine_rid, choices, opts):

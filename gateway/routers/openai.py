@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import orjson
 from aiohttp import web
 
 from .. import structured
@@ -38,9 +39,9 @@ from .common import (
     chat_prompt,
     check_prompt_ids,
     collect,
-    dumps,
     engine_error,
     final_tool_calls,
+    json_body,
     message_parser,
     text_options,
     tool_use,
@@ -97,25 +98,31 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
     if not stream:
         await collect(state, request_id, choices, opts)
         body = shape.full(request_id, created, model, choices, usage(prompt_tokens, choices))
-        return web.json_response(body, dumps=dumps)
+        return json_body(body)
 
 
     resp = await open_stream(request)
     events = EventWriter(request, resp)
+    head = shape.chunk_head(request_id, created, model)
+
+    def chunk(entries: list[dict], usage_: dict | None = None) -> bytes:
+        """``shape.chunk``'s JSON, from the bytes every chunk of the stream starts with."""
+        if continuous_usage:
+            usage_ = usage(prompt_tokens, choices)
+        tail = b',"usage":' + orjson.dumps(usage_) + b"}" if include_usage else b"}"
+        return head + orjson.dumps(entries) + tail
 
     def on_delta(c: Choice, d: Delta) -> None:  # run by the engine reader, for each engine output
         c.take(d)
         delta = shape.delta(c, d)
         if delta is not None:
-            events.send(shape.chunk(request_id, created, model, [delta], include_usage,
-                                    usage(prompt_tokens, choices) if continuous_usage else None))
+            events.data(chunk([delta]))
 
     try:
         for c in choices:
             first = shape.first_chunk(c)
             if first is not None:
-                events.send(shape.chunk(request_id, created, model, [first], include_usage,
-                                        usage(prompt_tokens, choices) if continuous_usage else None))
+                events.data(chunk([first]))
         run = ChoiceRun(state, request_id, choices, opts, on_delta)
         try:
             run.start()
@@ -123,7 +130,7 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
         finally:
             run.cancel()
         if include_usage:
-            events.send(shape.chunk(request_id, created, model, [], include_usage, usage(prompt_tokens, choices)))
+            events.data(chunk([], usage(prompt_tokens, choices)))
     except (*ENGINE_ERRORS, APIError) as e:
         events.send((e if isinstance(e, APIError) else engine_error(e)).body())
     except (ConnectionResetError, asyncio.CancelledError):
@@ -143,12 +150,12 @@ class Shape:
         self.tt = tt
         self.want_logprobs = want_logprobs
 
-    def chunk(self, rid: str, created: int, model: str, choices: list[dict], include_usage: bool,
-              usage_: dict | None = None) -> dict:
-        body = {"id": rid, "object": self.object_chunk, "created": created, "model": model, "choices": choices}
-        if include_usage:
-            body["usage"] = usage_
-        return body
+    def chunk_head(self, rid: str, created: int, model: str) -> bytes:
+        """The JSON every chunk of one stream starts with, up to its choices (made once per stream): a chunk is
+        ``{"id", "object", "created", "model", "choices": [...]}`` and, when the client asked for usage,
+        ``"usage"`` (null but in the last chunk, unless usage is continuous)."""
+        return orjson.dumps({"id": rid, "object": self.object_chunk, "created": created, "model": model})[:-1] \
+            + b',"choices":'
 
     def first_chunk(self, c: Choice) -> dict | None:
         return None
@@ -233,8 +240,14 @@ class ChatShape(Shape):
                 "finish_reason": None}
 
     def delta(self, c: Choice, d: Delta) -> dict | None:
-        lp = chat_logprobs(self.tt, d.logprobs) if self.want_logprobs and d.logprobs else None
         finish = d.finish_reason
+        if c.msg is None and not self.want_logprobs:  # plain text: what the rest makes of it, for every token
+            text = d.text
+            if not (text or finish):
+                return None
+            return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": None,
+                    "finish_reason": finish}
+        lp = chat_logprobs(self.tt, d.logprobs) if self.want_logprobs and d.logprobs else None
         piece = c.piece(d)
         if c.msg is not None and finish is not None:
             calls = final_tool_calls(self.use, c.msg.tool_calls)  # raises if a forced call is missing
@@ -289,13 +302,13 @@ def model_card(state: GatewayState, model: ServedModel, name: str) -> dict:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     data = [model_card(state, m, name) for m in state.models for name in m.names]
-    return web.json_response({"object": "list", "data": data}, dumps=dumps)
+    return json_body({"object": "list", "data": data})
 
 
 @routes.get("/v1/models/{model:.+}")
 async def get_model(request: web.Request) -> web.Response:
     view = request.app[STATE].for_model(request.match_info["model"])
-    return web.json_response(model_card(view.gateway, view.model, view.name), dumps=dumps)
+    return json_body(model_card(view.gateway, view.model, view.name))
 
 
 def _stream_usage(req) -> tuple[bool, bool]:

@@ -37,7 +37,7 @@ from ..ids import random_hex
 from ..openai_schemas import parse
 from ..openapi import request_body
 from ..state import STATE, GatewayState, ModelState
-from .common import ENGINE_ERRORS, admit, dumps, engine_error
+from .common import ENGINE_ERRORS, admit, engine_error, json_body
 
 routes = web.RouteTableDef()
 
@@ -173,8 +173,8 @@ def _check_count(n: int, param: str) -> None:
 
 def _listing(rid: str, model: str, data: list[dict], usage: dict) -> web.Response:
     """vLLM's envelope of the pooling, score and classify answers."""
-    return web.json_response({"id": rid, "object": "list", "created": int(time.time()), "model": model,
-                              "data": data, "usage": usage}, dumps=dumps)
+    return json_body({"id": rid, "object": "list", "created": int(time.time()), "model": model,
+                      "data": data, "usage": usage})
 
 
 def _usage(outs: list[PoolOutput]) -> dict:
@@ -246,8 +246,7 @@ async def embeddings(request: web.Request) -> web.Response:
                 raise APIError(500, "float32 is not 4 bytes here")
             vec = base64.b64encode(packed.tobytes()).decode()
         data.append({"object": "embedding", "index": i, "embedding": vec})
-    return web.json_response({"object": "list", "data": data, "model": state.name, "usage": _usage(outs)},
-                             dumps=dumps)
+    return json_body({"object": "list", "data": data, "model": state.name, "usage": _usage(outs)})
 
 
 @routes.post("/pooling")
@@ -298,17 +297,17 @@ async def _rerank(request: web.Request) -> tuple[str, str, list[dict], dict]:
 @request_body(RerankRequest)
 async def rerank_jina(request: web.Request) -> web.Response:
     rid, model, results, usage = await _rerank(request)
-    return web.json_response({"id": rid, "model": model, "usage": {"total_tokens": usage["total_tokens"]},
-                              "results": results}, dumps=dumps)
+    return json_body({"id": rid, "model": model, "usage": {"total_tokens": usage["total_tokens"]},
+                      "results": results})
 
 
 @routes.post("/v2/rerank")
 @request_body(RerankRequest)
 async def rerank_cohere(request: web.Request) -> web.Response:
     rid, _, results, usage = await _rerank(request)
-    return web.json_response({"id": rid, "results": results, "meta": {
+    return json_body({"id": rid, "results": results, "meta": {
         "api_version": {"version": "2"}, "billed_units": {"search_units": 1},
-        "tokens": {"input_tokens": usage["prompt_tokens"], "output_tokens": 0}}}, dumps=dumps)
+        "tokens": {"input_tokens": usage["prompt_tokens"], "output_tokens": 0}}})
 
 
 @routes.post("/classify")

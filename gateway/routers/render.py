@@ -16,7 +16,7 @@ from aiohttp import web
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import request_body
 from ..state import STATE
-from .common import dumps
+from .common import json_body
 from .openai import Plan, plan_chat, plan_completion
 
 routes = web.RouteTableDef()
@@ -46,11 +46,11 @@ def rendered(plan: Plan, i: int) -> dict:
 @request_body(ChatCompletionRequest)
 async def render_chat_completion(request: web.Request) -> web.Response:
     plan = await plan_chat(request.app[STATE], parse(ChatCompletionRequest, await request.read()))
-    return web.json_response(rendered(plan, 0), dumps=dumps)
+    return json_body(rendered(plan, 0))
 
 
 @routes.post("/v1/completions/render")
 @request_body(CompletionRequest)
 async def render_completion(request: web.Request) -> web.Response:
     plan = await plan_completion(request.app[STATE], parse(CompletionRequest, await request.read()))
-    return web.json_response([rendered(plan, i) for i in range(len(plan.prompts))], dumps=dumps)
+    return json_body([rendered(plan, i) for i in range(len(plan.prompts))])

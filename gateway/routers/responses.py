@@ -44,9 +44,9 @@ from .common import (
     build_sampling,
     chat_prompt,
     check_prompt_ids,
-    dumps,
     engine_error,
     final_tool_calls,
+    json_body,
     message_parser,
     run_choices,
     text_options,
@@ -554,16 +554,16 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         task = asyncio.create_task(_background(turn))
         _background_tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_background_tasks.discard)
-        return web.json_response(turn.obj, dumps=dumps)
+        return json_body(turn.obj)
     if req.stream:
         return await _stream(request, turn)
-    return web.json_response(await turn.run(OutputBuilder(None)), dumps=dumps)
+    return json_body(await turn.run(OutputBuilder(None)))
 
 
 @routes.get("/v1/responses/{response_id}")
 async def get_response(request: web.Request) -> web.Response:
     record = await _load(request.app[STATE], request.match_info["response_id"])
-    return web.json_response(record["response"], dumps=dumps)
+    return json_body(record["response"])
 
 
 @routes.get("/v1/responses/{response_id}/input_items")
@@ -580,9 +580,8 @@ async def list_input_items(request: web.Request) -> web.Response:
             raise bad_request(f"no input item {q.after!r} in this response", param="after")
         items = items[ids.index(q.after) + 1:]
     page = items[:q.limit]
-    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > q.limit},
-                             dumps=dumps)
+    return json_body({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                      "last_id": page[-1]["id"] if page else None, "has_more": len(items) > q.limit})
 
 
 @routes.delete("/v1/responses/{response_id}")
@@ -605,7 +604,7 @@ async def cancel_response(request: web.Request) -> web.Response:
         if current is None:
             raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")
         if current.get("status") == "cancelled":
-            return web.json_response(current["response"], dumps=dumps)
+            return json_body(current["response"])
         raise bad_request(f"Cannot cancel a response with status '{current.get('status')}': only queued or "
                           "in-progress responses can be cancelled.")
-    return web.json_response(current["response"], dumps=dumps)
+    return json_body(current["response"])
