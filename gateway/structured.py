@@ -246,5 +246,8 @@ async def check(spec: StructuredSpec | None) -> tuple[str, str] | None:
 
 def from_request(req: SamplingFields, where: str = "") -> StructuredSpec | None:
     """``from_fields`` over a completions / chat / generate request's sampling fields."""
+    if req.response_format is None and req.structured_outputs is None and req.guided_json is None \
+            and req.guided_regex is None and req.guided_choice is None and req.guided_grammar is None:
+        return None  # what most requests send: no constraint, and nothing to build to find none
     return from_fields(req.response_format, req.structured_outputs,
                        {name: getattr(req, name, None) for name in GUIDED_FIELDS}, where)

@@ -460,6 +460,7 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         self._byte_level = _uses_byte_level(backend)
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)  # read per request: asked once
         # Token id -> the bytes decode gives it, for a tokenizer whose decode is bytewise (``decodes_bytewise``).
         self._token_bytes: dict[int, bytes] | None = {} if _decodes_bytewise(backend) else None
         refusal = _piecewise_refusal(backend)
@@ -612,7 +613,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     @property
     def all_special_ids(self) -> frozenset[int]:
