@@ -227,7 +227,8 @@ def build_tokenizer():
     base = tok.vocab_size
     new = added_tokens()
     tok.backend.add_tokens([AddedToken(s, normalized=False, special=False) for s in new])
-    if tok.vocab_size != base + len(new):
+    # (``tok`` knows the vocabulary it was built with; the Tokenizer returned below knows the new one.)
+    if tok.backend.get_vocab_size(with_added_tokens=True) != base + len(new):
         raise ValueError("some script strings were already tokens")
     return Tokenizer(tok.backend, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      chat_template=CHAT_TEMPLATE)

@@ -1,5 +1,5 @@
 """``--stream-interval N``: after the first chunk, streamed text comes at least N tokens at a time, and says the
-same as without it (gateway/generation.py ``generate_text``)."""
+same as without it (gateway/generation.py ``TextPipeline``)."""
 
 from __future__ import annotations
 
