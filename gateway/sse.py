@@ -33,11 +33,11 @@ async def send_event(resp: web.StreamResponse, payload: dict, event: str | None 
     await resp.write(encode_event(payload, event))
 
 
-async def send_done(resp: web.StreamResponse) -> None:
-    await resp.write(b"data: [DONE]\n\n")
-
-
 DONE = b"data: [DONE]\n\n"
+
+
+async def send_done(resp: web.StreamResponse) -> None:
+    await resp.write(DONE)
 
 
 class EventWriter:
@@ -69,29 +69,23 @@ class EventWriter:
 
     def data(self, payload: bytes) -> None:
         """One ``data:`` event of JSON text ``payload``."""
-        if self._direct and not self._pending and not self._protocol.writing_paused:
-            t = self._transport
-            if t is None or t.is_closing():
-                raise ConnectionResetError("the client closed the connection")
-            t.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))  # the chunk of 'data: ...\n\n'
-            return
-        self._wait(b"data: " + payload + b"\n\n")
+        if self._writable():
+            self._transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))  # one chunk
+        else:
+            self._wait(b"data: " + payload + b"\n\n")
 
-    def write(self, event: bytes) -> None:
-        """One whole event (its ``event:`` and ``data:`` lines and the blank line)."""
-        if self._direct and not self._pending and not self._protocol.writing_paused:
-            t = self._transport
-            if t is None or t.is_closing():
-                raise ConnectionResetError("the client closed the connection")
-            t.write(b"%x\r\n%b\r\n" % (len(event), event))
-            return
-        self._wait(event)
+    def _writable(self) -> bool:
+        """Whether an event may go to the transport now (else it waits for ``until``)."""
+        if not self._direct or self._pending or self._protocol.writing_paused:
+            return False
+        t = self._transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        return True
 
     def _wait(self, event: bytes) -> None:
         self._pending.append(event)
-        w = self._wake
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._wake_up()
 
     async def until(self, done: asyncio.Future) -> None:
         """Write what waits, as it comes, until ``done`` is (its exception is raised)."""
