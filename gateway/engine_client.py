@@ -485,17 +485,19 @@ class EngineClient:
         eng = self._forget(st)
         if abort and eng is not None:
             self._abort(eng, st.request_id)
-        self._call(st, st.sink.fail, error)
-
-    def _call(self, st: _Stream, fn, arg) -> None:
         try:
-            fn(arg)
+            st.sink.fail(error)
         except Exception:
-            self._sink_failed(st)
+            log.exception("error ending %s", st.request_id)
 
     def _sink_failed(self, st: _Stream) -> None:
+        """A bug in a sink: the request is aborted and still ends, with an error its client can read."""
         log.exception("error handling the output of %s; aborting it", st.request_id)
         self.cancel(st.request_id)
+        try:
+            st.sink.fail(EngineRequestError("the gateway failed handling the engine's output"))
+        except Exception:
+            log.exception("the sink of %s failed again", st.request_id)
 
     def _forget(self, st: _Stream) -> EngineConnection | None:
         """Stop following a request; the engine it was on, if any."""

@@ -106,12 +106,6 @@ class TextPipeline:
         IN_FLIGHT.inc()
         self._open = True
 
-    @property
-    def coalesce(self) -> bool:
-        """Whether outputs that queued up may come merged: not where a stop string may end the text inside
-        them (the tokens after it would count as output)."""
-        return self.stopper is None
-
     def push(self, out: RequestOutput) -> Delta | None:
         """The delta of one engine output, or None while ``--stream-interval`` holds it back."""
         ids = list(out.new_token_ids)

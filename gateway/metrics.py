@@ -100,7 +100,7 @@ class BufferedHistogram:
 
 
 class BufferedGauge:
-    """A (livesum) Gauge's net change until ``flush`` adds it; ``with gauge.track_inprogress():`` counts a block."""
+    """A (livesum) Gauge's net change until ``flush`` adds it."""
 
     __slots__ = ("metric", "_pending")
 
@@ -113,15 +113,6 @@ class BufferedGauge:
 
     def dec(self, amount: float = 1) -> None:
         self._pending -= amount
-
-    def track_inprogress(self) -> BufferedGauge:
-        return self
-
-    def __enter__(self) -> None:
-        self._pending += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._pending -= 1
 
     def flush(self) -> None:
         if self._pending:

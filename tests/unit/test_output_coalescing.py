@@ -69,3 +69,44 @@ def test_get_waits_for_the_reader():
         return await asyncio.wait_for(getter, 5)
 
     assert asyncio.run(main()) == out([7])
+
+
+def test_a_sink_that_fails_still_ends_its_request_and_aborts_it_in_the_engine():
+    """A bug handling one output must not leave the request hanging: its sink hears a failure, the engine an
+    abort, and the reader goes on with the other requests."""
+    from gateway.engine_client import EngineClient, EngineConnection
+    from protocol import AbortRequest, EngineHello, SamplingParams, StepOutputs, decode, encode
+
+    class Broken:
+        def __init__(self):
+            self.failed: list[Exception] = []
+
+        def output(self, out):
+            raise RuntimeError("a bug")
+
+        def fail(self, error):
+            self.failed.append(error)
+
+    class Fine(Broken):
+        def output(self, out):
+            self.got = out
+
+    async def main():
+        client = EngineClient([])
+        eng = EngineConnection("fake", None, None)  # type: ignore[arg-type]
+        eng.hello = EngineHello(0, "m", 8, 64, 100, (2,), 1, "cpu", "float32")
+        client.engines["fake"] = eng
+        client._update_ready()
+        sent: list = []
+        client._send_now = lambda e, frames: sent.append(decode(frames))  # type: ignore[method-assign]
+        broken, fine = Broken(), Fine()
+        client.submit("r1", [1, 2], SamplingParams(), broken)
+        client.submit("r2", [1, 2], SamplingParams(), fine)
+        client._dispatch(eng, encode(StepOutputs(0, (RequestOutput("r1", (5,)), RequestOutput("r2", (6,))))))
+        return client, broken, fine, sent
+
+    client, broken, fine, sent = asyncio.run(main())
+    assert len(broken.failed) == 1 and isinstance(broken.failed[0], EngineRequestError)
+    assert fine.got.new_token_ids == (6,) and not fine.failed
+    assert [type(m) for m in sent][-1] is AbortRequest and sent[-1].request_ids == ("r1",)
+    assert client.in_flight == 1  # r2 still runs
