@@ -55,8 +55,16 @@ class LoadedModel:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               progress: ProgressFn | None = None) -> LoadedModel:
-    """Load ``source`` onto ``device`` in ``dtype``, calling ``progress(stage, done, total)`` per tensor."""
+               progress: ProgressFn | None = None, expert_share: tuple[int, int] | None = None) -> LoadedModel:
+    """Load ``source`` onto ``device`` in ``dtype``, calling ``progress(stage, done, total)`` per tensor.
+
+    ``expert_share``: ``(member, size)`` of an expert-parallel group: load only that member's experts of each
+    MoE layer (``expert_parallel.expert_shard``; the others are never read), from a Hugging Face directory."""
+    if expert_share is not None:
+        if source.weights != "hf":
+            raise NotImplementedError(f"model {source.model_id!r}: expert parallelism needs a Hugging Face "
+                                      f"(safetensors) checkpoint, not {source.weights} weights")
+        return _load_hf(source, dtype, device, progress, expert_share)
     if source.weights == "gguf":
         return _load_gguf(source, dtype, device, progress)
     if source.weights == "random":
@@ -459,7 +467,7 @@ def _hf_eos_ids(root: Path, config: dict) -> list[int]:
     return [DEFAULT_EOS_TOKEN_ID]
 
 
-def _load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None) -> LoadedModel:
+def _hf_config(source: ModelSource) -> tuple[dict, LlamaConfig]:
     import json
 
     root = Path(source.path)
@@ -469,12 +477,47 @@ def _load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device, prog
         config = json.loads((root / "config.json").read_text())
     except ValueError as e:
         raise ValueError(f"model {source.model_id!r}: {root}/config.json is not JSON: {e}") from None
-    cfg = config_from_hf(config)
+    return config, config_from_hf(config)
+
+
+def hf_tensor_reader(source: ModelSource) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """``read(names)``: those tensors of a Hugging Face directory by our HF names (experts unstacked), read
+    through the memory map, so only what is asked for is touched (an expert-parallel member's new experts)."""
+    _, cfg = _hf_config(source)
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        wanted, out = set(names), {}
+        for path in _hf_weight_files(Path(source.path)):
+            f = SafetensorsFile(path)
+            for name in f.entries:
+                stacked = name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+                if stacked or _hf_name(name) in wanted:
+                    out.update((n, t) for n, t in _hf_tensors(name, f.get(name), cfg) if n in wanted)
+        missing = wanted - set(out)
+        if missing:
+            raise ValueError(f"model {source.model_id!r}: the checkpoint lacks {sorted(missing)[:3]}")
+        return out
+
+    return read
+
+
+def _load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None,
+             expert_share: tuple[int, int] | None = None) -> LoadedModel:
+    root = Path(source.path)
+    config, cfg = _hf_config(source)
+    expert_ids = None
+    if expert_share is not None:
+        from engine_worker.expert_parallel import expert_shard
+
+        if not cfg.num_experts:
+            raise ValueError(f"model {source.model_id!r} ({cfg.architecture}) has no experts to split across "
+                             "engines; --expert-parallel is for mixture-of-experts models")
+        expert_ids = expert_shard(cfg.num_experts, expert_share[1], expert_share[0])
     files = [SafetensorsFile(f) for f in _hf_weight_files(root)]
     names = {n for f in files for n in f.entries}
     if cfg.tie_word_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")  # some tied checkpoints store the copy too
-    model = LlamaForCausalLM(cfg, dtype, device)
+    model = LlamaForCausalLM(cfg, dtype, device, expert_ids)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         total = sum(len(f.entries) for f in files)
@@ -482,7 +525,8 @@ def _load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device, prog
         for f in files:
             for name in f.entries:
                 done += 1
-                if name in names:
+                hf = _hf_name(name)
+                if name in names and (hf is None or model.holds(hf)):  # (stacked experts are filtered later)
                     yield from _hf_tensors(name, f.get(name), cfg)
                 if progress is not None:
                     progress("load", done, total)

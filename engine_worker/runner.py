@@ -60,11 +60,13 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_bytes: int | None = None,
                  num_blocks: int | None = None, cuda_graphs: bool | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, expert_parallel: bool = False):
         """``cuda_graphs``: capture decode steps (default: on CUDA when the attention backend reads
         the pool through block tables, i.e. Triton). ``True`` on a CPU runs the graph path in
         emulation, for tests. ``attention``: a backend name of ``attention.BACKENDS`` instead of
-        the best available one (tests, benchmarks)."""
+        the best available one (tests, benchmarks). ``expert_parallel``: the model's experts are split
+        across a group (``set_group``); every step is then a group step, and no decode graphs are captured
+        (the MoE collectives run between the graph's kernels)."""
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
@@ -106,7 +108,8 @@ class ModelRunner:
             need = -(-max_model_len // block_size) * per_block
             raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
                              f"max_model_len={max_model_len} request; give --kv-cache-memory at least {need} bytes")
-        want_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        want_graphs = (device.type == "cuda" if cuda_graphs is None else cuda_graphs) and not expert_parallel
+        self.group = None  # the ExpertGroup of an expert-parallel engine, once formed
         # With graphs, one block more than the block manager knows: padding rows write there.
         self.kv = PagedKVCache(cfg.num_layers, num_blocks + int(want_graphs), block_size, cfg.num_kv_heads,
                                cfg.head_dim, dtype, device)
@@ -165,6 +168,15 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
+    def set_group(self, group) -> None:
+        """Run the MoE layers across ``group`` (an ``ExpertGroup``, or None while the engine is in none)."""
+        self.group = group
+        self.model.set_expert_group(group)
+
+    def idle_step(self) -> int:
+        """An expert-parallel engine's step without work of its own (``ExpertGroup.idle_step``)."""
+        return self.group.idle_step(self.model)
+
     def make_generator(self, seed: int) -> torch.Generator:
         return self.sampler.make_generator(seed)
 
@@ -192,6 +204,8 @@ class ModelRunner:
         if min(flat) < 0 or max(flat) >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         ids = torch.tensor(flat, dtype=torch.long)
+        if self.group is not None:
+            self.group.begin_step(len(flat))
         pooled = [i for i, s in enumerate(seqs) if s.sample and s.pool]
         sampled = [i for i, s in enumerate(seqs) if s.sample and not s.pool]
         constrained = [seqs[i].grammar for i in sampled if seqs[i].grammar is not None]

@@ -41,6 +41,7 @@ from typing import Protocol
 from protocol import PoolOutput, PoolRequest, RequestOutput, SamplingParams, TopLogprobs
 
 from .block_manager import BlockManager, block_hashes
+from .expert_parallel import GroupLost
 from .grammar import Grammars
 from .pooling import shape_embedding
 from .runner import SampleOut, SeqInput
@@ -197,6 +198,8 @@ class Scheduler:
             return failed
         try:
             results = self.runner.execute(step.inputs)
+        except GroupLost:
+            raise  # the expert-parallel group is down: the engine ends every request (ep_server)
         except Exception as e:
             log.exception("forward pass failed; failing the %d requests in it", len(step.seqs))
             return failed + [RequestOutput(s.request_id, (), "error", error=f"engine error: {e}"[:4000])

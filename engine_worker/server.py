@@ -29,6 +29,7 @@ from protocol import (
     EngineHello,
     EngineStats,
     ErrorMessage,
+    GroupWake,
     PoolOutput,
     PoolOutputs,
     PoolRequest,
@@ -94,6 +95,9 @@ class EngineServer:
             else:
                 self.send(client, ErrorMessage(ERR_BAD_FRAME, str(e)[:4000]))
             return
+        if type(msg) is GroupWake:
+            self.on_wake(msg)
+            return
         self.clients[client] = time.monotonic()
         if isinstance(msg, AddRequest):
             self.add(client, msg)
@@ -111,6 +115,9 @@ class EngineServer:
             self.send(client, self.stats())
         else:
             log.warning("client %r sent an unexpected %s message; ignored", client, msg.TYPE)
+
+    def on_wake(self, msg: GroupWake) -> None:
+        log.warning("engine %d is in no expert-parallel group; ignored a wake-up", self.rank)
 
     def _refused(self, client: bytes, msg: AddRequest | PoolRequest) -> bool:
         """Hand a request back (the gateway tries another engine) while draining or with a full queue."""
@@ -162,8 +169,11 @@ class EngineServer:
 
     def poll_inbound(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for messages, then take every message already queued."""
-        if not self.sock.poll(timeout_ms):
-            return
+        if self.sock.poll(timeout_ms):
+            self.take_inbound()
+
+    def take_inbound(self) -> None:
+        """Handle every message already queued on the socket."""
         while True:
             try:
                 client, *frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -259,8 +269,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default=None, help="JSON from zserve.config.EngineConfig.to_json() (default: defaults)")
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
-    p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor (unused by engines)")
+    p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor (expert-parallel groups)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--ep-size", type=int, default=None,
+                   help="expert parallel: the group size whose share of experts to load (the supervisor forms it)")
+    p.add_argument("--ep-member", type=int, default=0, help="expert parallel: this engine's member rank")
     a = p.parse_args(argv)
     try:
         cfg = EngineConfig.from_json(a.config) if a.config else EngineConfig()
@@ -292,12 +305,15 @@ def main(argv: list[str] | None = None) -> None:
             return
     # A model that cannot load or a KV cache too small for one request can never start: exit with
     # EXIT_BOOT_ERROR, which the supervisor treats as fatal at once instead of reloading in a loop.
+    grouped = a.ep_size is not None
     with boot_phase(status, f"engine {a.rank}"):
-        loaded = load_model(source, dtype, device, progress=_progress)
+        loaded = load_model(source, dtype, device, progress=_progress,
+                            expert_share=(a.ep_member, a.ep_size) if grouped else None)
         max_model_len = min(cfg.max_model_len, loaded.config.max_position_embeddings)
         kv_bytes = parse_memory(cfg.kv_cache_memory, device) if cfg.kv_cache_memory is not None else None
         runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs, max_model_len, block_size=cfg.block_size,
-                             kv_cache_bytes=kv_bytes, cuda_graphs=False if cfg.enforce_eager else None)
+                             kv_cache_bytes=kv_bytes, cuda_graphs=False if cfg.enforce_eager else None,
+                             expert_parallel=grouped)
     if cfg.seed is not None:
         runner.sampler.seed_shared(cfg.seed + a.rank)
     log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s", a.rank,
@@ -319,7 +335,14 @@ def main(argv: list[str] | None = None) -> None:
         tasks=("generate", "embed"),  # embeddings by last-token pooling (Scheduler.add_pool)
         embed_size=loaded.config.hidden_size,
     )
-    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting)
+    if grouped:
+        from .ep_server import GroupedEngineServer
+
+        server: EngineServer = GroupedEngineServer(a.rank, a.endpoint, runner, scheduler, hello,
+                                                   max_waiting=cfg.max_waiting, control_fd=a.control_fd,
+                                                   status=status, source=source)
+    else:
+        server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting)
     _serve(a, server, status, source, t0)
     grammars.prepare()
     server.serve_forever()

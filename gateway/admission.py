@@ -10,10 +10,15 @@
   ``--max-concurrent-requests`` (past it a request is refused at once with 429 and ``Retry-After``
   rather than queued without bound), then the body's read deadline (``gateway.body_timeout``), so no
   stranger's body is read.
+- last, the hold of an expert-parallel resize: ``routers.common.admit`` raises ``ScalingPaused`` while a
+  resize pauses admission, and the request, body read and concurrency slot kept, waits up to
+  ``--scaling-wait`` for the resize to end and is then served again from the top; past that, the 503.
+  Only a refused request pays for this (a handler is called inside a ``try``, which costs nothing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from time import monotonic
 
@@ -30,13 +35,23 @@ from .security import CorsPolicy, Keys, authorize
 from .state import STATE
 
 # Liveness and monitoring stay answerable when the gateway is full: a load balancer must see it alive.
-UNLIMITED_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/is_paused", "/status"})
+UNLIMITED_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/is_paused", "/status",
+                             "/is_scaling_elastic_ep"})
 
 log = logging.getLogger("zserve.gateway.access")
 
 RID: web.RequestKey[str] = web.RequestKey("zserve_request_id", str)
 
 CORS: web.AppKey[CorsPolicy] = web.AppKey("zserve_cors", CorsPolicy)
+
+
+class ScalingPaused(APIError):
+    """A request refused because an expert-parallel resize pauses admission (``routers.common.admit``): the
+    middleware holds it for the resize to end rather than sending this 503 at once."""
+
+    def __init__(self, phase: str):
+        super().__init__(503, f"the server is resizing its expert-parallel engine group ({phase}) and admits no "
+                              "new requests; retry shortly", code="server_scaling", headers={"Retry-After": "5"})
 
 
 class Guard:
@@ -74,8 +89,7 @@ async def gateway_middleware(request: web.Request, handler):
                 guard = request.app[GUARD]
                 authorize(request, guard.keys, guard.metrics_auth)
                 if guard.max_concurrent is None or request.path in UNLIMITED_PATHS:
-                    await read_body(request)
-                    resp = await handler(request)
+                    resp = await _serve(request, handler)
                 else:
                     if guard.active >= guard.max_concurrent:
                         raise APIError(429, f"this gateway is serving {guard.max_concurrent} requests, its limit "
@@ -83,8 +97,7 @@ async def gateway_middleware(request: web.Request, handler):
                                        headers={"Retry-After": "1"})
                     guard.active += 1
                     try:
-                        await read_body(request)
-                        resp = await handler(request)
+                        resp = await _serve(request, handler)
                     finally:
                         guard.active -= 1
             except Exception as e:
@@ -101,6 +114,30 @@ async def gateway_middleware(request: web.Request, handler):
                           (monotonic() - start) * 1e3)
     finally:
         REQUEST_ID.reset(token)
+
+
+async def _serve(request: web.Request, handler) -> web.StreamResponse:
+    """The body within its deadline, then the handler; one that a resize refused is held (``_hold``)."""
+    await read_body(request)
+    try:
+        return await handler(request)
+    except ScalingPaused as refused:
+        return await _hold(request, handler, refused)
+
+
+async def _hold(request: web.Request, handler, refused: ScalingPaused) -> web.StreamResponse:
+    """Serve a request again each time the resize that refused it ends (another may begin meanwhile), for up
+    to ``--scaling-wait`` s in all; then raise the last refusal. ``admit`` comes before any side effect and
+    aiohttp keeps the body, so serving it again from the top is safe."""
+    state = request.app[STATE]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.scaling_wait
+    while (left := deadline - loop.time()) > 0 and await state.resize_over(left):
+        try:
+            return await handler(request)
+        except ScalingPaused as again:
+            refused = again
+    raise refused
 
 
 async def response_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -32,6 +32,8 @@ class GatewayConfig:
     render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
     max_concurrent_requests: int | None = 1024  # per gateway; past it: 429 at once; None: unbounded
     stream_interval: int = 1  # output tokens per stream chunk after the first (vLLM's --stream-interval)
+    # Seconds a new request waits while an expert-parallel resize pauses admission, before a 503 (0: refused at once)
+    scaling_wait: float = 30.0
     metrics_auth: bool = False  # with API keys: /metrics needs one too (else it stays open for scrapers)
     # CORS (vLLM's options): origins allowed to call the API from a browser; () = none, "*" = any
     allowed_origins: tuple[str, ...] = ()
@@ -53,6 +55,9 @@ class GatewayConfig:
         if not (isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
                 and 1 <= self.stream_interval <= 1024):
             raise ValueError("stream_interval must be an integer in 1..1024")
+        if not (isinstance(self.scaling_wait, (int, float)) and not isinstance(self.scaling_wait, bool)
+                and 0 <= self.scaling_wait <= 3600):
+            raise ValueError("scaling_wait must be a number of seconds in 0..3600")
         for name in ("metrics_auth", "allow_credentials"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")

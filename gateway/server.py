@@ -104,7 +104,7 @@ async def serve(a: argparse.Namespace) -> int:
                                               a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
                                               ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items),
                          render_only=cfg.render_only, default_max_model_len=cfg.max_model_len,
-                         stream_interval=cfg.stream_interval)
+                         stream_interval=cfg.stream_interval, scaling_wait=cfg.scaling_wait)
     with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
         app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
                         PluginContext(state, cfg),
@@ -123,7 +123,7 @@ async def serve(a: argparse.Namespace) -> int:
         # Acknowledge once the engines the supervisor calls ready answer here too (they bound their socket
         # before saying so: a hello follows within milliseconds), so "every gateway applied it" means routable.
         await engines.wait_hello([e.endpoint for e in cluster.engines if e.state == "ready"], HELLO_WAIT)
-        state.cluster = cluster
+        state.apply_cluster(cluster)  # wakes the requests a resize held, once it is over
         status.send(Ack(cluster.version))
 
     if a.control_fd is not None:

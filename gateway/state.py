@@ -9,6 +9,7 @@ is the model's tokenizer and ``state.engines`` routes only to the model's engine
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,7 +17,7 @@ from functools import cached_property
 from aiohttp import web
 
 from zserve.catalog import ModelSource
-from zserve.cluster import ClusterState
+from zserve.cluster import PAUSING_PHASES, ClusterState
 from zserve.tokenizer import Tokenizer
 
 from .engine_client import EngineClient, ModelEngines
@@ -62,8 +63,12 @@ class GatewayState:
     render_only: bool = False  # no engine tier (launch render): generation is refused, rendering is not
     default_max_model_len: int = 4096  # the context checked against while no engine reports one
     stream_interval: int = 1  # --stream-interval: output tokens per stream chunk after the first
+    scaling_wait: float = 30.0  # --scaling-wait: seconds a request is held while a resize pauses admission
+    # Set while no resize pauses admission (``apply_cluster`` keeps it so): held requests wait on it.
+    _unheld: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._unheld.set()
         self._by_name = {name: m for m in self.models for name in m.names}
         # One view per name a request may use, made once: requests only read them.
         self._views = {name: ModelState(self, m, name) for m in self.models for name in m.names}
@@ -76,6 +81,35 @@ class GatewayState:
     @property
     def paused(self) -> bool:
         return bool(self.cluster and self.cluster.paused)
+
+    @property
+    def scaling(self) -> str:
+        """The phase of an expert-parallel resize (``zserve.cluster.SCALING_PHASES``; "" when none)."""
+        return self.cluster.scaling if self.cluster else ""
+
+    @property
+    def scaling_paused(self) -> bool:
+        """Whether admission is paused by a resize (which ends by itself: requests are held) rather than by an
+        operator's ``/pause`` (which may last: requests are refused at once)."""
+        return self.paused and self.scaling in PAUSING_PHASES
+
+    def apply_cluster(self, cluster: ClusterState) -> None:
+        """Take a new cluster state from the supervisor, and wake the requests held by a resize that ended."""
+        self.cluster = cluster
+        if self.scaling_paused:
+            self._unheld.clear()
+        else:
+            self._unheld.set()
+
+    async def resize_over(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for no resize to pause admission; whether none does now."""
+        if self.scaling_paused:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._unheld.wait()
+            except TimeoutError:
+                pass
+        return not self.scaling_paused
 
     @property
     def served_names(self) -> list[str]:

@@ -145,6 +145,10 @@ server_options = _options(
 @click.option("--max-waiting", type=int, default=_ENGINE.max_waiting, show_default=True,
               help="Requests an engine queues; past it the engine refuses more, and once every engine of the model "
                    "is full requests get 429.")
+@click.option("--expert-parallel", is_flag=True, default=_ENGINE.expert_parallel,
+              help="Mixture-of-experts models: the model's ENGINES engines form one expert-parallel group, each "
+                   "holding a share of the experts (attention stays data parallel); resize it while serving with "
+                   "POST /scale_elastic_ep or `launch scale engine K`.")
 @click.option("--seed", type=int, default=_ENGINE.seed,
               help="Seed of the generator unseeded requests sample from (engine rank r uses seed + r), so a run "
                    "can be repeated; default: a fresh seed from the OS.")
@@ -158,6 +162,9 @@ server_options = _options(
               help="Seconds a stored response is kept after its last change.")
 @click.option("--responses-max-items", type=int, default=_GATEWAY.responses_max_items, show_default=True,
               help="Most stored responses kept; the oldest go first.")
+@click.option("--scaling-wait", type=float, default=_GATEWAY.scaling_wait, show_default=True,
+              help="Seconds a new request is held while an expert-parallel resize pauses admission; past it, 503 "
+                   "with Retry-After (0: refused at once, as during /pause).")
 def api_server(**options) -> None:
     """Serve MODEL(s) over HTTP with COUNT gateways in front of each model's ENGINES engine workers."""
     serve(**options)

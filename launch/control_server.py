@@ -5,7 +5,8 @@ server only does the socket work — accept, check the peer is the owner, read, 
 hands each decoded command to a ``dispatch`` function (the supervisor's). A command whose effect
 every gateway must apply first (pause, resume) is answered later: ``dispatch`` returns
 ``AwaitAcks`` and ``answer_pending`` replies once no ready gateway lags behind that cluster-state
-version, or after a few seconds naming the gateways that did not acknowledge it.
+version, or after a few seconds naming the gateways that did not acknowledge it. A command that takes
+as long as it takes (an elastic resize) returns ``Later``, answered when its ``reply`` is set.
 
 Everything is non-blocking and driven by the supervisor's selector: each registered file object
 carries the callback that handles it.
@@ -25,6 +26,8 @@ from protocol import ProtocolError
 from protocol.control import COMMANDS, ControlMessage, ErrorReply, PauseReply, decode_line, encode_line
 from zserve import control
 
+from .elastic import Later
+
 log = logging.getLogger("zserve.launch")
 
 ACK_TIMEOUT = 5.0  # seconds a pause/resume reply waits for every gateway's acknowledgement
@@ -38,7 +41,7 @@ class AwaitAcks:
     reply: PauseReply
 
 
-Dispatch = Callable[[ControlMessage], "ControlMessage | AwaitAcks"]
+Dispatch = Callable[[ControlMessage], "ControlMessage | AwaitAcks | Later"]
 
 
 @dataclass
@@ -58,6 +61,7 @@ class ControlServer:
         self.sel.register(self.sock, selectors.EVENT_READ, self._accept)
         self._bufs: dict[socket.socket, bytes] = {}
         self.pending: list[_Pending] = []
+        self.later: list[tuple[socket.socket, Later]] = []
 
     def _accept(self) -> None:
         try:
@@ -99,6 +103,8 @@ class ControlServer:
         answer = self.dispatch(cmd)
         if isinstance(answer, AwaitAcks):
             self.pending.append(_Pending(conn, answer.version, time.monotonic() + ACK_TIMEOUT, answer.reply))
+        elif isinstance(answer, Later):
+            self.later.append((conn, answer))
         else:
             self._reply(conn, answer)
 
@@ -115,6 +121,10 @@ class ControlServer:
             else:
                 still.append(p)
         self.pending = still
+        if self.later:
+            for conn, later in [item for item in self.later if item[1].reply is not None]:
+                self._reply(conn, later.reply)  # type: ignore[arg-type]
+            self.later = [item for item in self.later if item[1].reply is None]
 
     def _reply(self, conn: socket.socket, msg: ControlMessage) -> None:
         try:
@@ -139,7 +149,9 @@ class ControlServer:
             self._close(conn)
         for p in self.pending:
             p.conn.close()
-        self.pending = []
+        for conn, _ in self.later:
+            conn.close()
+        self.pending, self.later = [], []
         try:
             self.sel.unregister(self.sock)
         except (KeyError, ValueError):

@@ -46,7 +46,10 @@ from protocol.control import (
     BootFailed,
     ClusterUpdate,
     ControlMessage,
+    ElasticScaleCommand,
+    ElasticScaleReply,
     ErrorReply,
+    GroupReport,
     Heartbeat,
     PauseCommand,
     PauseReply,
@@ -63,7 +66,7 @@ from protocol.control import (
 )
 from zserve import control
 from zserve.catalog import ModelSource
-from zserve.cluster import ClusterStore, EngineInfo
+from zserve.cluster import PAUSING_PHASES, ClusterStore, EngineInfo
 from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
 from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import user_cache_dir
@@ -71,11 +74,19 @@ from zserve.paths import user_cache_dir
 from . import systemd
 from .children import CRASH_LOOP_WINDOW, Child, Slot, spawn
 from .control_server import AwaitAcks, ControlServer
+from .elastic import ElasticGroup, Later
 from .sockets import create_listener
 
 log = logging.getLogger("zserve.launch")
 
 ABORT_GRACE = 3.0  # seconds a hung child has to write its traceback after SIGABRT before SIGKILL
+
+
+def _scale_reply(model: str, reply: ElasticScaleReply) -> ControlMessage:
+    """``launch scale engine`` of an expert-parallel tier gets the answer a scale command expects."""
+    if reply.outcome == "ok":
+        return ScaleReply("engine", reply.size, model)
+    return ErrorReply(reply.message)
 
 
 class StartupError(RuntimeError):
@@ -157,6 +168,10 @@ class Supervisor:
         self.started_at = time.time()
         self._last_watchdog = 0.0
         self.num_gpus = 0
+        # Expert-parallel tiers (by their first rank): each one group, formed, resized and re-formed here.
+        self.elastic = {t.base: ElasticGroup(self, t) for t in self.tiers if t.spec.engine.expert_parallel}
+        self._scaling_version = 0  # the cluster-state version that paused admission for a resize
+        self._operator_paused = False  # /pause given by an operator (restored when a resize resumes)
 
     # -- set-up ------------------------------------------------------------------------------
     def _make_run_dir(self) -> None:
@@ -244,6 +259,9 @@ class Supervisor:
             device = engine_device(mt.first_device + index - mt.base, self.num_gpus)
             if device is not None:
                 args += ["--device", str(device)]
+            group = self.elastic.get(mt.base)
+            if group is not None:
+                args += group.engine_args(index)
             child = spawn(slot, "engine_worker", args)
         else:
             assert self.listener is not None
@@ -330,6 +348,10 @@ class Supervisor:
                 child.acked_version = msg.version
             elif isinstance(msg, BootFailed):
                 child.boot_error = msg.reason
+            elif isinstance(msg, GroupReport):
+                group = self._group_of(child)
+                if group is not None:
+                    group.on_report(child, msg)
 
     def command(self, cmd: ControlMessage) -> ControlMessage | AwaitAcks:
         """Carry out one control-socket command (the ControlServer's dispatch)."""
@@ -347,11 +369,20 @@ class Supervisor:
                 return ErrorReply(f"scale engine: {e}")
             if cmd.count > MAX_ENGINES_PER_MODEL:
                 return ErrorReply(f"a model has at most {MAX_ENGINES_PER_MODEL} engines")
+            group = self.elastic.get(tier.base)
+            if group is not None:  # an expert-parallel tier is resized as one group
+                return group.request(cmd.count, ElasticScaleCommand(cmd.count).drain_timeout,
+                                     Later(convert=partial(_scale_reply, tier.model_id)))
             self.scale_engines(tier, cmd.count)
             return ScaleReply("engine", cmd.count, tier.model_id)
+        if isinstance(cmd, ElasticScaleCommand):
+            return self._elastic_scale(cmd)
         if isinstance(cmd, (PauseCommand, ResumeCommand)):
             paused = isinstance(cmd, PauseCommand)
+            self._operator_paused = paused
             state = self.store.get()
+            if state.scaling in PAUSING_PHASES:  # a resize holds admission; its end restores the operator's word
+                return PauseReply(paused, state.version)
             if state.paused != paused:
                 state = self.store.update(paused=paused)
                 self._broadcast()
@@ -361,6 +392,57 @@ class Supervisor:
             self.stopping = True
             return StopReply()
         return ErrorReply(f"unknown command {cmd.TYPE!r}")
+
+    def _elastic_scale(self, cmd: ElasticScaleCommand) -> ControlMessage | Later:
+        groups = list(self.elastic.values())
+        if cmd.model is not None:
+            try:
+                tier = self.find_tier(cmd.model)
+            except LookupError as e:
+                return ErrorReply(f"scale_elastic_ep: {e}")
+            groups = [g for g in groups if g.tier is tier]
+        if len(groups) != 1:
+            said = (f"model {cmd.model!r} is not" if cmd.model else "no model is" if not groups else
+                    "several models are")
+            return ErrorReply(f"{said} served expert parallel (launch api-server --expert-parallel)"
+                              + ("; name the model" if len(groups) > 1 else ""))
+        return groups[0].request(cmd.size, cmd.drain_timeout, Later())
+
+    def _group_of(self, child: Child) -> ElasticGroup | None:
+        if child.tier != "engine":
+            return None
+        return self.elastic.get(self.tier_of(child.index).base)
+
+    # -- the cluster state while an expert-parallel group resizes ---------------------------------------------
+    def _scaling_phase(self) -> str:
+        """The phase the cluster state shows: the first group's that is doing anything."""
+        return next((g.phase for g in self.elastic.values() if g.phase), "")
+
+    def pause_for_scaling(self, phase: str) -> None:
+        st = self.store.update(paused=True, scaling=self._scaling_phase() or phase)
+        self._scaling_version = st.version
+        self._broadcast()
+        log.info("admission paused for an expert-parallel %s (cluster state v%d)", st.scaling, st.version)
+
+    def resume_after_scaling(self) -> None:
+        phase = self._scaling_phase()
+        st = self.store.update(paused=self._operator_paused or phase in PAUSING_PHASES, scaling=phase)
+        self._broadcast()
+        log.info("admission %s after the expert-parallel change (cluster state v%d)",
+                 "still paused" if st.paused else "resumed", st.version)
+
+    def publish_scaling(self) -> None:
+        """The phase changed without a change of admission (a resize starting, or ended without a pause)."""
+        phase = self._scaling_phase()
+        st = self.store.get()
+        if st.scaling != phase:
+            paused = st.paused if phase in PAUSING_PHASES else self._operator_paused
+            self.store.update(scaling=phase, paused=paused)
+            self._broadcast()
+
+    def lagging_scaling(self) -> bool:
+        """Whether a ready gateway has not yet applied the pause of the running resize."""
+        return bool(self._lagging(self._scaling_version))
 
     def _lagging(self, version: int) -> list[str]:
         """The ready gateways that have not yet applied cluster-state ``version``."""
@@ -402,6 +484,9 @@ class Supervisor:
             if c.draining or self.stopping:
                 log.info("%s (pid %d) exited with code %s", c.name, c.pid, code)
                 continue
+            group = self._group_of(c)
+            if group is not None and group.on_death(c, c.boot_error or f"exit code {code}"):
+                continue  # a new member of an abandoned resize: neither restarted nor fatal
             if code == EXIT_BOOT_ERROR:  # restarting cannot help: stop now (start() or run() reports it)
                 c.slot.last_exit = f"boot error: {c.boot_error or 'see its log'}"
                 raise TierFailed(f"{c.name} cannot start: {c.boot_error or 'a boot error (see its log above)'} "
@@ -477,9 +562,17 @@ class Supervisor:
                 which = "the gateway tier" if tier == "gateway" else f"{self.tier_of(wanted[0]).model_id}'s engine tier"
                 raise TierFailed(f"{which} cannot run: every {tier} is crash-looping ({reasons})")
 
+    def _engine_state(self, c: Child) -> str:
+        """What gateways are told of an engine: an expert-parallel one is ready only inside its serving group."""
+        group = self._group_of(c)
+        if group is not None and c.state == "ready" and not group.serves(c.index):
+            return "starting"
+        return c.state
+
     def _publish(self) -> None:
         engines = tuple(
-            EngineInfo(c.index, self.engine_endpoint(c.index), c.state, c.pid, self.tier_of(c.index).model_id)
+            EngineInfo(c.index, self.engine_endpoint(c.index), self._engine_state(c), c.pid,
+                       self.tier_of(c.index).model_id)
             for c in sorted(self._live("engine"), key=lambda c: c.index)
         )
         st = self.store.get()
@@ -500,6 +593,8 @@ class Supervisor:
         self._check_hung(now)
         if not self.stopping:
             self._match_counts(now)
+            for group in self.elastic.values():
+                group.tick(now)
             self._check_tiers(now)
         self._publish()
         if self.control is not None:
@@ -544,7 +639,8 @@ class Supervisor:
                 raise StartupError(str(e)) from None
             if self.stopping:
                 raise StartupError("interrupted while starting")
-            if all(len([c for c in live if c.ready]) >= len(wanted) for _, wanted, live in self._wanted()):
+            if (all(len([c for c in live if c.ready]) >= len(wanted) for _, wanted, live in self._wanted())
+                    and all(g.serving for g in self.elastic.values())):
                 break
             if time.monotonic() > deadline:
                 raise StartupError(f"not ready within {self.cfg.ready_timeout:.0f}s (--ready-timeout)")
@@ -646,7 +742,8 @@ class Supervisor:
         return StatusReply(url=self.url, models={t.model_id: t.desired for t in self.tiers}, pid=os.getpid(),
                            run_dir=self.run_dir, uptime_s=round(time.time() - self.started_at, 1),
                            desired={"gateway": self.desired["gateway"], "engine": self.engines_desired},
-                           paused=st.paused, cluster_version=st.version, processes=tuple(procs))
+                           paused=st.paused, cluster_version=st.version, processes=tuple(procs),
+                           expert_parallel={g.tier.model_id: g.status() for g in self.elastic.values()} or None)
 
     def _model_of(self, slot: Slot) -> str | None:
         return self.tier_of(slot.index).model_id if slot.tier == "engine" else None

@@ -9,6 +9,7 @@ from .messages import (
     EngineHello,
     EngineStats,
     ErrorMessage,
+    GroupWake,
     Message,
     PoolOutput,
     PoolOutputs,
@@ -22,7 +23,8 @@ from .messages import (
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "AbortRequest", "AddRequest", "ClientHello", "EngineHello",
-    "EngineStats", "ErrorMessage", "Message", "PoolOutput", "PoolOutputs", "PoolRequest",
+    "EngineStats", "ErrorMessage",
+    "GroupWake", "Message", "PoolOutput", "PoolOutputs", "PoolRequest",
     "ProtocolError", "RequestOutput", "SamplingParams",
     "StepOutputs", "TopLogprobs", "decode", "encode",
 ]

@@ -3,10 +3,13 @@
 Two channels, one framing — a JSON object per line, ``{"v": CONTROL_VERSION, "t": <type>, ...fields}``:
 
 - the *pipes* of each child: child → supervisor ``Ready``, ``Heartbeat`` (with its load),
-  ``Ack`` (of a cluster-state version) and ``BootFailed``; supervisor → child ``ClusterUpdate``;
+  ``Ack`` (of a cluster-state version), ``BootFailed`` and, from an expert-parallel engine,
+  ``GroupReport``; supervisor → child ``ClusterUpdate`` (gateways) and ``GroupCommand``
+  (expert-parallel engines);
 - the owner-only *control socket*: one command in (``StatusCommand``, ``ScaleCommand``,
-  ``PauseCommand``, ``ResumeCommand``, ``StopCommand``), one reply out (``StatusReply``,
-  ``ScaleReply``, ``PauseReply``, ``StopReply`` or ``ErrorReply``).
+  ``ElasticScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``StopCommand``), one reply out
+  (``StatusReply``, ``ScaleReply``, ``ElasticScaleReply``, ``PauseReply``, ``StopReply`` or
+  ``ErrorReply``).
 
 Each message is a frozen dataclass validated when built and when decoded, like the engine protocol
 in ``messages``: a malformed line raises ``ProtocolError``, which readers log and drop. Nothing here
@@ -128,6 +131,29 @@ class BootFailed(ControlMessage):
         _check(_is_str(self.reason), "reason must be a str of at most 4096 chars")
 
 
+GROUP_EVENTS = ("formed", "failed", "lost")
+
+
+@dataclass(frozen=True)
+class GroupReport(ControlMessage):
+    """An expert-parallel engine on its group ``generation``: ``formed`` (it serves in it, holding experts
+    ``experts[0]`` .. ``experts[1] - 1``), ``failed`` (it could not join; ``reason``) or ``lost`` (a collective
+    failed while serving: a member died; its in-flight requests ended with an error)."""
+
+    TYPE: ClassVar[str] = "ep_report"
+    generation: int
+    event: str  # one of GROUP_EVENTS
+    reason: str | None = None
+    experts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.generation, 0, 1 << 62) and self.event in GROUP_EVENTS,
+               f"ep_report needs a generation and an event in {GROUP_EVENTS}")
+        _check(_opt(self.reason, _is_str), "reason must be a str of at most 4096 chars")
+        _check(isinstance(self.experts, tuple) and len(self.experts) in (0, 2)
+               and all(_is_int(e) for e in self.experts), "experts is (first, end)")
+
+
 # -- supervisor → child (control pipe) -----------------------------------------------------------------
 @dataclass(frozen=True)
 class ClusterUpdate(ControlMessage):
@@ -151,6 +177,28 @@ class ClusterUpdate(ControlMessage):
     def from_wire(cls, body: dict) -> ClusterUpdate:
         _check(set(body) == {"state"} and isinstance(body["state"], dict), "cluster needs exactly a state object")
         return cls(ClusterState.from_json(body["state"]))
+
+
+@dataclass(frozen=True)
+class GroupCommand(ControlMessage):
+    """Join expert-parallel group ``generation`` as member ``rank`` of ``size``: leave the current group, hold
+    the experts of that share, meet the others through the rendezvous file ``store`` (in the private run
+    directory) and report ``GroupReport``. ``peers`` are the members' engine endpoints by member rank: an
+    engine that gets work while the group idles wakes the others through them."""
+
+    TYPE: ClassVar[str] = "ep_group"
+    generation: int
+    size: int
+    rank: int
+    store: str
+    peers: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.generation, 0, 1 << 62) and _is_int(self.size, 1, MAX_SCALE + 1)
+               and _is_int(self.rank, 0, self.size), "ep_group needs a generation, a size and a rank below it")
+        _check(_is_str(self.store, 4096), "store must be a path")
+        _check(isinstance(self.peers, tuple) and len(self.peers) == self.size
+               and all(_is_str(p, 1024) for p in self.peers), "peers are one endpoint per member")
 
 
 # -- control socket: commands --------------------------------------------------------------------------
@@ -179,6 +227,28 @@ class ScaleCommand(ControlMessage):
     def tier_name(self) -> str:
         """The supervisor's name of the tier: gateway or engine."""
         return SCALE_TIERS[self.tier]
+
+
+DEFAULT_DRAIN_TIMEOUT = 120.0
+"""Seconds an elastic resize waits for in-flight requests before giving up (vLLM's default)."""
+
+
+@dataclass(frozen=True)
+class ElasticScaleCommand(ControlMessage):
+    """Resize an expert-parallel engine group to ``size`` members (``POST /scale_elastic_ep``, ``launch scale
+    engine``): pause admission, let in-flight requests finish within ``drain_timeout`` s, re-form the group,
+    resume. Answered when it is over (``ElasticScaleReply``)."""
+
+    TYPE: ClassVar[str] = "scale_elastic_ep"
+    size: int
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    model: str | None = None  # may be left out while one model is expert parallel
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.size, 1, MAX_SCALE + 1), f"size must be an integer in 1..{MAX_SCALE}")
+        _check(_is_num(self.drain_timeout) and 0 < self.drain_timeout <= 86400,
+               "drain_timeout must be a number of seconds in (0, 86400]")
+        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
 
 
 @dataclass(frozen=True)
@@ -261,8 +331,12 @@ class StatusReply(ControlMessage):
     paused: bool
     cluster_version: int
     processes: tuple[ProcessStatus, ...] = ()
+    # model id → its expert-parallel group: size, generation, phase, last_error, last_pause_s
+    expert_parallel: dict | None = None
 
     def __post_init__(self) -> None:
+        _check(_opt(self.expert_parallel, lambda v: isinstance(v, dict) and all(
+            _is_str(k, 1024) and isinstance(g, dict) for k, g in v.items())), "expert_parallel maps models to groups")
         _check(_is_str(self.url, 1024, empty=True) and _is_int(self.pid) and _is_str(self.run_dir, 4096, empty=True),
                "bad url, pid or run_dir")
         _check(isinstance(self.models, dict) and all(_is_str(k, 1024) and _is_int(v) for k, v in self.models.items()),
@@ -296,6 +370,26 @@ class ScaleReply(ControlMessage):
         _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
 
 
+ELASTIC_OUTCOMES = {"ok": 200, "invalid": 400, "drain_timeout": 408, "busy": 409, "failed": 500}
+"""How an elastic resize ended, and the HTTP status ``/scale_elastic_ep`` answers for it (vLLM's): done; a
+request that cannot be carried out; in-flight requests did not finish in time (nothing changed); another
+resize is running; the resize failed (the old group serves on)."""
+
+
+@dataclass(frozen=True)
+class ElasticScaleReply(ControlMessage):
+    TYPE: ClassVar[str] = "scale_elastic_ep_reply"
+    outcome: str  # a key of ELASTIC_OUTCOMES
+    message: str
+    size: int  # the group's size now
+    pause_s: float | None = None  # how long admission was paused
+
+    def __post_init__(self) -> None:
+        _check(self.outcome in ELASTIC_OUTCOMES, f"outcome must be one of {sorted(ELASTIC_OUTCOMES)}")
+        _check(_is_str(self.message, empty=True) and _is_int(self.size), "bad message or size")
+        _check(_opt(self.pause_s, _is_num), "pause_s must be a number of seconds")
+
+
 @dataclass(frozen=True)
 class PauseReply(ControlMessage):
     """The answer to pause and resume; ``unacknowledged`` names gateways that had not applied it in time."""
@@ -320,13 +414,15 @@ class StopReply(ControlMessage):
         _check(isinstance(self.stopping, bool), "stopping must be a bool")
 
 
-PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed)
+PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport)
 """What a child writes on its status pipe."""
-PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate,)
+PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand)
 """What the supervisor writes on a child's control pipe."""
-COMMANDS: tuple[type[ControlMessage], ...] = (StatusCommand, ScaleCommand, PauseCommand, ResumeCommand, StopCommand)
+COMMANDS: tuple[type[ControlMessage], ...] = (StatusCommand, ScaleCommand, ElasticScaleCommand, PauseCommand,
+                                              ResumeCommand, StopCommand)
 """What the control socket accepts."""
-REPLIES: tuple[type[ControlMessage], ...] = (ErrorReply, StatusReply, ScaleReply, PauseReply, StopReply)
+REPLIES: tuple[type[ControlMessage], ...] = (ErrorReply, StatusReply, ScaleReply, ElasticScaleReply, PauseReply,
+                                             StopReply)
 """What the control socket answers."""
 
 

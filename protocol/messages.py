@@ -497,7 +497,21 @@ class ErrorMessage(Message):
             _check_request_id(self.request_id)
 
 
+@dataclass(frozen=True)
+class GroupWake(Message):
+    """Engine → engine of one expert-parallel group: "I have work; step with me". Sent by a member that gets
+    work while the group idles (``epoch`` counts the group's idle periods of ``generation``); a member that is
+    idle in that epoch or an earlier one starts stepping (``engine_worker.ep_server``)."""
+
+    TYPE: ClassVar[str] = "ep_wake"
+    generation: int
+    epoch: int
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.generation) and _is_int(self.epoch), "generation and epoch are ints")
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     ClientHello, EngineHello, AddRequest, PoolRequest, AbortRequest, StepOutputs, PoolOutputs, EngineStats,
-    ErrorMessage,
+    ErrorMessage, GroupWake,
 )

@@ -14,6 +14,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 ENGINE_STATES = ("starting", "ready", "draining")
+SCALING_PHASES = ("", "starting", "draining", "regrouping", "recovering")
+"""An expert-parallel group's phases: serving; new members load (the old group serves on); admission paused
+while in-flight requests finish; the group re-forms at its new size; it re-forms after losing a member."""
+PAUSING_PHASES = ("draining", "regrouping", "recovering")
+"""The phases that pause admission (the supervisor sets ``paused`` with them)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,9 @@ class ClusterState:
     gateways_desired: int = 0
     engines_desired: int = 0  # over every model
     models: dict[str, int] = field(default_factory=dict)  # model id → its desired engines, in serving order
+    # The phase of an expert-parallel resize or recovery ("" when none; SCALING_PHASES): while it pauses
+    # admission, gateways hold new requests (up to --scaling-wait) instead of refusing them at once.
+    scaling: str = ""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -49,6 +57,8 @@ class ClusterState:
                 raise TypeError(f"{name} must be an int")
         if not isinstance(state.paused, bool):
             raise TypeError("paused must be a bool")
+        if state.scaling not in SCALING_PHASES:
+            raise ValueError(f"scaling must be one of {SCALING_PHASES}")
         if not isinstance(state.models, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in state.models.items()):
             raise TypeError("models must map model ids to engine counts")

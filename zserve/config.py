@@ -43,6 +43,9 @@ class EngineConfig:
     threads: int | None = None  # CPU threads per engine; None: the supervisor divides the cores
     seed: int | None = None  # unseeded requests' generator: seed + rank; None: from the OS (engines differ)
     max_waiting: int | None = 1024  # queued requests beyond which an engine refuses more (429); None: unbounded
+    # A mixture-of-experts model's engines form one expert-parallel group: each holds a share of the experts,
+    # attention stays data parallel (engine_worker.expert_parallel); resized with /scale_elastic_ep.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -53,6 +56,7 @@ class EngineConfig:
             (_int(self.block_size, 1, 1024), "block_size must be an integer in 1..1024"),
             (isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching must be true or false"),
             (isinstance(self.enforce_eager, bool), "enforce_eager must be true or false"),
+            (isinstance(self.expert_parallel, bool), "expert_parallel must be true or false"),
             (self.threads is None or _int(self.threads, 1, 1024), "threads must be an integer in 1..1024"),
             (self.seed is None or _int(self.seed, 0, (1 << 63) - 1), "seed must be a non-negative integer"),
             (self.max_waiting is None or _int(self.max_waiting, 1, 1 << 20), "max_waiting must be an integer in "

@@ -18,7 +18,7 @@ random) maps onto the same names and the fusing happens in one place.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,12 +131,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: LlamaConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 expert_ids: Sequence[int] | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(cfg, layer, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = SparseMoE(cfg, dtype, device) if cfg.num_experts else LlamaMLP(cfg, dtype, device)
+        self.mlp = SparseMoE(cfg, dtype, device, expert_ids) if cfg.num_experts else LlamaMLP(cfg, dtype, device)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -154,14 +155,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. ``forward`` returns hidden states; ``compute_logits`` only for chosen rows."""
+    """The whole model. ``forward`` returns hidden states; ``compute_logits`` only for chosen rows.
 
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device):
+    ``expert_ids``: the experts of every MoE layer this model holds (expert parallelism; default all).
+    """
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
+                 expert_ids: Sequence[int] | None = None):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
+        if expert_ids is not None and not cfg.num_experts:
+            raise ValueError(f"a {cfg.architecture} has no experts to split")
+        self.expert_ids = list(range(cfg.num_experts)) if expert_ids is None else list(expert_ids)
         self.embed_weight = new_weight(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device, expert_ids)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, dtype, device)
         if cfg.tie_word_embeddings:
@@ -190,6 +199,23 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, cos, signed_sin, attn, layout, self.rope)
         return x + residual
+
+    # -- expert parallelism ----------------------------------------------------------------------
+    def set_expert_group(self, group) -> None:
+        """Run every MoE layer across ``group`` (an ``ExpertGroup``; None: alone)."""
+        for layer in self.layers:
+            layer.mlp.group = group
+
+    def holds(self, name: str) -> bool:
+        """Whether the HF tensor ``name`` belongs to this model (False for other members' experts)."""
+        _, sep, rest = name.partition(".block_sparse_moe.experts.")
+        return not sep or int(rest.split(".", 1)[0]) in self.expert_ids
+
+    def reshard(self, expert_ids: Sequence[int], read) -> None:
+        """Hold ``expert_ids`` in every MoE layer from now on, reading new experts with ``read(names)``."""
+        for i, layer in enumerate(self.layers):
+            layer.mlp.reshard(expert_ids, f"model.layers.{i}.block_sparse_moe.", read, self.packed)
+        self.expert_ids = list(expert_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the rows that are sampled (only those pay for the large LM head)."""
@@ -270,4 +296,6 @@ class LlamaForCausalLM(nn.Module):
         if self.packed:
             raise RuntimeError("weights were packed for serving; load into a fresh model")
         targets = {name: (dest, row, self._shape(name, dest)) for name, (dest, row) in self._targets().items()}
+        if len(self.expert_ids) < self.config.num_experts:  # expert parallel: skip the other members' experts
+            weights = ((name, w) for name, w in weights if self.holds(name))
         copy_checkpoint(weights, targets, f"a {self.config.num_layers}-layer {self.config.architecture}")

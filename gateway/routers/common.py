@@ -19,7 +19,9 @@ import orjson
 from aiohttp import web
 
 from protocol import RequestOutput, SamplingParams
+from zserve.cluster import PAUSING_PHASES
 
+from ..admission import ScalingPaused
 from ..engine_client import EngineRequestError, EnginesBusy, NoEngineAvailable
 from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions, TextPipeline, TokenLogprob
@@ -298,8 +300,9 @@ RENDER_ONLY = ("this is a render-only server (launch render): it has no engine t
 
 
 def admit(state: ModelState, task: str = "generate") -> None:
-    """Refuse new work before any byte is sent: a render-only server, paused cluster, no engine, or a
-    model that does not do ``task`` (generate, embed, classify).
+    """Refuse new work before any byte is sent: a render-only server, paused cluster (by a resize: held by the
+    middleware, ``admission.ScalingPaused``), no engine, or a model that does not do ``task`` (generate, embed,
+    classify).
 
     Every generation and pooling route comes through here after validating its body, so a render
     server answers a valid request with this clear 400 in the route's own error shape (not retried by
@@ -307,6 +310,8 @@ def admit(state: ModelState, task: str = "generate") -> None:
     if state.render_only:
         raise bad_request(RENDER_ONLY, code="render_only")
     if state.paused:
+        if state.scaling in PAUSING_PHASES:  # a resize, which ends by itself: held (``admission.ScalingPaused``)
+            raise ScalingPaused(state.scaling)
         raise APIError(503, "the server is paused and admits no new requests; retry later",
                        code="server_paused", headers={"Retry-After": "1"})
     if not state.engines.has_ready:

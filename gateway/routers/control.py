@@ -1,40 +1,65 @@
-"""Cluster-wide control: pause/resume admission and the cluster status, from any gateway.
+"""Cluster-wide control: pause/resume admission, elastic expert parallelism and the cluster status, from any
+gateway.
 
-A gateway holds no control state of its own: ``POST /pause`` is forwarded to the supervisor,
-which changes the cluster state and answers only once every gateway has applied it. So whichever
-gateway a client reaches, ``/is_paused`` and ``/status`` say the same. Pause and resume are admin
-routes: once keys are configured they take the admin key (``gateway.security``).
+A gateway holds no control state of its own: ``POST /pause`` (and ``POST /scale_elastic_ep``) is forwarded
+to the supervisor, which changes the cluster state and answers only once every gateway has applied it. So
+whichever gateway a client reaches, ``/is_paused``, ``/is_scaling_elastic_ep`` and ``/status`` say the same.
+Pause, resume and scaling are admin routes: once keys are configured they take the admin key
+(``gateway.security``).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Annotated, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 
 from protocol import ProtocolError
-from protocol.control import ErrorReply, PauseCommand, PauseReply, ResumeCommand
+from protocol.control import (
+    DEFAULT_DRAIN_TIMEOUT,
+    ELASTIC_OUTCOMES,
+    MAX_SCALE,
+    ControlMessage,
+    ElasticScaleCommand,
+    ElasticScaleReply,
+    ErrorReply,
+    PauseCommand,
+    PauseReply,
+    ResumeCommand,
+)
 from zserve import control
 
 from ..errors import APIError
+from ..openai_schemas import parse
+from ..openapi import request_body
 from ..security import admin_route
 from ..state import STATE, GatewayState
 
 routes = web.RouteTableDef()
 
+R = TypeVar("R", bound=ControlMessage)
 
-async def _forward(state: GatewayState, cmd: PauseCommand | ResumeCommand) -> PauseReply:
+CONTROL_TIMEOUT = 10.0  # seconds the supervisor has to answer pause and resume (every gateway acknowledges)
+RESIZE_MARGIN = 600.0  # seconds a resize may take beyond its drain: new members load, the group re-forms
+
+
+async def _forward(state: GatewayState, cmd: ControlMessage, answer: type[R], timeout: float = CONTROL_TIMEOUT,
+                   refused: int = 500) -> R:
+    """Send ``cmd`` to the supervisor and return its ``answer``. ``refused`` is the status of an ``ErrorReply``
+    (a request the supervisor cannot carry out); no supervisor, or none answering, is a 503."""
     if not state.control_socket:
         raise APIError(503, "this gateway runs without a supervisor; cluster control is unavailable")
     try:
-        reply = await control.request_async(state.control_socket, cmd, timeout=10)
+        reply = await control.request_async(state.control_socket, cmd, timeout=timeout)
     except (OSError, ConnectionError, TimeoutError) as e:
         raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
     except ProtocolError as e:
         raise APIError(500, f"the supervisor's reply was malformed: {e}") from None
     if isinstance(reply, ErrorReply):
-        raise APIError(500, reply.error)
-    if not isinstance(reply, PauseReply):
+        raise APIError(refused, reply.error)
+    if not isinstance(reply, answer):
         raise APIError(500, f"the supervisor answered {reply.TYPE} to {cmd.TYPE}")
     return reply
 
@@ -43,20 +68,61 @@ async def _forward(state: GatewayState, cmd: PauseCommand | ResumeCommand) -> Pa
 @admin_route
 async def pause(request: web.Request) -> web.Response:
     """Stop admitting new generation requests on every gateway; in-flight ones finish."""
-    reply = await _forward(request.app[STATE], PauseCommand())
+    reply = await _forward(request.app[STATE], PauseCommand(), PauseReply)
     return web.json_response({"paused": True, "version": reply.version})
 
 
 @routes.post("/resume")
 @admin_route
 async def resume(request: web.Request) -> web.Response:
-    reply = await _forward(request.app[STATE], ResumeCommand())
+    reply = await _forward(request.app[STATE], ResumeCommand(), PauseReply)
     return web.json_response({"paused": False, "version": reply.version})
 
 
 @routes.get("/is_paused")
 async def is_paused(request: web.Request) -> web.Response:
     return web.json_response({"is_paused": request.app[STATE].paused})
+
+
+class ScaleElasticRequest(BaseModel):
+    """vLLM's body of ``/scale_elastic_ep`` (strict numbers: ``true`` or ``"4"`` is no size)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    new_data_parallel_size: Annotated[int, Field(ge=1, le=MAX_SCALE, strict=True)]
+    drain_timeout: Annotated[float, Field(gt=0, le=86400, strict=True)] = DEFAULT_DRAIN_TIMEOUT
+    model: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # needed with several EP models
+
+
+@routes.post("/scale_elastic_ep")
+@admin_route
+@request_body(ScaleElasticRequest)
+async def scale_elastic_ep(request: web.Request) -> web.Response:
+    """Resize a model's expert-parallel engine group; answered when the resize is over.
+
+    Admission pauses (new requests are held, up to --scaling-wait), in-flight requests drain within
+    drain_timeout, the group re-forms at new_data_parallel_size and admission resumes. 408: in-flight
+    requests did not finish in time (nothing changed); 409: another resize runs; 500: it failed (the
+    old group serves on)."""
+    state = request.app[STATE]
+    req: ScaleElasticRequest = parse(ScaleElasticRequest, await request.read())
+    model = None if req.model is None else state.for_model(req.model).model.model_id  # the supervisor's name
+    cmd = ElasticScaleCommand(req.new_data_parallel_size, req.drain_timeout, model)
+    reply = await _forward(state, cmd, ElasticScaleReply, timeout=req.drain_timeout + RESIZE_MARGIN, refused=400)
+    status = ELASTIC_OUTCOMES[reply.outcome]
+    if status != 200:
+        raise APIError(status, f"{reply.message} (the group has {reply.size} members; "
+                               f"new_data_parallel_size {req.new_data_parallel_size} was asked)", code=reply.outcome)
+    return web.json_response({"message": reply.message, "new_data_parallel_size": reply.size,
+                              "pause_s": reply.pause_s})
+
+
+@routes.post("/is_scaling_elastic_ep")
+@routes.get("/is_scaling_elastic_ep")
+async def is_scaling_elastic_ep(request: web.Request) -> web.Response:
+    """Whether an expert-parallel resize runs, and its phase (the same on every gateway)."""
+    phase = request.app[STATE].scaling
+    return web.json_response({"is_scaling_elastic_ep": bool(phase), "phase": phase or None})
 
 
 @routes.get("/status")

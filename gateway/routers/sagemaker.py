@@ -14,6 +14,7 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from ..admission import ScalingPaused
 from ..errors import APIError, bad_request, error_response, routing_error, shape_of
 from ..openai_schemas import json_object
 from ..openapi import JSON, SSE, request_body, response
@@ -76,5 +77,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
     handler = route_handler(request.app, "POST", invocation_path(json_object(await request.read())))
     try:
         return await handler(request)  # it reads the same body again (aiohttp keeps it)
+    except ScalingPaused:  # held by the middleware, like the route's own requests
+        raise
     except APIError as e:  # in the route's own error shape, as if it had been called directly
         return error_response(e, shape_of(handler))

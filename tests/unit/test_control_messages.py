@@ -9,12 +9,16 @@ from protocol import ProtocolError
 from protocol.control import (
     COMMANDS,
     CONTROL_VERSION,
+    DEFAULT_DRAIN_TIMEOUT,
+    ELASTIC_OUTCOMES,
     PIPE_COMMANDS,
     PIPE_EVENTS,
     REPLIES,
     Ack,
     BootFailed,
     ClusterUpdate,
+    ElasticScaleCommand,
+    ElasticScaleReply,
     ErrorReply,
     Heartbeat,
     LineBuffer,
@@ -32,7 +36,7 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
-from zserve.cluster import ClusterState, EngineInfo
+from zserve.cluster import SCALING_PHASES, ClusterState, EngineInfo
 
 STATE = ClusterState(version=7, paused=True,
                      engines=(EngineInfo(0, "ipc:///tmp/e0.sock", "ready", 123, "tiny-random"),),
@@ -57,6 +61,11 @@ ROUND_TRIPS = [
     (ScaleReply("engine", 2, "all-MiniLM-L6-v2"), REPLIES),
     (PauseReply(True, 7, unacknowledged=("gateway 1",)), REPLIES),
     (StopReply(), REPLIES),
+    (ClusterUpdate(ClusterState(version=8, paused=True, scaling="draining")), PIPE_COMMANDS),
+    (ElasticScaleCommand(4), COMMANDS),
+    (ElasticScaleCommand(2, drain_timeout=30.5, model="tiny-random"), COMMANDS),
+    (ElasticScaleReply("ok", "Scaled to 4 data parallel engines", 4, pause_s=1.25), REPLIES),
+    (ElasticScaleReply("drain_timeout", "in-flight requests did not finish within 30s", 2), REPLIES),
     (StatusReply(url="http://127.0.0.1:8000", models={"tiny-random": 1}, pid=42, run_dir="/run/x", uptime_s=1.5,
                  desired={"engine": 1, "gateway": 2}, paused=False, cluster_version=3,
                  processes=(ProcessStatus("engine", 0, 99, "ready", 0, False, uptime_s=1.0, running=1, waiting=0,
@@ -111,6 +120,19 @@ def _line(**body) -> bytes:
                                "engines": [{"rank": 0, "endpoint": "x", "state": "on fire", "pid": 1}]}),
      PIPE_COMMANDS, "bad engine entry"),
     (_line(t="pause_reply", paused=True, version=1, unacknowledged=[3]), REPLIES, "unacknowledged"),
+    (_line(t="cluster", state={"version": 1, "paused": True, "scaling": "resharding"}), PIPE_COMMANDS, "scaling"),
+    (_line(t="scale_elastic_ep", size=0), COMMANDS, "size"),
+    (_line(t="scale_elastic_ep", size=257), COMMANDS, "size"),
+    (_line(t="scale_elastic_ep", size=True), COMMANDS, "size"),
+    (_line(t="scale_elastic_ep", size="4"), COMMANDS, "size"),
+    (_line(t="scale_elastic_ep", size=4, drain_timeout=0), COMMANDS, "drain_timeout"),
+    (_line(t="scale_elastic_ep", size=4, drain_timeout=86401), COMMANDS, "drain_timeout"),
+    (_line(t="scale_elastic_ep", size=4, drain_timeout="60"), COMMANDS, "drain_timeout"),
+    (_line(t="scale_elastic_ep", size=4, model=""), COMMANDS, "model"),
+    (_line(t="scale_elastic_ep_reply", outcome="ok", message="m", size=4), COMMANDS, "unexpected message type"),
+    (_line(t="scale_elastic_ep_reply", outcome="maybe", message="m", size=4), REPLIES, "outcome"),
+    (_line(t="scale_elastic_ep_reply", outcome="ok", message=3, size=4), REPLIES, "message or size"),
+    (_line(t="scale_elastic_ep_reply", outcome="ok", message="m", size=4, pause_s="1"), REPLIES, "pause_s"),
     (_line(t="status_reply", url="", model="m", pid=1, run_dir="", uptime_s=0, desired={}, paused=False,
            cluster_version=0, processes=[{"tier": "engine"}]), REPLIES, "bad status_reply message"),
 ])
@@ -124,6 +146,30 @@ def test_messages_are_validated_when_built_too():
         ScaleCommand("engine", 257)
     with pytest.raises(ProtocolError):
         Heartbeat(in_flight=-3)
+
+
+def test_elastic_messages_are_validated_when_built_too():
+    assert ElasticScaleCommand(4).drain_timeout == DEFAULT_DRAIN_TIMEOUT and ElasticScaleCommand(4).model is None
+    with pytest.raises(ProtocolError, match="size"):
+        ElasticScaleCommand(0)
+    with pytest.raises(ProtocolError, match="drain_timeout"):
+        ElasticScaleCommand(2, drain_timeout=-1)
+    with pytest.raises(ProtocolError, match="outcome"):
+        ElasticScaleReply("done", "", 2)
+    assert set(ELASTIC_OUTCOMES.values()) == {200, 400, 408, 409, 500}
+
+
+@pytest.mark.parametrize("phase", SCALING_PHASES)
+def test_cluster_state_carries_every_scaling_phase(phase):
+    state = ClusterState(version=3, paused=bool(phase), scaling=phase)
+    assert ClusterState.from_json(state.to_json()) == state
+
+
+def test_cluster_state_refuses_an_unknown_scaling_phase():
+    for bad in ("resharding", None, 1):
+        with pytest.raises(ValueError, match="scaling"):
+            ClusterState.from_json({"version": 1, "scaling": bad})
+    assert ClusterState.from_json({"version": 1}).scaling == ""  # a state from before elastic EP
 
 
 def test_line_buffer_splits_lines_and_refuses_an_endless_one():

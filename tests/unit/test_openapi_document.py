@@ -81,3 +81,13 @@ def test_operation_ids_are_unique_and_refs_resolve() -> None:
 
     for ref in refs(doc):
         assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+
+
+def test_the_elastic_expert_parallel_routes_are_documented() -> None:
+    doc = openapi_document(_app(), title="t", version="1")
+    scale = doc["paths"]["/scale_elastic_ep"]["post"]
+    body = doc["components"]["schemas"][scale["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                                        .rsplit("/", 1)[1]]
+    assert body["required"] == ["new_data_parallel_size"]
+    assert set(body["properties"]) == {"new_data_parallel_size", "drain_timeout", "model"}
+    assert set(doc["paths"]["/is_scaling_elastic_ep"]) == {"get", "post"}

@@ -1,0 +1,251 @@
+"""An engine that is one member of an expert-parallel group (``launch api-server --expert-parallel``).
+
+It serves its own requests like any engine (attention is data parallel) but steps in lockstep with the
+group, because every MoE layer is a collective (``expert_parallel``). The loop:
+
+- **Idle.** While no member has work, nobody steps: each member waits on its sockets like a lone engine
+  (no CPU spent). ``epoch`` counts the group's idle periods.
+- **Waking.** A member that gets work while idle starts stepping and sends every other member a
+  ``GroupWake(generation, epoch)`` over their engine sockets; a member idle in that epoch starts stepping
+  too. A wake from an epoch already over is stale and ignored, so a late wake never makes one member
+  step alone.
+- **Active.** Each turn every member takes exactly one group step: its real batch, or an empty step
+  (``ModelRunner.idle_step``) when it has nothing scheduled. The step that finds the whole group without
+  tokens ends the active period on every member at once (they all saw the same counts), and the epoch
+  advances.
+
+The supervisor forms the group through the control pipe (``GroupCommand``): leave the old group, hold
+the new share of experts (``SparseMoE.reshard``: keep, load, release), meet at the rendezvous file, and
+report ``GroupReport``. Until then, and while re-forming, the engine steps nothing; requests that arrive
+wait in its queue (their KV cache stays valid: only experts move). A collective that fails (a member
+died) ends every request here with an error, leaves the group and reports ``lost``; the supervisor
+re-forms the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from protocol import ErrorMessage, RequestOutput, StepOutputs, encode
+from protocol.constants import ERR_ENGINE_DRAINING
+from protocol.control import PIPE_COMMANDS, GroupCommand, GroupReport, Heartbeat, LineBuffer, decode_line
+from protocol.messages import GroupWake, ProtocolError
+from zserve.catalog import ModelSource
+from zserve.proc import StatusPipe
+
+from .expert_parallel import ExpertGroup, GroupLost, expert_shard
+from .server import EngineServer
+
+log = logging.getLogger("zserve.engine")
+
+JOIN_TIMEOUT_S = 60.0  # a rendezvous waits this long for every member before it fails
+JOIN_POLL_MS = 20  # how often a rendezvous looks for every member (and for a newer command)
+
+
+class GroupedEngineServer(EngineServer):
+    def __init__(self, *args, control_fd: int | None, status: StatusPipe, source: ModelSource, **kw):
+        super().__init__(*args, **kw)
+        self.status = status
+        self.source = source
+        self.control_fd = control_fd
+        self.lines = LineBuffer()
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if control_fd is not None:
+            os.set_blocking(control_fd, False)
+            self.poller.register(control_fd, zmq.POLLIN)
+        self.group: ExpertGroup | None = None
+        self.generation = -1  # of the last GroupCommand carried out
+        self.epoch = 0  # the group's idle periods so far
+        self.woken = -1  # the latest epoch a member woke us for
+        self.active = False
+        self.peers: list[zmq.Socket] = []
+        self.commands: list[GroupCommand] = []  # read from the pipe, not yet carried out
+        self._reader = None  # reads new experts from the checkpoint (made on the first reshard)
+        self._had_work = False
+
+    # -- inbound ---------------------------------------------------------------------------------------
+    def poll_inbound(self, timeout_ms: int) -> None:
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.control_fd is not None and self.control_fd in ready:
+            self.read_control()
+        if self.sock in ready:
+            self.take_inbound()
+
+    def read_control(self) -> None:
+        try:
+            data = os.read(self.control_fd, 65536)  # type: ignore[arg-type]
+        except BlockingIOError:
+            return
+        if not data:  # the supervisor is gone (PDEATHSIG ends us)
+            self.poller.unregister(self.control_fd)
+            self.control_fd = None
+            return
+        try:
+            lines = self.lines.feed(data)
+        except ProtocolError as e:
+            log.warning("engine %d: dropped a control line: %s", self.rank, e)
+            return
+        for line in lines:
+            try:
+                msg = decode_line(line, PIPE_COMMANDS)
+            except ProtocolError as e:
+                log.warning("engine %d: dropped a control line: %s", self.rank, e)
+                continue
+            if isinstance(msg, GroupCommand):
+                self.commands.append(msg)
+
+    def on_wake(self, msg: GroupWake) -> None:
+        if msg.generation == self.generation:
+            self.woken = max(self.woken, msg.epoch)
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        while not (self.draining and not self.scheduler.has_work and not self.active):
+            self.loop_tick = time.monotonic()
+            if self.commands:
+                self.regroup(self.commands.pop())  # only the newest matters
+                self.commands.clear()
+                continue
+            if self.group is None:
+                if self.draining and self.scheduler.has_work:
+                    self.end_requests(None)  # a leaver steps no more: requests it still holds go elsewhere
+                self.poll_inbound(int(self.stats_interval * 1000))
+                self.publish_stats()
+                continue
+            busy = self.scheduler.has_work
+            if busy and self.draining and not self.active:
+                self.end_requests(None)  # taken just before SIGTERM (a leaver): another member serves them
+                continue
+            if not self.active and (busy or self.woken >= self.epoch):
+                self.active = True
+                if self.woken < self.epoch:
+                    self._wake_peers()
+            if not self.active:
+                self._report_load()
+                self.poll_inbound(int(self.stats_interval * 1000))
+                self.publish_stats()
+                continue
+            self.poll_inbound(2 if self._stalled else 0)
+            try:
+                self.group_step()
+            except GroupLost as e:
+                self.lost(e)
+            self._report_load()
+            self.publish_stats()
+        self.publish_stats()
+        self.leave()
+        log.info("engine %d drained; exiting", self.rank)
+
+    def group_step(self) -> None:
+        """Exactly one group step: the batch when one is scheduled, else an empty one."""
+        group = self.group
+        assert group is not None
+        before = group.steps
+        if self.scheduler.has_work:
+            self.step()
+        if group.steps == before and not self.runner.idle_step():
+            self.active = False  # every member saw a group without tokens: all stop together
+            self.epoch += 1
+
+    def _wake_peers(self) -> None:
+        frames = encode(GroupWake(self.generation, self.epoch))
+        for peer in self.peers:
+            try:
+                peer.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:  # not connected (it died): the step's collective reports it
+                pass
+
+    def _report_load(self) -> None:
+        """Tell the supervisor at once when this engine runs dry (a resize waits for exactly that)."""
+        busy = self.scheduler.has_work
+        if busy != self._had_work:
+            self._had_work = busy
+            f = self.scheduler.stats_fields()
+            self.status.send(Heartbeat(running=f["running"], waiting=f["waiting"], kv_used=round(f["kv_used"], 4),
+                                       draining=self.draining))
+
+    # -- forming and losing the group --------------------------------------------------------------------
+    def regroup(self, cmd: GroupCommand) -> None:
+        if cmd.generation <= self.generation:
+            return
+        t0 = time.monotonic()
+        self.leave()
+        self.generation = cmd.generation
+        model = self.runner.model
+        shard = expert_shard(model.config.num_experts, cmd.size, cmd.rank)
+        try:
+            if list(shard) != model.expert_ids:
+                if self._reader is None:
+                    from .loader import hf_tensor_reader
+
+                    self._reader = hf_tensor_reader(self.source)
+                model.reshard(shard, self._reader)
+            group = ExpertGroup.form(cmd.store, cmd.rank, cmd.size, cmd.generation, self.runner.device,
+                                     join_timeout=JOIN_TIMEOUT_S, abandon=self._newer_command)
+        except Exception as e:  # GroupLost, a checkpoint that cannot be read, out of memory
+            log.error("engine %d could not join expert-parallel group %d (member %d of %d): %s", self.rank,
+                      cmd.generation, cmd.rank, cmd.size, e)
+            self.status.send(GroupReport(cmd.generation, "failed", reason=str(e)[:4000]))
+            return
+        self.group = group
+        self.runner.set_group(group)
+        self.epoch, self.woken, self.active = 0, -1, False
+        self.peers = []
+        for i, endpoint in enumerate(cmd.peers):
+            if i != cmd.rank:
+                peer = self.ctx.socket(zmq.DEALER)
+                peer.setsockopt(zmq.LINGER, 0)
+                peer.connect(endpoint)
+                self.peers.append(peer)
+        log.info("engine %d joined expert-parallel group %d as member %d of %d (experts %d..%d) in %.2fs", self.rank,
+                 cmd.generation, cmd.rank, cmd.size, shard.start, shard.stop - 1, time.monotonic() - t0)
+        self.status.send(GroupReport(cmd.generation, "formed", experts=(shard.start, shard.stop)))
+
+    def _newer_command(self) -> bool:
+        """While waiting at a rendezvous: whether the supervisor has sent a newer command (give up this one)."""
+        self.poll_inbound(JOIN_POLL_MS)  # requests keep arriving; they wait in the queue
+        self.loop_tick = time.monotonic()
+        return any(c.generation > self.generation for c in self.commands)
+
+    def leave(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+            self.runner.set_group(None)
+        for peer in self.peers:
+            peer.close(0)
+        self.peers = []
+        self.active = False
+
+    def lost(self, error: GroupLost) -> None:
+        """A collective failed: end every request here with an error, leave the group, tell the supervisor."""
+        n = self.end_requests(None if self.draining else
+                              "the expert-parallel group lost a member while serving this request; retry it")
+        log.error("engine %d: %s; ended %d request(s); waiting for the group to be formed again", self.rank, error, n)
+        generation = self.generation
+        self.leave()
+        self.status.send(GroupReport(generation, "lost", reason=str(error)[:4000]))
+
+    def end_requests(self, error: str | None) -> int:
+        """End every request here: with ``error``, or (None: a draining engine) hand those that produced
+        nothing yet back to the gateway, which sends them to another engine, and fail the others."""
+        seqs = self.scheduler.abort_all("error")
+        per_client: dict[bytes, list[RequestOutput]] = {}
+        for s in seqs:
+            client = self.requests.pop(s.request_id, None)
+            if client is None:
+                continue
+            if error is None and not s.output_ids:
+                self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} is leaving its "
+                                               "expert-parallel group", s.request_id))
+                continue
+            why = error or "the engine left its expert-parallel group while serving this request; retry it"
+            per_client.setdefault(client, []).append(RequestOutput(s.request_id, (), "error", error=why))
+        for client, outs in per_client.items():
+            self.send(client, StepOutputs(self.rank, tuple(outs)))
+        return len(seqs)
