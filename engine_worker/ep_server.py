@@ -186,12 +186,16 @@ class GroupedEngineServer(EngineServer):
                     self._reader = hf_tensor_reader(self.source)
                 model.reshard(shard, self._reader)
             group = ExpertGroup.form(cmd.store, cmd.rank, cmd.size, cmd.generation, self.runner.device,
-                                     join_timeout=JOIN_TIMEOUT_S, abandon=self._newer_command)
+                                     join_timeout=JOIN_TIMEOUT_S, abandon=self._newer_command, backend=cmd.backend)
         except Exception as e:  # GroupLost, a checkpoint that cannot be read, out of memory
             log.error("engine %d could not join expert-parallel group %d (member %d of %d): %s", self.rank,
                       cmd.generation, cmd.rank, cmd.size, e)
             self.status.send(GroupReport(cmd.generation, "failed", reason=str(e)[:4000]))
             return
+        if cmd.threads is not None and self.runner.device.type == "cpu":
+            from .device import configure_cpu_threads
+
+            configure_cpu_threads(cmd.threads)  # the cores are shared among the group's new size
         self.group = group
         self.runner.set_group(group)
         self.epoch, self.woken, self.active = 0, -1, False

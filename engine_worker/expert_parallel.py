@@ -58,8 +58,11 @@ def expert_shard(num_experts: int, size: int, rank: int) -> range:
 class ExpertGroup:
     """One member's view of a formed group: its rank, the size, and the collectives of a group step."""
 
-    def __init__(self, rank: int, size: int, generation: int, device: torch.device):
+    def __init__(self, rank: int, size: int, generation: int, device: torch.device, backend: str = "gloo"):
         self.rank = rank
+        self.backend = backend
+        # gloo with CUDA tensors (members sharing a GPU, which NCCL refuses): collectives go through host memory
+        self.staged = backend == "gloo" and device.type == "cuda"
         self.size = size
         self.generation = generation
         self.device = device
@@ -69,14 +72,16 @@ class ExpertGroup:
 
     @classmethod
     def form(cls, store_path: str, rank: int, size: int, generation: int, device: torch.device,
-             join_timeout: float = 60.0, abandon: Callable[[], bool] | None = None) -> ExpertGroup:
+             join_timeout: float = 60.0, abandon: Callable[[], bool] | None = None,
+             backend: str | None = None) -> ExpertGroup:
         """Join the group whose rendezvous file is ``store_path``; every member must call this. One process
         belongs to one group at a time: ``close`` the old one first.
 
         The members first count themselves in at the store, calling ``abandon`` between looks (the engine
         reads its sockets there, and gives up when the supervisor has sent a newer command); only when all
         are there does torch.distributed start, so a member that never comes costs no collective timeout."""
-        group = cls(rank, size, generation, device)
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        group = cls(rank, size, generation, device, backend)
         if size == 1:
             return group  # nothing to exchange: no process group at all
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # members are on this host: loopback only
@@ -92,10 +97,9 @@ class ExpertGroup:
                     raise GroupLost("abandoned for a newer group")
                 if time.monotonic() > deadline:
                     raise GroupLost(f"{came} of {size} members came within {join_timeout:.0f}s")
-            backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=size,
                                     timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                                    device_id=device if device.type == "cuda" else None)
+                                    device_id=device if backend == "nccl" else None)
             group.begin_step(0)  # a first collective: every member is really there
         except Exception as e:
             group.close()
@@ -161,10 +165,17 @@ class ExpertGroup:
                     layer.mlp(empty)
         return total
 
-    def _run(self, collective, *args) -> None:
+    def _run(self, collective, out, inp) -> None:
+        """``collective(out, inp)``; through host copies when gloo serves CUDA tensors (``staged``)."""
         if self.closed:
             raise GroupLost(f"expert-parallel group {self.generation} is closed")
         try:
-            collective(*args)
+            if not self.staged:
+                collective(out, inp)
+                return
+            host = [o.cpu() for o in out] if isinstance(out, list) else out.cpu()
+            collective(host, [i.cpu() for i in inp] if isinstance(inp, list) else inp.cpu())
+            for o, h in zip(out, host) if isinstance(out, list) else ((out, host),):
+                o.copy_(h)
         except Exception as e:  # gloo: RuntimeError "Connection closed by peer"; NCCL: DistBackendError
             raise GroupLost(f"expert-parallel group {self.generation} lost a member: {e}") from e

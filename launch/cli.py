@@ -358,6 +358,11 @@ def status(port: int, as_json: bool) -> None:
                if st["desired"]["engine"] else "no engine (render only)")
     click.echo(f"{', '.join(st['models'])} at {st['url']}  supervisor pid {st['pid']}  up {st['uptime_s']:.0f}s  "
                f"{'PAUSED  ' if st['paused'] else ''}desired: {st['desired']['gateway']} gateways, {engines}")
+    for model, g in (st.get("expert_parallel") or {}).items():
+        pause = f", last pause {g['last_pause_s']:.2f}s" if g.get("last_pause_s") is not None else ""
+        click.echo(f"expert parallel {model}: {g['size']} members, generation {g['generation']}, "
+                   f"{g['phase'] or 'serving'}{pause}" + (f"; last error: {g['last_error']}" if g.get("last_error")
+                                                         else ""))
     click.echo(f"{'TIER':8} {'IDX':>3} {'PID':>7} {'STATE':10} {'RESTARTS':>8} {'UPTIME':>8}  LOAD")
     for p in st["processes"]:
         if p["tier"] == "engine":

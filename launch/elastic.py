@@ -204,13 +204,16 @@ class ElasticGroup:
         store = os.path.join(self.sup.run_dir, f"ep-{self.tier.base}-{gen}.store")
         peers = tuple(self.sup.engine_endpoint(self.tier.base + i) for i in range(size))
         by_index = {c.index: c for c in self._members()}
+        # NCCL needs a GPU per member; members that share one (or run on CPUs) use gloo.
+        backend = "nccl" if self.sup.num_gpus and self.tier.first_device + size <= self.sup.num_gpus else "gloo"
+        threads = None if self.tier.spec.engine.threads else self.sup.engine_threads(self.tier, size)
         self.forming = (gen, size, now + FORM_TIMEOUT_S)
         self.failures = []
         log.info("expert-parallel group of %s: forming generation %d with %d member(s)", self.tier.model_id, gen,
                  size)
         for i in range(size):
             child = by_index.get(self.tier.base + i)
-            if child is None or not child.send(GroupCommand(gen, size, i, store, peers)):
+            if child is None or not child.send(GroupCommand(gen, size, i, store, peers, backend, threads)):
                 self.failures.append(f"engine {self.tier.base + i} is not there")
 
     def _check_forming(self, now: float) -> None:

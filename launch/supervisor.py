@@ -251,8 +251,7 @@ class Supervisor:
         if tier == "engine":
             mt = self.tier_of(index)
             engine = mt.spec.engine
-            # Engines (of every model) share the cores unless told how many threads each may use.
-            threads = engine.threads or max(1, (os.cpu_count() or 1) // max(1, self.engines_desired))
+            threads = engine.threads or self.engine_threads()
             args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index),
                     "--model-source", orjson.dumps(mt.source.to_json()).decode(),
                     "--config", engine.replace(threads=threads).to_json(), *common]
@@ -283,6 +282,12 @@ class Supervisor:
             log.info("restarted %s as pid %d", child.name, child.pid)
         slot.restarts += 1
         return child
+
+    def engine_threads(self, tier: ModelTier | None = None, size: int | None = None) -> int:
+        """CPU threads per engine: engines (of every model) share the cores unless told how many each may use;
+        ``size``: as if ``tier`` had that many engines (an expert-parallel group being re-formed)."""
+        engines = self.engines_desired - (tier.desired - size if tier is not None and size is not None else 0)
+        return max(1, (os.cpu_count() or 1) // max(1, engines))
 
     def _live(self, tier: str) -> list[Child]:
         return [c for c in self.children if c.tier == tier and c.alive]

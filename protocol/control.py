@@ -192,8 +192,12 @@ class GroupCommand(ControlMessage):
     rank: int
     store: str
     peers: tuple[str, ...]
+    backend: str = "gloo"  # nccl when every member has a GPU of its own; gloo otherwise (CPUs, a shared GPU)
+    threads: int | None = None  # CPU threads per member at this size, when the operator left them to us
 
     def __post_init__(self) -> None:
+        _check(self.backend in ("gloo", "nccl"), "backend must be gloo or nccl")
+        _check(_opt(self.threads, lambda v: _is_int(v, 1, 1025)), "threads must be an integer in 1..1024")
         _check(_is_int(self.generation, 0, 1 << 62) and _is_int(self.size, 1, MAX_SCALE + 1)
                and _is_int(self.rank, 0, self.size), "ep_group needs a generation, a size and a rank below it")
         _check(_is_str(self.store, 4096), "store must be a path")

@@ -114,15 +114,16 @@ async def scale_elastic_ep(request: web.Request) -> web.Response:
         raise APIError(status, f"{reply.message} (the group has {reply.size} members; "
                                f"new_data_parallel_size {req.new_data_parallel_size} was asked)", code=reply.outcome)
     return web.json_response({"message": reply.message, "new_data_parallel_size": reply.size,
-                              "pause_s": reply.pause_s})
+                              "pause_s": reply.pause_s, "gateway": request.app[STATE].index})
 
 
 @routes.post("/is_scaling_elastic_ep")
 @routes.get("/is_scaling_elastic_ep")
 async def is_scaling_elastic_ep(request: web.Request) -> web.Response:
-    """Whether an expert-parallel resize runs, and its phase (the same on every gateway)."""
-    phase = request.app[STATE].scaling
-    return web.json_response({"is_scaling_elastic_ep": bool(phase), "phase": phase or None})
+    """Whether an expert-parallel resize runs, and its phase (the same on every gateway, which says who it is)."""
+    state = request.app[STATE]
+    phase = state.scaling
+    return web.json_response({"is_scaling_elastic_ep": bool(phase), "phase": phase or None, "gateway": state.index})
 
 
 @routes.get("/status")

@@ -8,6 +8,10 @@ Usage (on the GPU machine, from the repository root, after ``make install-test``
    must give the same tokens (and the engine's own start-up self-checks must have passed).
 2. Speed, the serving dtype: tokens/s of the Triton + CUDA-graph engine against the same engine
    with ``--enforce-eager`` and against the gather path, in one run, at each concurrency.
+3. Expert parallelism (``--sections ep``): a tiny random Mixtral served by ``launch api-server
+   --expert-parallel --engines 2`` (NCCL when each member has a GPU, gloo through host memory when they
+   share one) must give the greedy fp32 tokens of one process holding every expert on the device; then
+   ``bench_elastic_ep.py``: tokens/s at each group size against one ordinary engine, and each resize's pause.
 
 Exits 1 if a check fails. On a machine without CUDA it runs the same code on the CPU (graphs
 emulated), which only checks that the script itself works.
@@ -22,6 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench_engine import make_workload, run_zserve  # noqa: E402
 
 from engine_worker.device import resolve_dtype, select_device  # noqa: E402
@@ -52,12 +57,22 @@ def main() -> int:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--sections", nargs="+", choices=["decode", "ep"], default=["decode", "ep"])
     args = ap.parse_args()
     device = select_device(None)
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'no CUDA'}), "
           f"torch {torch.__version__}")
     failed = False
+    if "decode" in args.sections:
+        failed |= check_decode(args, device)
+    if "ep" in args.sections:
+        failed |= check_expert_parallel(device)
+    print("\nFAILED" if failed else "\nall checks passed")
+    return 1 if failed else 0
 
+
+def check_decode(args, device) -> bool:
+    failed = False
     # 1. correctness in float32
     loaded = load_model(resolve(args.model), torch.float32, device)
     work = make_workload(8, 48, 48, seed=7)
@@ -91,8 +106,42 @@ def main() -> int:
         tok = {v: run_zserve(r, load, max_c, 512)["tok_s"] for v, r in runners.items()}
         print(f"| {c} | {tok['graphs']:.1f} | {tok['triton']:.1f} | {tok['gather']:.1f} | "
               f"{tok['graphs'] / tok['triton']:.2f}x |")
-    print("\nFAILED" if failed else "\nall checks passed")
-    return 1 if failed else 0
+    return failed
+
+
+def check_expert_parallel(device) -> bool:
+    """Section 3: an expert-parallel group on this machine's devices, checked and timed."""
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+    from bench_elastic_ep import run as bench_ep
+
+    from tests.e2e.moe_checkpoint import reference_greedy, write_moe_checkpoint
+    from tests.helpers import Server
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300], [5] * 40, list(range(10, 30))]
+    print("\nexpert parallel: tiny random Mixtral, 8 experts top-2, group of 2")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = write_moe_checkpoint(Path(tmp) / "tiny-moe")
+        want = reference_greedy(root, prompts, 12, str(device))
+        s = Server("--model", str(root), "--expert-parallel", "--engines", "2", "--dtype", "float32",
+                   log_name="gpu-check-ep")
+        try:
+            got = [httpx.post(s.url + "/inference/v1/generate", timeout=120, json={
+                "model": "tiny-moe", "token_ids": p,
+                "sampling_params": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+            ).json()["choices"][0]["token_ids"] for p in prompts]
+            devices = sorted({line.split(" on ")[1].split(" ")[0] for line in s.tail(1 << 20).splitlines()
+                              if "ready: tiny-moe" in line and " on " in line})
+        finally:
+            s.stop()
+    same = sum(a == b for a, b in zip(got, want))
+    print(f"  group of 2 vs one process on {device}, float32 greedy: {same}/{len(prompts)} requests identical "
+          f"(engines on {', '.join(devices)})")
+    for line in bench_ep([1, 2, 1], 32, 8, 256, 64):
+        print("  " + line)
+    return same != len(prompts)
 
 
 if __name__ == "__main__":

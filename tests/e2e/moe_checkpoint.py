@@ -58,7 +58,7 @@ def write_moe_checkpoint(root: Path, seed: int = 0) -> Path:
     return root
 
 
-def reference_greedy(root: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def reference_greedy(root: Path, prompts: list[list[int]], n: int, device: str = "cpu") -> list[list[int]]:
     """Each prompt's ``n`` greedy tokens (EOS ignored) from one in-process engine holding every expert (fp32)."""
     from engine_worker.loader import load_model
     from engine_worker.runner import ModelRunner
@@ -67,9 +67,9 @@ def reference_greedy(root: Path, prompts: list[list[int]], n: int) -> list[list[
     from protocol.messages import SamplingParams
     from zserve.catalog import ModelSource
 
-    cpu = torch.device("cpu")
-    lm = load_model(ModelSource(root.name, "hf", str(root), str(root)), torch.float32, cpu)
-    runner = ModelRunner(lm, cpu, torch.float32, max_num_seqs=4, max_model_len=256, num_blocks=128)
+    dev = torch.device(device)
+    lm = load_model(ModelSource(root.name, "hf", str(root), str(root)), torch.float32, dev)
+    runner = ModelRunner(lm, dev, torch.float32, max_num_seqs=4, max_model_len=256, num_blocks=128, cuda_graphs=False)
     sched = Scheduler(runner, 4, 256)
     for i, p in enumerate(prompts):
         sched.add(Sequence(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))

@@ -161,7 +161,8 @@ def test_a_resize_is_forwarded_with_its_size_drain_timeout_and_model_id(socket_p
     status, body, commands = _scale(socket_path, {"new_data_parallel_size": 4, "drain_timeout": 30, "model": "tiny"},
                                     ok)
     assert status == 200
-    assert body == {"message": "Scaled to 4 data parallel engines", "new_data_parallel_size": 4, "pause_s": 2.5}
+    assert body == {"message": "Scaled to 4 data parallel engines", "new_data_parallel_size": 4, "pause_s": 2.5,
+                    "gateway": 0}
     assert commands == [ElasticScaleCommand(4, 30.0, "tiny-random")]  # the served name, as the supervisor's id
     _, _, commands = _scale(socket_path, {"new_data_parallel_size": 2}, ok)
     assert commands == [ElasticScaleCommand(2, DEFAULT_DRAIN_TIMEOUT, None)]
@@ -218,7 +219,7 @@ def test_is_scaling_reflects_the_cluster_state_on_get_and_post():
                 state.apply_cluster(cluster)
             for method in ("GET", "POST"):
                 resp = await client.request(method, "/is_scaling_elastic_ep")
-                assert resp.status == 200 and await resp.json() == want
+                assert resp.status == 200 and await resp.json() == {**want, "gateway": 0}
 
     _run(_app(state), check)
 

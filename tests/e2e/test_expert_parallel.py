@@ -1,0 +1,282 @@
+"""Elastic expert parallelism end to end: a tiny random Mixtral (8 experts, top-2, 2 layers) served by an
+expert-parallel group behind two gateways, resized through /scale_elastic_ep while requests stream, and
+broken on purpose (a new member killed while it loads, a drain timeout, a member killed while serving).
+
+Every greedy output is checked token for token against one process that holds every expert (fp32).
+The tests share one server and run in order; each leaves the group at two members.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.helpers import LAUNCH, Server, procs, status, wait_until
+
+from .moe_checkpoint import EXPERTS, reference_greedy, write_moe_checkpoint
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-moe"
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300], [5] * 40, list(range(10, 30)), [4242]]
+TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    pytest.importorskip("safetensors")
+    return write_moe_checkpoint(tmp_path_factory.mktemp("moe") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(moe_dir) -> list[list[int]]:
+    return reference_greedy(moe_dir, PROMPTS, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def ep(moe_dir):
+    s = Server("--model", str(moe_dir), "--expert-parallel", "--engines", "2", "--count", "2", "--dtype", "float32",
+               "--max-model-len", "1024", "--scaling-wait", "60", log_name="expert-parallel")
+    yield s
+    s.stop()
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+def greedy(url: str) -> list[list[int]]:
+    """Every prompt's greedy tokens, the requests sent at once (members batch them differently)."""
+    out: list = [None] * len(PROMPTS)
+
+    def one(i: int) -> None:
+        r = httpx.post(url + "/inference/v1/generate", timeout=120, json={
+            "model": MODEL, "token_ids": PROMPTS[i],
+            "sampling_params": {"temperature": 0, "max_tokens": TOKENS, "ignore_eos": True}})
+        r.raise_for_status()
+        out[i] = r.json()["choices"][0]["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def group(server: Server) -> dict:
+    return status(server)["expert_parallel"][MODEL]
+
+
+def engines(server: Server) -> list[dict]:
+    return [p for p in procs(server, "engine") if p["state"] == "ready"]
+
+
+def on_gateway(url: str, other_than: int | None) -> tuple[http.client.HTTPConnection, int]:
+    """A keep-alive connection that landed on a gateway other than ``other_than`` (the gateways share one
+    listening socket, so the kernel picks one per connection)."""
+    host, port = url.removeprefix("http://").split(":")
+
+    def attempt():
+        conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        conn.request("GET", "/is_scaling_elastic_ep")
+        index = json.loads(conn.getresponse().read())["gateway"]
+        if index != other_than:
+            return conn, index
+        conn.close()
+        return None
+
+    return wait_until(attempt, 30, 0.0, "a connection to the other gateway")
+
+
+def scale(conn: http.client.HTTPConnection, size: int, drain_timeout: float = 60) -> tuple[int, dict]:
+    conn.request("POST", "/scale_elastic_ep", json.dumps({"new_data_parallel_size": size,
+                                                          "drain_timeout": drain_timeout}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+class Traffic:
+    """A bounded stream of concurrent requests as users send them: streamed and sampled (T=1.0) completions
+    and chat, through the official SDK without retries; counts what succeeded and what failed."""
+
+    def __init__(self, url: str, workers: int = 4):
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failed: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+
+    def _run(self, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                if (i + n) % 2:
+                    chunks = self.client.completions.create(model=MODEL, prompt=f"request {i}.{n}: once upon a",
+                                                            max_tokens=12, stream=True)
+                    text = "".join(c.choices[0].text for c in chunks if c.choices)
+                else:
+                    r = self.client.chat.completions.create(model=MODEL, max_tokens=12,
+                                                            messages=[{"role": "user", "content": f"hi {i} {n}"}])
+                    text = r.choices[0].message.content
+                assert text is not None
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+                self.failed.append(f"{type(e).__name__}: {e}")
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        wait_until(lambda: self.ok >= 4, 60, what="the traffic to flow")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def engine_cpu(server: Server) -> float:
+    return sum(sum(psutil.Process(p["pid"]).cpu_times()[:2]) for p in engines(server))
+
+
+# -- the tests ---------------------------------------------------------------------------------------------
+def test_an_idle_group_spends_no_cpu(ep):
+    wait_until(lambda: len(engines(ep)) == 2 and group(ep)["phase"] is None, 60, what="the group to serve")
+    before = engine_cpu(ep)
+    time.sleep(5)  # the measured interval itself
+    spent = engine_cpu(ep) - before
+    assert spent < 0.5, f"two idle members spent {spent:.2f}s of CPU in 5s"
+
+
+def test_two_members_give_the_reference_tokens(ep, reference):
+    assert group(ep)["size"] == 2 and group(ep)["experts"] == EXPERTS
+    assert greedy(ep.url) == reference
+
+
+def test_resizes_under_load_through_both_gateways(ep, reference):
+    """2 → 3 through one gateway, 3 → 1 through the other, while requests stream: none fails; both gateways
+    say a resize runs while it does; a second resize meanwhile is refused with 409; every size gives the
+    reference tokens."""
+    seen: dict[int, bool] = {}
+    with Traffic(ep.url) as traffic:
+        conn, first = on_gateway(ep.url, None)
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(up=scale(conn, 3)))
+        worker.start()
+
+        def both_saw_it() -> bool:
+            r = httpx.get(ep.url + "/is_scaling_elastic_ep", headers={"Connection": "close"}).json()
+            if r["is_scaling_elastic_ep"]:
+                seen[r["gateway"]] = True
+            return len(seen) == 2
+
+        wait_until(both_saw_it, 30, 0.0, "both gateways reporting the resize")
+        other, second = on_gateway(ep.url, first)
+        assert scale(other, 2)[0] == 409  # while the first resize runs
+        worker.join(120)
+        code, body = result["up"]
+        assert code == 200, body
+        assert body["new_data_parallel_size"] == 3 and body["pause_s"] < 10
+        assert len(engines(ep)) == 3 and group(ep)["size"] == 3
+        assert greedy(ep.url) == reference
+        done_at_3 = traffic.ok
+
+        code, body = scale(other, 1)
+        assert code == 200 and body["gateway"] == second != first, body
+        wait_until(lambda: len(procs(ep, "engine")) == 1, 30, what="the leavers to exit")
+        assert group(ep)["size"] == 1
+        assert greedy(ep.url) == reference
+        wait_until(lambda: traffic.ok > done_at_3 + 4, 60, what="traffic at one member")
+    assert not traffic.failed, traffic.failed[:5]
+    assert traffic.ok > 0
+    # The CLI resizes the group too, and `launch status` shows it.
+    r = subprocess.run([*LAUNCH, "scale", "engine", "2", "--port", str(ep.port)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    shown = subprocess.run([*LAUNCH, "status", "--port", str(ep.port)], capture_output=True, text=True, timeout=30)
+    assert f"expert parallel {MODEL}: 2 members" in shown.stdout, shown.stdout
+    assert greedy(ep.url) == reference
+
+
+def test_a_new_member_that_dies_while_loading_leaves_the_old_group_serving(ep, reference):
+    conn, _ = on_gateway(ep.url, None)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(r=scale(conn, 3)))
+    worker.start()
+
+    def the_new_member():
+        for p in ep.descendants():
+            try:
+                cmd = p.cmdline()
+            except psutil.Error:
+                continue
+            if "engine_worker" in cmd and "--ep-member" in cmd and cmd[cmd.index("--ep-member") + 1] == "2":
+                return p
+        return None
+
+    os.kill(wait_until(the_new_member, 30, 0.01, "the new member's process").pid, signal.SIGKILL)
+    worker.join(120)
+    code, body = result["r"]
+    assert code == 500, body
+    assert "failed to start" in body["error"]["message"]
+    st = group(ep)
+    assert st["size"] == 2 and st["phase"] is None and "failed to start" in st["last_error"]
+    wait_until(lambda: len(procs(ep, "engine")) == 2, 30, what="only the two members left")
+    assert greedy(ep.url) == reference
+
+
+def test_a_drain_timeout_shorter_than_a_running_request_changes_nothing(ep, reference):
+    client = openai.OpenAI(base_url=ep.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    stream = client.completions.create(model=MODEL, prompt="a long story", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)  # it runs
+    conn, _ = on_gateway(ep.url, None)
+    code, body = scale(conn, 1, drain_timeout=0.5)
+    assert code == 408, body
+    assert group(ep)["size"] == 2 and len(engines(ep)) == 2
+    for _ in range(5):
+        assert next(chunks).choices[0].text is not None  # the running request goes on
+    stream.close()
+    assert greedy(ep.url) == reference
+
+
+def test_a_member_killed_while_serving_fails_its_requests_at_once_and_the_group_comes_back(ep, reference):
+    client = openai.OpenAI(base_url=ep.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    ended: list[tuple[float, str]] = []
+
+    def long_stream(i: int) -> None:
+        try:
+            for _ in client.completions.create(model=MODEL, prompt=f"story {i}", max_tokens=1000, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                pass
+            ended.append((time.monotonic(), "finished"))
+        except Exception as e:  # noqa: BLE001 - the expected failure
+            ended.append((time.monotonic(), f"{type(e).__name__}: {e}"))
+
+    threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: sum(p.get("running") or 0 for p in engines(ep)) >= 4, 30, what="4 requests running")
+    generation = group(ep)["generation"]
+    victim = next(p for p in engines(ep) if p["index"] == 1)
+    killed = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert len(ended) == 4 and all(why != "finished" for _, why in ended), ended
+    assert max(at for at, _ in ended) - killed < 1.0, ended
+    # A request sent now waits while the group is formed again, then is served.
+    assert greedy(ep.url) == reference
+    st = group(ep)
+    assert st["size"] == 2 and st["generation"] > generation and "died" in st["last_error"]
