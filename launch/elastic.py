@@ -135,9 +135,12 @@ class ElasticGroup:
         being abandoned: no restart, no boot-error stop)."""
         self.members.pop(child.index, None)
         r = self.resize
-        if r is not None and r.phase == "starting" and child.index >= self.tier.base + r.old:
-            self._abandon(f"new member {child.name} failed to start ({why})")
-            return True
+        if r is not None:
+            new = child.index >= self.tier.base + r.old
+            self._abandon(f"{'new member ' if new else ''}{child.name} "
+                          f"{'failed to start' if new and r.phase == 'starting' else 'died'} ({why})")
+            if new and r.phase == "starting":
+                return True  # nothing else changed: the old group serves on
         if self.forming is not None:
             self.failures.append(f"{child.name} died ({why})")
         self._break(f"{child.name} died ({why})")
@@ -293,8 +296,9 @@ class ElasticGroup:
         log.error("expert-parallel group of %s: %s; the resize to %d is abandoned", self.tier.model_id, why,
                   r.target)
         self.sup.scale_engines(self.tier, r.old)
-        for c in self.sup._live("engine"):  # new members still loading: stop them now
-            if self.tier.owns(c.index) and c.index >= self.tier.base + r.old:
+        for c in self.sup._live("engine"):  # new members: stop them now
+            if self.tier.owns(c.index) and c.index >= self.tier.base + r.old and not c.draining:
+                c.draining = True  # on purpose: neither a failure nor restarted
                 c.signal(signal.SIGKILL)
         self._finish("failed", f"{why}; the group keeps its {r.old} members")
 
