@@ -341,10 +341,14 @@ def main(argv: list[str] | None = None) -> None:
         server: EngineServer = GroupedEngineServer(a.rank, a.endpoint, runner, scheduler, hello,
                                                    max_waiting=cfg.max_waiting, control_fd=a.control_fd,
                                                    status=status, source=source)
+        # Before Ready: a resize pauses admission once its new members are ready, and this half second of
+        # work would otherwise land inside that pause.
+        grammars.prepare().result()
     else:
         server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting)
     _serve(a, server, status, source, t0)
-    grammars.prepare()
+    if not grouped:
+        grammars.prepare()
     server.serve_forever()
 
 
