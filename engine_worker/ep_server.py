@@ -32,7 +32,7 @@ import zmq
 
 from protocol import ErrorMessage, RequestOutput, StepOutputs, encode
 from protocol.constants import ERR_ENGINE_DRAINING
-from protocol.control import PIPE_COMMANDS, GroupCommand, GroupReport, Heartbeat, LineBuffer, decode_line
+from protocol.control import PIPE_COMMANDS, GroupCommand, GroupReport, Heartbeat, LineBuffer
 from protocol.messages import GroupWake, ProtocolError
 from zserve.catalog import ModelSource
 from zserve.proc import StatusPipe
@@ -85,19 +85,12 @@ class GroupedEngineServer(EngineServer):
             self.poller.unregister(self.control_fd)
             self.control_fd = None
             return
-        try:
-            lines = self.lines.feed(data)
-        except ProtocolError as e:
-            log.warning("engine %d: dropped a control line: %s", self.rank, e)
-            return
-        for line in lines:
-            try:
-                msg = decode_line(line, PIPE_COMMANDS)
-            except ProtocolError as e:
-                log.warning("engine %d: dropped a control line: %s", self.rank, e)
-                continue
+        for msg in self.lines.messages(data, PIPE_COMMANDS, self._dropped):
             if isinstance(msg, GroupCommand):
                 self.commands.append(msg)
+
+    def _dropped(self, e: ProtocolError) -> None:
+        log.warning("engine %d: dropped a control line: %s", self.rank, e)
 
     def on_wake(self, msg: GroupWake) -> None:
         if msg.generation == self.generation:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from protocol import ProtocolError
 from protocol.constants import EXIT_CUT_OFF
-from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready, decode_line
+from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
 from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
@@ -63,19 +63,13 @@ class ControlReader:
         if not data:  # the supervisor is gone; PDEATHSIG will end us
             asyncio.get_running_loop().remove_reader(self.fd)
             return
-        try:
-            lines = self.lines.feed(data)
-        except ProtocolError as e:
-            log.warning("dropped a control line from the supervisor: %s", e)
-            return
-        for line in lines:
-            try:
-                msg = decode_line(line, PIPE_COMMANDS)
-            except ProtocolError as e:
-                log.warning("dropped an unreadable control line from the supervisor: %s", e)
-                continue
+        for msg in self.lines.messages(data, PIPE_COMMANDS, self._dropped):
             if isinstance(msg, ClusterUpdate):
                 self.queue.put_nowait(msg.state)
+
+    @staticmethod
+    def _dropped(e: ProtocolError) -> None:
+        log.warning("dropped a control line from the supervisor: %s", e)
 
     async def run(self) -> None:
         while True:

@@ -62,7 +62,6 @@ from protocol.control import (
     StatusReply,
     StopCommand,
     StopReply,
-    decode_line,
 )
 from zserve import control
 from zserve.catalog import ModelSource
@@ -80,6 +79,10 @@ from .sockets import create_listener
 log = logging.getLogger("zserve.launch")
 
 ABORT_GRACE = 3.0  # seconds a hung child has to write its traceback after SIGABRT before SIGKILL
+
+
+def _dropped_status(child: Child, e: ProtocolError) -> None:
+    log.warning("%s sent an unreadable status line: %s", child.name, e)
 
 
 def _scale_reply(model: str, reply: ElasticScaleReply) -> ControlMessage:
@@ -332,17 +335,7 @@ class Supervisor:
             os.close(child.status_fd)
             child.status_fd = -1
             return
-        try:
-            lines = child.lines.feed(data)
-        except ProtocolError as e:
-            log.warning("%s: dropped a status line: %s", child.name, e)
-            return
-        for line in lines:
-            try:
-                msg = decode_line(line, PIPE_EVENTS)
-            except ProtocolError as e:
-                log.warning("%s sent an unreadable status line: %s", child.name, e)
-                continue
+        for msg in child.lines.messages(data, PIPE_EVENTS, partial(_dropped_status, child)):
             child.last_beat = time.monotonic()
             if isinstance(msg, Ready) and not child.ready:
                 child.ready_at = time.monotonic()

@@ -19,6 +19,7 @@ Bump ``CONTROL_VERSION`` on any incompatible change; peers reject other versions
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -469,3 +470,20 @@ class LineBuffer:
             self.rest = b""
             raise ProtocolError(f"a line exceeds the {self.limit}-byte limit")
         return lines
+
+    def messages(self, data: bytes, allowed: tuple[type[ControlMessage], ...],
+                 dropped: Callable[[ProtocolError], None]) -> list[ControlMessage]:
+        """The messages ``data`` completes; a line too long or unreadable goes to ``dropped`` (which logs it)
+        and is skipped, so a bad line never stops a reader."""
+        try:
+            lines = self.feed(data)
+        except ProtocolError as e:
+            dropped(e)
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(decode_line(line, allowed))
+            except ProtocolError as e:
+                dropped(e)
+        return out

@@ -15,6 +15,7 @@ EXPERTS, TOP_K, LAYERS, HIDDEN, INTER, HEADS, KV_HEADS = 8, 2, 2, 64, 96, 4, 2
 def write_moe_checkpoint(root: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
+    from tests.unit.hf_checkpoints import layer_tensors
     from zserve.catalog import smollm2_gguf_path
     from zserve.tokenizer import Tokenizer
 
@@ -33,17 +34,11 @@ def write_moe_checkpoint(root: Path, seed: int = 0) -> Path:
     def w(*shape: int, scale: float = 0.15) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 
-    hd = HIDDEN // HEADS
     t = {"model.embed_tokens.weight": w(vocab, HIDDEN, scale=1.0), "model.norm.weight": 1 + w(HIDDEN),
          "lm_head.weight": w(vocab, HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = 1 + w(HIDDEN)
-        t[p + "post_attention_layernorm.weight"] = 1 + w(HIDDEN)
-        t[p + "self_attn.q_proj.weight"] = w(HEADS * hd, HIDDEN)
-        t[p + "self_attn.k_proj.weight"] = w(KV_HEADS * hd, HIDDEN)
-        t[p + "self_attn.v_proj.weight"] = w(KV_HEADS * hd, HIDDEN)
-        t[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * hd)
+        t.update(layer_tensors(w, p, HIDDEN, HEADS, KV_HEADS))
         t[p + "block_sparse_moe.gate.weight"] = w(EXPERTS, HIDDEN, scale=1.0)  # decisive routing
         for e in range(EXPERTS):
             q = f"{p}block_sparse_moe.experts.{e}."

@@ -44,6 +44,16 @@ CONFIGS = {
 }
 
 
+def layer_tensors(w, prefix: str, hidden: int, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    """One decoder layer's norms and attention projections, drawn from ``w(*shape)`` in a fixed order."""
+    hd = hidden // heads
+    return {prefix + "input_layernorm.weight": 1 + w(hidden), prefix + "post_attention_layernorm.weight": 1 + w(hidden),
+            prefix + "self_attn.q_proj.weight": w(heads * hd, hidden),
+            prefix + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+            prefix + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+            prefix + "self_attn.o_proj.weight": w(hidden, heads * hd)}
+
+
 def checkpoint_tensors(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under the checkpoint names each architecture is published with."""
     g = torch.Generator().manual_seed(seed)
@@ -58,12 +68,7 @@ def checkpoint_tensors(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
         t["lm_head.weight"] = w(VOCAB, HIDDEN)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = 1 + w(HIDDEN)
-        t[p + "post_attention_layernorm.weight"] = 1 + w(HIDDEN)
-        t[p + "self_attn.q_proj.weight"] = w(HEADS * hd, HIDDEN)
-        t[p + "self_attn.k_proj.weight"] = w(KV_HEADS * hd, HIDDEN)
-        t[p + "self_attn.v_proj.weight"] = w(KV_HEADS * hd, HIDDEN)
-        t[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * hd)
+        t.update(layer_tensors(w, p, HIDDEN, HEADS, KV_HEADS))
         if kind == "qwen2":
             t[p + "self_attn.q_proj.bias"] = w(HEADS * hd)
             t[p + "self_attn.k_proj.bias"] = w(KV_HEADS * hd)
