@@ -192,7 +192,7 @@ class ElasticGroup:
                 self.sup.scale_engines(self.tier, r.target)  # leavers drain (they are idle)
                 self.sup.publish_scaling()
                 self._form(r.target, now)
-            elif now - (r.paused_at or now) > r.drain_timeout:
+            elif r.paused_at is not None and now - r.paused_at > r.drain_timeout:
                 busy = sum((c.load.running + c.load.waiting) if c.load else 0 for c in old)
                 self._finish("drain_timeout", f"{busy} request(s) were still running after the drain timeout of "
                                               f"{r.drain_timeout:g}s; the group keeps its {r.old} members")
@@ -230,7 +230,7 @@ class ElasticGroup:
             r = self.resize
             self.sup._publish()  # the members are routable again (new ones for the first time)
             if r is not None:
-                pause = time.monotonic() - (r.paused_at or time.monotonic())
+                pause = time.monotonic() - r.paused_at if r.paused_at is not None else 0.0
                 self.last_pause_s = round(pause, 3)
                 self._finish("ok", f"the expert-parallel group has {size} members (was {r.old}); admission was "
                                    f"paused for {pause:.2f}s", pause_s=pause)
@@ -270,14 +270,15 @@ class ElasticGroup:
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _break(self, why: str) -> None:
-        if self.broken:
+        """The serving group lost a member: pause admission until it is formed again (a group never formed
+        has nothing to break: ``tick`` forms it once its members are loaded)."""
+        self.last_error = why
+        if self.broken or self.current is None:
             return
         log.error("expert-parallel group of %s is broken: %s; forming it again", self.tier.model_id, why)
         self.broken = True
-        self.last_error = why
         self.members.clear()  # (idle survivors notice nothing: they leave the old group on the next command)
-        if self.current is not None:
-            self.sup.pause_for_scaling("recovering")
+        self.sup.pause_for_scaling("recovering")
         self.sup._publish()
 
     def _pause(self, phase: str) -> None:
