@@ -144,6 +144,7 @@ class ElasticGroup:
         if self.forming is not None:
             self.failures.append(f"{child.name} died ({why})")
         self._break(f"{child.name} died ({why})")
+        self.last_error = f"{child.name} died ({why})"  # the cause, even when a survivor's report came first
         return False
 
     def request(self, target: int, drain_timeout: float, answer: Later) -> Later:
@@ -272,8 +273,10 @@ class ElasticGroup:
     def _break(self, why: str) -> None:
         """The serving group lost a member: pause admission until it is formed again (a group never formed
         has nothing to break: ``tick`` forms it once its members are loaded)."""
+        if self.broken:
+            return
         self.last_error = why
-        if self.broken or self.current is None:
+        if self.current is None:
             return
         log.error("expert-parallel group of %s is broken: %s; forming it again", self.tier.model_id, why)
         self.broken = True
