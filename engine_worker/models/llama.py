@@ -212,9 +212,12 @@ class LlamaForCausalLM(nn.Module):
         return not sep or int(rest.split(".", 1)[0]) in self.expert_ids
 
     def reshard(self, expert_ids: Sequence[int], read) -> None:
-        """Hold ``expert_ids`` in every MoE layer from now on, reading new experts with ``read(names)``."""
-        for i, layer in enumerate(self.layers):
-            layer.mlp.reshard(expert_ids, f"model.layers.{i}.block_sparse_moe.", read, self.packed)
+        """Hold ``expert_ids`` in every MoE layer from now on, reading new experts with ``read(names)``. Every
+        layer's new experts are loaded before any layer changes: a failed read leaves the model as it was."""
+        staged = [layer.mlp.staged_experts(expert_ids, f"model.layers.{i}.block_sparse_moe.", read, self.packed)
+                  for i, layer in enumerate(self.layers)]
+        for layer, experts in zip(self.layers, staged):
+            layer.mlp.use_experts(expert_ids, experts)
         self.expert_ids = list(expert_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

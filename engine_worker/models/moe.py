@@ -7,8 +7,8 @@ Written for expert parallelism (``engine_worker.expert_parallel``): a ``SparseMo
 experts in ``expert_ids`` (all of them by default) and computes the *partial* sum over those. With a
 ``group`` set, every member's tokens are gathered first (``group.dispatch``), routed identically
 everywhere (the router is replicated), and the partial sums added up across the group, each member
-keeping its own tokens' rows (``group.combine``). ``reshard`` changes which experts a layer holds when
-the group is resized.
+keeping its own tokens' rows (``group.combine``). ``staged_experts`` and ``use_experts`` change which
+experts a layer holds when the group is resized.
 """
 
 from __future__ import annotations
@@ -87,23 +87,27 @@ class SparseMoE(nn.Module):
             t.update(self.experts[local].targets(f"{prefix}experts.{e}."))
         return t
 
-    def reshard(self, expert_ids: Sequence[int], prefix: str,
-                read: Callable[[list[str]], dict[str, torch.Tensor]], pack: bool) -> None:
-        """Hold ``expert_ids`` from now on: keep the experts already here, load the others (``read`` returns
-        checkpoint tensors by HF name), release the rest; ``pack`` the new ones for oneDNN as the model is."""
+    def staged_experts(self, expert_ids: Sequence[int], prefix: str,
+                       read: Callable[[list[str]], dict[str, torch.Tensor]], pack: bool) -> nn.ModuleList:
+        """The experts this layer would hold as ``expert_ids``: the ones already here, the others loaded
+        (``read`` returns checkpoint tensors by HF name) and packed for oneDNN when ``pack``. Nothing changes
+        until ``use_experts``, so a read that fails leaves the layer as it was."""
         have = dict(zip(self.expert_ids, self.experts))
-        new_ids = [e for e in expert_ids if e not in have]
-        fresh = {e: Expert(self.hidden, self.inter, self.dtype, self.device) for e in new_ids}
+        fresh = {e: Expert(self.hidden, self.inter, self.dtype, self.device) for e in expert_ids if e not in have}
         if fresh:
             targets = {}
             for e, ex in fresh.items():
                 for name, (dest, row) in ex.targets(f"{prefix}experts.{e}.").items():
                     targets[name] = (dest, row, (self.inter if name.endswith(("w1.weight", "w3.weight"))
                                                  else self.hidden, dest.shape[1]))
-            copy_checkpoint(read(list(targets)).items(), targets, f"experts {new_ids} of {prefix}")
+            copy_checkpoint(read(list(targets)).items(), targets, f"experts {sorted(fresh)} of {prefix}")
             if pack:
                 for ex in fresh.values():
                     ex.gate_up_proj.pack()
                     ex.down_proj.pack()
+        return nn.ModuleList(have.get(e) or fresh[e] for e in expert_ids)
+
+    def use_experts(self, expert_ids: Sequence[int], experts: nn.ModuleList) -> None:
+        """Hold ``experts`` (from ``staged_experts``) as ``expert_ids``; the ones left out are released."""
         self.expert_ids = list(expert_ids)
-        self.experts = nn.ModuleList(have.get(e) or fresh[e] for e in self.expert_ids)
+        self.experts = experts

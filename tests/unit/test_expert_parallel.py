@@ -81,6 +81,24 @@ def test_resharding_keeps_loads_and_releases_experts_as_a_fresh_load_would(mixtr
             torch.testing.assert_close(ours.mlp(x), want.mlp(x))
 
 
+def test_a_reshard_whose_read_fails_leaves_the_model_as_it_was(mixtral):
+    lm = load_model(source(mixtral), torch.float32, CPU, expert_share=(0, 2))
+    read = hf_tensor_reader(source(mixtral))
+    calls = []
+
+    def flaky(names):
+        calls.append(names)
+        if len(calls) == 2:  # the second layer's experts
+            raise OSError("the checkpoint went away")
+        return read(names)
+
+    before = [list(layer.mlp.experts) for layer in lm.model.layers]
+    with pytest.raises(OSError):
+        lm.model.reshard(expert_shard(EXPERTS, 2, 1), flaky)
+    assert lm.model.expert_ids == [0, 1] and [list(layer.mlp.experts) for layer in lm.model.layers] == before
+    assert all(layer.mlp.expert_ids == [0, 1] for layer in lm.model.layers)
+
+
 def test_a_group_of_one_changes_nothing(mixtral):
     lm = load_model(source(mixtral), torch.float32, CPU)
     x = torch.randn(4, CONFIGS["mixtral"]["hidden_size"], generator=torch.Generator().manual_seed(1))
