@@ -32,7 +32,7 @@ import zmq
 
 from protocol import ErrorMessage, RequestOutput, StepOutputs, encode
 from protocol.constants import ERR_ENGINE_DRAINING
-from protocol.control import PIPE_COMMANDS, GroupCommand, GroupReport, Heartbeat, LineBuffer
+from protocol.control import PIPE_COMMANDS, GroupCommand, GroupFreeze, GroupReport, LineBuffer
 from protocol.messages import GroupWake, ProtocolError
 from zserve.catalog import ModelSource
 from zserve.proc import StatusPipe
@@ -66,7 +66,8 @@ class GroupedEngineServer(EngineServer):
         self.peers: list[zmq.Socket] = []
         self.commands: list[GroupCommand] = []  # read from the pipe, not yet carried out
         self._reader = None  # reads new experts from the checkpoint (made on the first reshard)
-        self._had_work = False
+        self.freezing = False  # told to freeze: finishing the requests here first
+        self.frozen = False  # frozen: requests that arrive wait; no group step is started for them
 
     # -- inbound ---------------------------------------------------------------------------------------
     def poll_inbound(self, timeout_ms: int) -> None:
@@ -88,6 +89,8 @@ class GroupedEngineServer(EngineServer):
         for msg in self.lines.messages(data, PIPE_COMMANDS, self._dropped):
             if isinstance(msg, GroupCommand):
                 self.commands.append(msg)
+            elif isinstance(msg, GroupFreeze) and msg.generation == self.generation:
+                self.freezing, self.frozen = msg.frozen, False
 
     def _dropped(self, e: ProtocolError) -> None:
         log.warning("engine %d: dropped a control line: %s", self.rank, e)
@@ -114,12 +117,14 @@ class GroupedEngineServer(EngineServer):
             if busy and self.draining and not self.active:
                 self.end_requests(None)  # taken just before SIGTERM (a leaver): another member serves them
                 continue
-            if not self.active and (busy or self.woken >= self.epoch):
+            if self.freezing and not self.active and not busy:
+                self.freezing, self.frozen = False, True
+                self.status.send(GroupReport(self.generation, "frozen"))
+            if not self.active and (self.woken >= self.epoch or (busy and not self.frozen)):
                 self.active = True
                 if self.woken < self.epoch:
                     self._wake_peers()
             if not self.active:
-                self._report_load()
                 self.poll_inbound(int(self.stats_interval * 1000))
                 self.publish_stats()
                 continue
@@ -128,7 +133,6 @@ class GroupedEngineServer(EngineServer):
                 self.group_step()
             except GroupLost as e:
                 self.lost(e)
-            self._report_load()
             self.publish_stats()
         self.publish_stats()
         self.leave()
@@ -152,15 +156,6 @@ class GroupedEngineServer(EngineServer):
                 peer.send_multipart(frames, flags=zmq.NOBLOCK)
             except zmq.Again:  # not connected (it died): the step's collective reports it
                 pass
-
-    def _report_load(self) -> None:
-        """Tell the supervisor at once when this engine runs dry (a resize waits for exactly that)."""
-        busy = self.scheduler.has_work
-        if busy != self._had_work:
-            self._had_work = busy
-            f = self.scheduler.stats_fields()
-            self.status.send(Heartbeat(running=f["running"], waiting=f["waiting"], kv_used=round(f["kv_used"], 4),
-                                       draining=self.draining))
 
     # -- forming and losing the group --------------------------------------------------------------------
     def regroup(self, cmd: GroupCommand) -> None:
@@ -192,6 +187,7 @@ class GroupedEngineServer(EngineServer):
         self.group = group
         self.runner.set_group(group)
         self.epoch, self.woken, self.active = 0, -1, False
+        self.freezing = self.frozen = False
         self.peers = []
         for i, endpoint in enumerate(cmd.peers):
             if i != cmd.rank:

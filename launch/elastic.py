@@ -10,9 +10,11 @@ A resize from S to T members (``ElasticScaleCommand``, ``launch scale engine``):
 
 1. **starting** (growing only): the new members start and load their share of the experts for T while
    the old group keeps serving. One that dies or does not load abandons the resize: nothing changed.
-2. **draining**: admission pauses on every gateway (requests wait there, up to ``--scaling-wait``); the
-   members finish their in-flight requests. Not done within ``drain_timeout``: admission resumes, the
-   new members stop, nothing changed (408).
+2. **draining**: admission pauses on every gateway (requests wait there, up to ``--scaling-wait``). Once
+   every gateway applied the pause, each member gets ``GroupFreeze``: it finishes the requests it has and
+   reports ``frozen``, after which it starts no group step of its own (a request still on its way waits in
+   its queue). Not all frozen within ``drain_timeout``: they thaw, admission resumes, the new members stop,
+   nothing changed (408).
 3. **regrouping**: leavers stop; members 0..T-1 get a ``GroupCommand`` for the next generation: they
    re-shard their experts (keep, load, release) and meet at a fresh rendezvous file in the private run
    directory. When all report ``formed``, admission resumes. The pause is stages 2 and 3 only.
@@ -34,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protocol.control import ELASTIC_OUTCOMES, ElasticScaleReply, GroupCommand, GroupReport
+from protocol.control import ELASTIC_OUTCOMES, ElasticScaleReply, GroupCommand, GroupFreeze, GroupReport
 
 if TYPE_CHECKING:
     from .children import Child
@@ -66,6 +68,7 @@ class Resize:
     phase: str = "starting"
     since: float = field(default_factory=time.monotonic)
     paused_at: float | None = None
+    freeze_sent: bool = False
 
 
 def num_experts(tier: ModelTier) -> int:
@@ -92,6 +95,7 @@ class ElasticGroup:
         self.failures: list[str] = []  # why members could not join the forming generation
         self.broken = False  # a member died or lost the group: re-form it
         self.resize: Resize | None = None
+        self.frozen: set[int] = set()  # members that reported frozen for the running resize
         self.retry_at = 0.0  # after a failed formation, the next try waits a moment
         self.last_error: str | None = None
         self.last_pause_s: float | None = None
@@ -121,6 +125,10 @@ class ElasticGroup:
 
     # -- events --------------------------------------------------------------------------------------------
     def on_report(self, child: Child, msg: GroupReport) -> None:
+        if msg.event == "frozen":
+            if msg.generation == self.current and self.resize is not None:
+                self.frozen.add(child.index)
+            return
         if self.forming is None or msg.generation != self.forming[0]:
             if msg.event == "lost" and msg.generation == self.current and not child.draining:
                 self._break(f"{child.name} lost the group: {msg.reason}")
@@ -159,6 +167,7 @@ class ElasticGroup:
             log.info("expert-parallel group of %s: resizing %d → %d (drain timeout %.0fs)", self.tier.model_id,
                      self.size, target, drain_timeout)
             self.resize = Resize(self.size, target, drain_timeout, answer)
+            self.frozen = set()
             if target > self.size:
                 self.sup.scale_engines(self.tier, target)  # the new members start loading
             else:
@@ -188,15 +197,22 @@ class ElasticGroup:
             if self.sup.lagging_scaling():
                 return  # a gateway may still admit requests
             old = [c for c in members if c.index < self.tier.base + r.old]
-            if all(c.load is not None and not c.load.running and not c.load.waiting for c in old):
+            if not r.freeze_sent:  # every request a gateway admitted is sent: the members finish them
+                r.freeze_sent = True
+                for c in old:
+                    c.send(GroupFreeze(self.current or 0))
+            if all(c.index in self.frozen for c in old):
                 r.phase = "regrouping"
                 self.sup.scale_engines(self.tier, r.target)  # leavers drain (they are idle)
                 self.sup.publish_scaling()
                 self._form(r.target, now)
             elif r.paused_at is not None and now - r.paused_at > r.drain_timeout:
+                for c in old:
+                    c.send(GroupFreeze(self.current or 0, frozen=False))
                 busy = sum((c.load.running + c.load.waiting) if c.load else 0 for c in old)
-                self._finish("drain_timeout", f"{busy} request(s) were still running after the drain timeout of "
-                                              f"{r.drain_timeout:g}s; the group keeps its {r.old} members")
+                self._finish("drain_timeout", f"in-flight requests did not finish within the drain timeout of "
+                                              f"{r.drain_timeout:g}s ({busy} running or waiting at the last "
+                                              f"heartbeat); the group keeps its {r.old} members")
                 self.sup.scale_engines(self.tier, r.old)
 
     def _members(self) -> list[Child]:

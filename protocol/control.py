@@ -4,8 +4,8 @@ Two channels, one framing — a JSON object per line, ``{"v": CONTROL_VERSION, "
 
 - the *pipes* of each child: child → supervisor ``Ready``, ``Heartbeat`` (with its load),
   ``Ack`` (of a cluster-state version), ``BootFailed`` and, from an expert-parallel engine,
-  ``GroupReport``; supervisor → child ``ClusterUpdate`` (gateways) and ``GroupCommand``
-  (expert-parallel engines);
+  ``GroupReport``; supervisor → child ``ClusterUpdate`` (gateways), ``GroupCommand`` and
+  ``GroupFreeze`` (expert-parallel engines);
 - the owner-only *control socket*: one command in (``StatusCommand``, ``ScaleCommand``,
   ``ElasticScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``StopCommand``), one reply out
   (``StatusReply``, ``ScaleReply``, ``ElasticScaleReply``, ``PauseReply``, ``StopReply`` or
@@ -132,14 +132,15 @@ class BootFailed(ControlMessage):
         _check(_is_str(self.reason), "reason must be a str of at most 4096 chars")
 
 
-GROUP_EVENTS = ("formed", "failed", "lost")
+GROUP_EVENTS = ("formed", "failed", "lost", "frozen")
 
 
 @dataclass(frozen=True)
 class GroupReport(ControlMessage):
     """An expert-parallel engine on its group ``generation``: ``formed`` (it serves in it, holding experts
-    ``experts[0]`` .. ``experts[1] - 1``), ``failed`` (it could not join; ``reason``) or ``lost`` (a collective
-    failed while serving: a member died; its in-flight requests ended with an error)."""
+    ``experts[0]`` .. ``experts[1] - 1``), ``failed`` (it could not join; ``reason``), ``lost`` (a collective
+    failed while serving: a member died; its in-flight requests ended with an error) or ``frozen`` (after a
+    ``GroupFreeze``: it has finished its requests and starts no group step of its own any more)."""
 
     TYPE: ClassVar[str] = "ep_report"
     generation: int
@@ -204,6 +205,21 @@ class GroupCommand(ControlMessage):
         _check(_is_str(self.store, 4096), "store must be a path")
         _check(isinstance(self.peers, tuple) and len(self.peers) == self.size
                and all(_is_str(p, 1024) for p in self.peers), "peers are one endpoint per member")
+
+
+@dataclass(frozen=True)
+class GroupFreeze(ControlMessage):
+    """The drain before a resize, exact on the engine's side: finish every request already here (stepping
+    with the group as long as any member does), then start no group step of its own (requests that arrive
+    later wait in the queue) and report ``frozen``. ``frozen=False`` undoes it (the resize was called off)."""
+
+    TYPE: ClassVar[str] = "ep_freeze"
+    generation: int
+    frozen: bool = True
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.generation, 0, 1 << 62) and isinstance(self.frozen, bool),
+               "ep_freeze needs a generation and a frozen flag")
 
 
 # -- control socket: commands --------------------------------------------------------------------------
@@ -421,7 +437,7 @@ class StopReply(ControlMessage):
 
 PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport)
 """What a child writes on its status pipe."""
-PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand)
+PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand, GroupFreeze)
 """What the supervisor writes on a child's control pipe."""
 COMMANDS: tuple[type[ControlMessage], ...] = (StatusCommand, ScaleCommand, ElasticScaleCommand, PauseCommand,
                                               ResumeCommand, StopCommand)

@@ -145,6 +145,15 @@ class Traffic:
             t.join(120)
 
 
+def two_members(server: Server) -> None:
+    """Start from a serving group of two, whatever an earlier test left (each test then fails on its own)."""
+    wait_until(lambda: group(server)["phase"] is None, 120, what="the group to be serving")
+    if group(server)["size"] != 2:
+        r = httpx.post(server.url + "/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=300)
+        assert r.status_code == 200, r.text
+    wait_until(lambda: len(procs(server, "engine")) == 2, 60, what="two engine processes")
+
+
 def engine_cpu(server: Server) -> float:
     return sum(sum(psutil.Process(p["pid"]).cpu_times()[:2]) for p in engines(server))
 
@@ -159,6 +168,7 @@ def test_an_idle_group_spends_no_cpu(ep):
 
 
 def test_two_members_give_the_reference_tokens(ep, reference):
+    two_members(ep)
     assert group(ep)["size"] == 2 and group(ep)["experts"] == EXPERTS
     assert greedy(ep.url) == reference
 
@@ -167,6 +177,7 @@ def test_resizes_under_load_through_both_gateways(ep, reference):
     """2 → 3 through one gateway, 3 → 1 through the other, while requests stream: none fails; both gateways
     say a resize runs while it does; a second resize meanwhile is refused with 409; every size gives the
     reference tokens."""
+    two_members(ep)
     seen: dict[int, bool] = {}
     with Traffic(ep.url) as traffic:
         conn, first = on_gateway(ep.url, None)
@@ -209,6 +220,7 @@ def test_resizes_under_load_through_both_gateways(ep, reference):
 
 
 def test_a_new_member_that_dies_while_loading_leaves_the_old_group_serving(ep, reference):
+    two_members(ep)
     conn, _ = on_gateway(ep.url, None)
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(r=scale(conn, 3)))
@@ -236,6 +248,7 @@ def test_a_new_member_that_dies_while_loading_leaves_the_old_group_serving(ep, r
 
 
 def test_a_drain_timeout_shorter_than_a_running_request_changes_nothing(ep, reference):
+    two_members(ep)
     client = openai.OpenAI(base_url=ep.url + "/v1", api_key="x", max_retries=0, timeout=120)
     stream = client.completions.create(model=MODEL, prompt="a long story", max_tokens=1000, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -252,6 +265,7 @@ def test_a_drain_timeout_shorter_than_a_running_request_changes_nothing(ep, refe
 
 
 def test_a_member_killed_while_serving_fails_its_requests_at_once_and_the_group_comes_back(ep, reference):
+    two_members(ep)
     client = openai.OpenAI(base_url=ep.url + "/v1", api_key="x", max_retries=0, timeout=120)
     ended: list[tuple[float, str]] = []
 

@@ -11,7 +11,7 @@ import pytest
 
 from launch.elastic import ElasticGroup, Later
 from launch.supervisor import ModelTier
-from protocol.control import ElasticScaleReply, GroupCommand, GroupReport, Heartbeat
+from protocol.control import ElasticScaleReply, GroupCommand, GroupFreeze, GroupReport, Heartbeat
 from zserve.catalog import ModelSource
 from zserve.cluster import PAUSING_PHASES
 from zserve.config import EngineConfig, ModelSpec
@@ -124,6 +124,14 @@ def form(sup: FakeSupervisor, group: ElasticGroup, now: float = 0.0) -> int:
     return gen
 
 
+def freeze(sup: FakeSupervisor, group: ElasticGroup, now: float) -> None:
+    """Every member told to freeze finishes and says so; then the machine turns."""
+    for c in sup.children:
+        if any(isinstance(m, GroupFreeze) and m.frozen for m in c.sent) and not c.draining:
+            group.on_report(c, GroupReport(group.current, "frozen"))  # type: ignore[arg-type]
+    group.tick(now)
+
+
 def reply(later: Later) -> ElasticScaleReply:
     assert isinstance(later.reply, ElasticScaleReply)
     return later.reply
@@ -152,11 +160,15 @@ def test_growing_loads_new_members_first_then_pauses_only_to_regroup(setup):
     sup.member(2).ready = True
     group.tick(2)
     assert group.phase == "draining" and sup.paused
-    sup.member(0).load = Heartbeat(running=1, waiting=0)
     group.tick(3)
-    assert group.phase == "draining"  # a request still runs
-    sup.member(0).load = Heartbeat(running=0, waiting=0)
-    gen = form(sup, group, 4)
+    assert [type(c.sent[-1]) for c in sup.children[:2]] == [GroupFreeze, GroupFreeze]  # the old members only
+    assert not sup.member(2).sent
+    group.on_report(sup.member(0), GroupReport(group.current, "frozen"))  # type: ignore[arg-type]
+    group.tick(4)
+    assert group.phase == "draining" and group.forming is None  # member 1 still finishes a request
+    freeze(sup, group, 5)
+    assert group.phase == "regrouping"
+    gen = form(sup, group, 6)
     assert reply(later).outcome == "ok" and reply(later).size == 3 and group.size == 3
     assert [c.sent[-1].size for c in sup.children if not c.draining] == [3, 3, 3] and gen == group.current
     assert not sup.paused and sup.phases[-1] == ""
@@ -177,10 +189,12 @@ def test_a_drain_timeout_resumes_and_changes_nothing(setup):
     later = group.request(1, 0.5, Later())
     sup.member(1).load = Heartbeat(running=2, waiting=1)
     group.tick(0.1)
+    group.on_report(sup.member(0), GroupReport(group.current, "frozen"))  # type: ignore[arg-type]
     group.resize.paused_at = 0.0  # type: ignore[union-attr]
     group.tick(1.0)
-    assert reply(later).outcome == "drain_timeout" and "3 request(s)" in reply(later).message
+    assert reply(later).outcome == "drain_timeout" and "3 running or waiting" in reply(later).message
     assert group.size == 2 and sup.tier.desired == 2 and not sup.paused and group.phase == ""
+    assert all(c.sent[-1] == GroupFreeze(group.current, frozen=False) for c in sup.children)  # thawed
 
 
 def test_the_pause_waits_for_every_gateway_to_apply_it(setup):
@@ -189,9 +203,10 @@ def test_the_pause_waits_for_every_gateway_to_apply_it(setup):
     group.request(1, 30, Later())
     sup.lagging = True
     group.tick(1)
-    assert group.forming is None  # a gateway may still admit a request
+    assert not any(isinstance(m, GroupFreeze) for c in sup.children for m in c.sent)  # a gateway may still admit
     sup.lagging = False
     group.tick(2)
+    freeze(sup, group, 3)
     assert group.forming is not None
 
 
@@ -211,7 +226,8 @@ def test_a_new_member_that_fails_to_join_re_forms_the_old_size(setup):
     later = group.request(3, 30, Later())
     sup.member(2).ready = True
     group.tick(1)
-    group.tick(2)  # drained: regrouping, generation sent to 3 members
+    group.tick(2)
+    freeze(sup, group, 2.5)  # drained: regrouping, generation sent to 3 members
     gen = group.forming[0]
     group.on_report(sup.member(0), GroupReport(gen, "formed"))  # type: ignore[arg-type]
     group.on_report(sup.member(2), GroupReport(gen, "failed", reason="out of memory"))  # type: ignore[arg-type]
