@@ -328,7 +328,8 @@ def scale(tier: str, count: int, port: int, wait: bool, timeout: float, model: s
     """Scale the gateway (api-server) tier, or one model's engine tier, to COUNT processes while serving."""
     if model is not None and tier != "engine":
         raise click.UsageError("--model chooses an engine tier; gateways serve every model")
-    reply = _ask(port, ScaleCommand(tier, count, model), ScaleReply)
+    # (an expert-parallel group answers when its resize is over: new members may take minutes to load)
+    reply = _ask(port, ScaleCommand(tier, count, model), ScaleReply, timeout=timeout)
     name = "gateway" if tier == "api-server" else f"engine ({reply.model})"
     deadline = time.monotonic() + timeout
     while wait:
