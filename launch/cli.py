@@ -9,6 +9,7 @@ owner-only control socket. ``launch bench`` measures any running OpenAI-compatib
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -76,6 +77,9 @@ server_options = _options(
     click.option("--host", default="127.0.0.1", show_default=True),
     click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
                  help="0 picks a free port."),
+    click.option("--uds", default=None, metavar="PATH",
+                 help="Serve on a Unix socket at PATH instead of --host/--port (mode 0660, removed on exit; every "
+                      "gateway serves it), for a proxy on the same host such as nginx or HAProxy."),
     click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
                  help="Seconds a process may take to become ready."),
     click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
@@ -182,7 +186,8 @@ def render(**options) -> None:
 
 
 def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_names: tuple[str, ...], host: str,
-          port: int, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float, log_level: str,
+          port: int, uds: str | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
+          log_level: str,
           api_keys: tuple[str, ...], api_key_file: str | None, admin_keys: tuple[str, ...], **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
     told to stop, and exit with its code: the one start-up path of every serving command."""
@@ -195,8 +200,9 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
+    logging.getLogger("zserve.launch").info("%s", _start_line())
     cfg = ServeConfig(models=served, gateway=gateway, api_keys=api_keys, admin_keys=tuple(admin_keys), host=host,
-                      port=port, gateways=count,
+                      port=port, uds=uds, gateways=count,
                       ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
     sup = Supervisor(cfg)
@@ -214,6 +220,46 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
         code = sup.stop() or code
         logging.getLogger("zserve.launch").info("stopped (exit code %d)", code)
     sys.exit(code)
+
+
+SECRET_OPTIONS = frozenset({"api_keys", "admin_keys"})
+"""Options whose values never reach a log: shown as how many were given."""
+
+
+def _start_line() -> str:
+    """``zserve VERSION: launch COMMAND`` and every option given a value other than its default (from the
+    command line or the environment), secrets redacted, so a log says how the server was started."""
+    from click.core import ParameterSource
+
+    from zserve import __version__
+
+    ctx = click.get_current_context()
+    given = []
+    for p in ctx.command.params:
+        if ctx.get_parameter_source(p.name) in (None, ParameterSource.DEFAULT) or p.name not in ctx.params:
+            continue
+        value = ctx.params[p.name]
+        if p.name in SECRET_OPTIONS:
+            shown = f"<{len(value)} redacted>"
+        elif isinstance(value, (tuple, list)):
+            shown = ",".join(map(str, value))
+        else:
+            shown = _redact_url(str(value)) if isinstance(value, str) else str(value)
+        given.append(f"{p.opts[-1] if p.opts else p.name}={shown}")
+    return f"zserve {__version__}: launch {ctx.info_name} {' '.join(given) or '(every option at its default)'}"
+
+
+def _redact_url(value: str) -> str:
+    """A URL's password replaced (``redis://:secret@host`` → ``redis://:***@host``); other text as it is."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if "://" not in value:
+        return value
+    parts = urlsplit(value)
+    if parts.password is None:
+        return value
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _models(models: tuple[str, ...], engine: EngineConfig, engines: int, names: tuple[str, ...]
@@ -293,8 +339,9 @@ def _tier_config(cls: type[T], options: dict) -> T:
         raise click.UsageError(message) from None
 
 
-def _ask(port: int, cmd: ControlMessage, expect: type[R], timeout: float = 30.0) -> R:
-    """Send one command to the server on ``port``; return its reply of type ``expect`` or fail with its error."""
+def _ask(port: int | str, cmd: ControlMessage, expect: type[R], timeout: float = 30.0) -> R:
+    """Send one command to the server on ``port`` (a TCP port, or the path of its ``--uds`` socket); return its
+    reply of type ``expect`` or fail with its error."""
     try:
         reply = control.request(control.find_control_socket(port), cmd, timeout)
     except (ConnectionError, OSError, ProtocolError) as e:
@@ -306,12 +353,20 @@ def _ask(port: int, cmd: ControlMessage, expect: type[R], timeout: float = 30.0)
     return reply
 
 
-def _status(port: int) -> StatusReply:
+def _status(port: int | str) -> StatusReply:
     return _ask(port, StatusCommand(), StatusReply)
 
 
-port_option = click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
-                           help="Port of the server to control.")
+def port_option(f):
+    """``--port`` or ``--uds``: which running server to control; the command gets one of them as ``port``."""
+    @functools.wraps(f)
+    def command(*args, port: int, uds: str | None, **kw):
+        return f(*args, port=uds or port, **kw)
+
+    command = click.option("--uds", default=None, metavar="PATH",
+                           help="The server on this Unix socket (launch api-server --uds) instead of --port.")(command)
+    return click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+                        help="Port of the server to control.")(command)
 
 
 @main.command("scale")

@@ -74,11 +74,20 @@ from . import systemd
 from .children import CRASH_LOOP_WINDOW, Child, Slot, spawn
 from .control_server import AwaitAcks, ControlServer
 from .elastic import ElasticGroup, Later
-from .sockets import create_listener
+from .sockets import UnixHTTPConnection, create_listener, create_unix_listener
 
 log = logging.getLogger("zserve.launch")
 
 ABORT_GRACE = 3.0  # seconds a hung child has to write its traceback after SIGABRT before SIGKILL
+
+
+def _remove_socket_file(path: str, inode: int | None) -> None:
+    """Unlink a ``--uds`` socket's file, unless another server has bound the path since (another inode)."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _dropped_status(child: Child, e: ProtocolError) -> None:
@@ -111,6 +120,7 @@ class ServeConfig:
     admin_keys: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
+    uds: str | None = None  # serve on this Unix socket instead of host:port
     gateways: int = 2
     ready_timeout: float = 600.0
     shutdown_timeout: float = 30.0
@@ -171,6 +181,7 @@ class Supervisor:
         self.started_at = time.time()
         self._last_watchdog = 0.0
         self.num_gpus = 0
+        self._uds_inode: int | None = None
         # Expert-parallel tiers (by their first rank): each one group, formed, resized and re-formed here.
         self.elastic = {t.base: ElasticGroup(self, t) for t in self.tiers if t.spec.engine.expert_parallel}
         self._scaling_version = 0  # the cluster-state version that paused admission for a resize
@@ -609,15 +620,22 @@ class Supervisor:
     def start(self) -> str:
         t0 = time.monotonic()
         self._make_run_dir()
-        self.listener = systemd.inherited_listener() or create_listener(self.cfg.host, self.cfg.port)
+        self.listener = systemd.inherited_listener() or (
+            create_unix_listener(self.cfg.uds) if self.cfg.uds else create_listener(self.cfg.host, self.cfg.port))
         self.control_path = os.path.join(self.run_dir, "control.sock")
         self.control = ControlServer(self.control_path, self.sel, self.command)
         self.sel.register(self._signal_r, selectors.EVENT_READ, self._read_signals)
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(s, self._on_signal)
-        host, port = self.listener.getsockname()[:2]
-        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        self.pointer = control.pointer_path(port)
+        if self.listener.family == socket.AF_UNIX:
+            path = self.listener.getsockname()
+            self._uds_inode = os.stat(path).st_ino  # removed on exit only if still ours
+            self.url = f"unix:{path}"
+            self.pointer = control.pointer_path(path)
+        else:
+            host, port = self.listener.getsockname()[:2]
+            self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+            self.pointer = control.pointer_path(port)
         with open(self.pointer, "w") as f:
             f.write(self.control_path)
         deadline = time.monotonic() + self.cfg.ready_timeout
@@ -659,9 +677,16 @@ class Supervisor:
     def _check_health(self, deadline: float) -> None:
         while True:
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
+                if self.url.startswith("unix:"):
+                    conn = UnixHTTPConnection(self.url.removeprefix("unix:"))
+                    conn.request("GET", "/health")
+                    if conn.getresponse().status == 200:
                         return
+                    conn.close()
+                else:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            return
             except OSError:
                 pass
             if time.monotonic() > deadline:
@@ -707,6 +732,8 @@ class Supervisor:
         if self.control is not None:
             self.control.close()
         if self.listener is not None:
+            if self.listener.family == socket.AF_UNIX:
+                _remove_socket_file(self.listener.getsockname(), self._uds_inode)
             self.listener.close()
         try:
             if self.pointer and open(self.pointer).read().strip() == self.control_path:

@@ -24,7 +24,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "launch"]
-URL_RE = re.compile(r"zserve: serving (.+?) at (http://\S+) ")
+URL_RE = re.compile(r"zserve: serving (.+?) at ((?:http://|unix:)\S+) ")
 
 
 class Server:

@@ -12,6 +12,7 @@ peer uid (SO_PEERCRED) must be the supervisor's.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 import struct
@@ -31,17 +32,22 @@ def runtime_base() -> str:
     return path
 
 
-def pointer_path(port: int) -> str:
-    """Where the supervisor serving ``port`` records its control socket's path."""
-    return os.path.join(runtime_base(), f"port-{port}.ctl")
+def pointer_path(where: int | str) -> str:
+    """Where the supervisor serving TCP port ``where`` (or the Unix socket at path ``where``) records its
+    control socket's path."""
+    if isinstance(where, str):
+        digest = hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:16]
+        return os.path.join(runtime_base(), f"uds-{digest}.ctl")
+    return os.path.join(runtime_base(), f"port-{where}.ctl")
 
 
-def find_control_socket(port: int) -> str:
+def find_control_socket(where: int | str) -> str:
     try:
-        with open(pointer_path(port)) as f:
+        with open(pointer_path(where)) as f:
             return f.read().strip()
     except FileNotFoundError:
-        raise ConnectionError(f"no zserve server is running on port {port} (no {pointer_path(port)})") from None
+        what = f"on the Unix socket {where}" if isinstance(where, str) else f"on port {where}"
+        raise ConnectionError(f"no zserve server is running {what} (no {pointer_path(where)})") from None
 
 
 def listen(path: str) -> socket.socket:
