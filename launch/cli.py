@@ -27,6 +27,8 @@ from protocol import ProtocolError
 from protocol.control import (
     ControlMessage,
     ErrorReply,
+    ReloadCommand,
+    ReloadReply,
     ScaleCommand,
     ScaleReply,
     StatusCommand,
@@ -432,6 +434,17 @@ def status(port: int, as_json: bool) -> None:
             load = f"{p['model']}: {load}"
         click.echo(f"{p['tier']:8} {p['index']:>3} {p['pid'] or '-':>7} {p['state']:10} {p['restarts']:>8} "
                    f"{uptime:>8}  {load}")
+
+
+@main.command("reload")
+@port_option
+@click.option("--timeout", type=float, default=1800, show_default=True,
+              help="Seconds to wait for every process to be replaced.")
+def reload(port: int | str, timeout: float) -> None:
+    """Replace every process one at a time, dropping no request (like SIGHUP to the supervisor): gateways
+    start before the old ones drain, engines drain before their replacements start."""
+    reply = _ask(port, ReloadCommand(), ReloadReply, timeout=timeout)
+    click.echo(f"reloaded: {reply.replaced} process(es) replaced in {reply.seconds:.1f}s")
 
 
 @main.command("stop")

@@ -55,6 +55,7 @@ from protocol.control import (
     PauseReply,
     ProcessStatus,
     Ready,
+    ReloadCommand,
     ResumeCommand,
     ScaleCommand,
     ScaleReply,
@@ -74,6 +75,7 @@ from . import systemd
 from .children import CRASH_LOOP_WINDOW, Child, Slot, spawn
 from .control_server import AwaitAcks, ControlServer
 from .elastic import ElasticGroup, Later
+from .reload import RollingRestart
 from .sockets import UnixHTTPConnection, create_listener, create_unix_listener
 
 log = logging.getLogger("zserve.launch")
@@ -186,6 +188,7 @@ class Supervisor:
         self.elastic = {t.base: ElasticGroup(self, t) for t in self.tiers if t.spec.engine.expert_parallel}
         self._scaling_version = 0  # the cluster-state version that paused admission for a resize
         self._operator_paused = False  # /pause given by an operator (restored when a resize resumes)
+        self.reloading: RollingRestart | None = None  # SIGHUP / launch reload in progress
 
     # -- set-up ------------------------------------------------------------------------------
     def _make_run_dir(self) -> None:
@@ -321,7 +324,9 @@ class Supervisor:
             pass
 
     def _handle_signal(self, signum: int) -> None:
-        if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal went away
+        if signum == signal.SIGHUP and not self.stopping:  # gunicorn's convention: reload, not stop
+            self.reload()
+        elif signum in (signal.SIGTERM, signal.SIGINT):
             if self.stopping and signum == signal.SIGINT:
                 log.warning("second SIGINT: stopping now without draining")
                 self.fast_stop = True
@@ -397,6 +402,10 @@ class Supervisor:
                 self._broadcast()
                 log.info("admission %s (cluster state v%d)", "paused" if paused else "resumed", state.version)
             return AwaitAcks(state.version, PauseReply(paused, state.version))
+        if isinstance(cmd, ReloadCommand):
+            answer = Later()
+            self.reload().answers.append(answer)
+            return answer
         if isinstance(cmd, StopCommand):
             self.stopping = True
             return StopReply()
@@ -416,6 +425,14 @@ class Supervisor:
             return ErrorReply(f"{said} served expert parallel (launch api-server --expert-parallel)"
                               + ("; name the model" if len(groups) > 1 else ""))
         return groups[0].request(cmd.size, cmd.drain_timeout, Later())
+
+    def reload(self) -> RollingRestart:
+        """Start a rolling restart (``launch.reload``), or join the one in progress."""
+        if self.reloading is None:
+            self.reloading = RollingRestart.begin(self)
+        else:
+            log.info("reload: one is in progress already")
+        return self.reloading
 
     def _group_of(self, child: Child) -> ElasticGroup | None:
         if child.tier != "engine":
@@ -604,6 +621,10 @@ class Supervisor:
             self._match_counts(now)
             for group in self.elastic.values():
                 group.tick(now)
+            if self.reloading is not None:
+                self.reloading.tick(now)
+                if self.reloading.done:
+                    self.reloading = None
             self._check_tiers(now)
         self._publish()
         if self.control is not None:

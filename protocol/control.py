@@ -285,6 +285,13 @@ class ResumeCommand(ControlMessage):
 
 
 @dataclass(frozen=True)
+class ReloadCommand(ControlMessage):
+    """Replace every process one at a time (like SIGHUP to the supervisor); answered when it is done."""
+
+    TYPE: ClassVar[str] = "reload"
+
+
+@dataclass(frozen=True)
 class StopCommand(ControlMessage):
     """Drain and stop, like SIGTERM to the supervisor."""
 
@@ -427,6 +434,16 @@ class PauseReply(ControlMessage):
 
 
 @dataclass(frozen=True)
+class ReloadReply(ControlMessage):
+    TYPE: ClassVar[str] = "reload_reply"
+    replaced: int  # processes replaced
+    seconds: float  # how long the rolling restart took
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.replaced) and _is_num(self.seconds), "bad replaced or seconds")
+
+
+@dataclass(frozen=True)
 class StopReply(ControlMessage):
     TYPE: ClassVar[str] = "stop_reply"
     stopping: bool = True
@@ -440,10 +457,10 @@ PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFail
 PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand, GroupFreeze)
 """What the supervisor writes on a child's control pipe."""
 COMMANDS: tuple[type[ControlMessage], ...] = (StatusCommand, ScaleCommand, ElasticScaleCommand, PauseCommand,
-                                              ResumeCommand, StopCommand)
+                                              ResumeCommand, ReloadCommand, StopCommand)
 """What the control socket accepts."""
 REPLIES: tuple[type[ControlMessage], ...] = (ErrorReply, StatusReply, ScaleReply, ElasticScaleReply, PauseReply,
-                                             StopReply)
+                                             ReloadReply, StopReply)
 """What the control socket answers."""
 
 

@@ -186,3 +186,49 @@ def _read_stream(url: str, body: dict, res: StreamResult) -> None:
             else:
                 res.chunks += 1
                 res.finish = msg["choices"][0]["finish_reason"] or res.finish
+
+
+class Traffic:
+    """A bounded stream of concurrent requests as users send them: streamed and sampled (T=1.0) completions
+    and chat for ``model``, through the official SDK without retries; counts what succeeded and what failed.
+    ``keepalive=False``: a new connection for every request (the kernel then picks a gateway for each)."""
+
+    def __init__(self, url: str, model: str, workers: int = 4, keepalive: bool = True):
+        import openai
+
+        http = None if keepalive else httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=120)
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120, http_client=http)
+        self.model = model
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failed: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+
+    def _run(self, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                if (i + n) % 2:
+                    chunks = self.client.completions.create(model=self.model, prompt=f"request {i}.{n}: once upon a",
+                                                            max_tokens=12, stream=True)
+                    text = "".join(c.choices[0].text for c in chunks if c.choices)
+                else:
+                    r = self.client.chat.completions.create(model=self.model, max_tokens=12,
+                                                            messages=[{"role": "user", "content": f"hi {i} {n}"}])
+                    text = r.choices[0].message.content
+                assert text is not None
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+                self.failed.append(f"{type(e).__name__}: {e}")
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        wait_until(lambda: self.ok >= 4, 60, what="the traffic to flow")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)

@@ -14,11 +14,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 ENGINE_STATES = ("starting", "ready", "draining")
-SCALING_PHASES = ("", "starting", "draining", "regrouping", "recovering")
-"""An expert-parallel group's phases: serving; new members load (the old group serves on); admission paused
-while in-flight requests finish; the group re-forms at its new size; it re-forms after losing a member."""
-PAUSING_PHASES = ("draining", "regrouping", "recovering")
-"""The phases that pause admission (the supervisor sets ``paused`` with them)."""
+ELASTIC_PHASES = ("starting", "draining", "regrouping", "recovering")
+"""An expert-parallel group's phases: new members load (the old group serves on); admission paused while
+in-flight requests finish; the group re-forms at its new size; it re-forms after losing a member."""
+SCALING_PHASES = ("", *ELASTIC_PHASES, "reloading")
+"""What ``ClusterState.scaling`` may say: "" (serving), an elastic phase, or ``reloading`` (a rolling restart
+replaces a model's only engine)."""
+PAUSING_PHASES = ("draining", "regrouping", "recovering", "reloading")
+"""The phases that pause admission (the supervisor sets ``paused`` with them); gateways hold requests then."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from protocol.control import (
     ResumeCommand,
 )
 from zserve import control
+from zserve.cluster import ELASTIC_PHASES
 
 from ..errors import APIError
 from ..openai_schemas import parse
@@ -122,7 +123,7 @@ async def scale_elastic_ep(request: web.Request) -> web.Response:
 async def is_scaling_elastic_ep(request: web.Request) -> web.Response:
     """Whether an expert-parallel resize runs, and its phase (the same on every gateway, which says who it is)."""
     state = request.app[STATE]
-    phase = state.scaling
+    phase = state.scaling if state.scaling in ELASTIC_PHASES else ""  # (not a rolling restart's "reloading")
     return web.json_response({"is_scaling_elastic_ep": bool(phase), "phase": phase or None, "gateway": state.index})
 
 

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 
-from tests.helpers import LAUNCH, Server, procs, status, wait_until
+from tests.helpers import LAUNCH, Server, Traffic, procs, status, wait_until
 
 from .moe_checkpoint import EXPERTS, reference_greedy, write_moe_checkpoint
 
@@ -104,47 +104,6 @@ def scale(conn: http.client.HTTPConnection, size: int, drain_timeout: float = 60
     return r.status, json.loads(r.read())
 
 
-class Traffic:
-    """A bounded stream of concurrent requests as users send them: streamed and sampled (T=1.0) completions
-    and chat, through the official SDK without retries; counts what succeeded and what failed."""
-
-    def __init__(self, url: str, workers: int = 4):
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-        self.stop = threading.Event()
-        self.ok = 0
-        self.failed: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
-
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            try:
-                if (i + n) % 2:
-                    chunks = self.client.completions.create(model=MODEL, prompt=f"request {i}.{n}: once upon a",
-                                                            max_tokens=12, stream=True)
-                    text = "".join(c.choices[0].text for c in chunks if c.choices)
-                else:
-                    r = self.client.chat.completions.create(model=MODEL, max_tokens=12,
-                                                            messages=[{"role": "user", "content": f"hi {i} {n}"}])
-                    text = r.choices[0].message.content
-                assert text is not None
-                self.ok += 1
-            except Exception as e:  # noqa: BLE001 - every failure is counted and reported
-                self.failed.append(f"{type(e).__name__}: {e}")
-
-    def __enter__(self) -> Traffic:
-        for t in self.threads:
-            t.start()
-        wait_until(lambda: self.ok >= 4, 60, what="the traffic to flow")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
-
-
 def two_members(server: Server) -> None:
     """Start from a serving group of two, whatever an earlier test left (each test then fails on its own)."""
     wait_until(lambda: group(server)["phase"] is None, 120, what="the group to be serving")
@@ -179,7 +138,7 @@ def test_resizes_under_load_through_both_gateways(ep, reference):
     reference tokens."""
     two_members(ep)
     seen: dict[int, bool] = {}
-    with Traffic(ep.url) as traffic:
+    with Traffic(ep.url, MODEL) as traffic:
         conn, first = on_gateway(ep.url, None)
         result: dict = {}
         worker = threading.Thread(target=lambda: result.update(up=scale(conn, 3)))
