@@ -1,15 +1,18 @@
-"""systemd integration: sd_notify messages, socket activation, and SIGTTIN/SIGTTOU scaling."""
+"""systemd integration: sd_notify messages, socket activation, SIGTTIN/SIGTTOU scaling, and the shipped units."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 
 import httpx
+import pytest
 
-from tests.helpers import TINY, Server, complete, ready_pids, wait_until
+from tests.helpers import ROOT, TINY, Server, complete, ready_pids, wait_until
 
 
 def test_notify_ready_watchdog_and_stopping(tmp_path):
@@ -71,3 +74,25 @@ def test_sigttin_and_sigttou_scale_the_gateway_tier():
         assert complete(s.url).status_code == 200
     finally:
         s.stop()
+
+
+def test_the_shipped_units_pass_systemd_analyze_verify(tmp_path):
+    """deploy/systemd's units, with the install paths pointed at this checkout, are valid to systemd itself."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    deploy = ROOT / "deploy" / "systemd"
+    for name in ("zserve.service", "zserve.socket"):
+        text = (deploy / name).read_text().replace("/opt/zserve/.venv", str(ROOT / ".venv"))
+        (tmp_path / name).write_text(text.replace("WorkingDirectory=/opt/zserve", f"WorkingDirectory={ROOT}"))
+    r = subprocess.run([analyze, "verify", str(tmp_path / "zserve.service"), str(tmp_path / "zserve.socket")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    unit = (deploy / "zserve.service").read_text()
+    for line in ("Type=notify", "WatchdogSec=", "KillMode=mixed", "ExecReload=/bin/kill -HUP $MAINPID",
+                 "NoNewPrivileges=true", "ProtectSystem=strict", "PrivateTmp=true", "RuntimeDirectory=zserve",
+                 "EnvironmentFile=", "User=zserve"):
+        assert line in unit, line
+    stop = int(unit.split("TimeoutStopSec=")[1].split()[0])
+    drain = float(unit.split("--shutdown-timeout ")[1].split()[0])
+    assert stop >= drain + 5  # systemd waits out the drain before it kills
