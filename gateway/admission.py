@@ -88,17 +88,21 @@ async def gateway_middleware(request: web.Request, handler):
             try:
                 guard = request.app[GUARD]
                 authorize(request, guard.keys, guard.metrics_auth)
-                if guard.max_concurrent is None or request.path in UNLIMITED_PATHS:
-                    resp = await _serve(request, handler)
-                else:
+                counted = guard.max_concurrent is not None and request.path not in UNLIMITED_PATHS
+                if counted:
                     if guard.active >= guard.max_concurrent:
                         raise APIError(429, f"this gateway is serving {guard.max_concurrent} requests, its limit "
                                             "(--max-concurrent-requests); retry shortly", code="too_many_requests",
                                        headers={"Retry-After": "1"})
                     guard.active += 1
+                try:
+                    await read_body(request)
                     try:
-                        resp = await _serve(request, handler)
-                    finally:
+                        resp = await handler(request)
+                    except ScalingPaused as refused:  # (a try costs nothing until it catches)
+                        resp = await _hold(request, handler, refused)
+                finally:
+                    if counted:
                         guard.active -= 1
             except Exception as e:
                 resp = handler_error(request, e)
@@ -114,15 +118,6 @@ async def gateway_middleware(request: web.Request, handler):
                           (monotonic() - start) * 1e3)
     finally:
         REQUEST_ID.reset(token)
-
-
-async def _serve(request: web.Request, handler) -> web.StreamResponse:
-    """The body within its deadline, then the handler; one that a resize refused is held (``_hold``)."""
-    await read_body(request)
-    try:
-        return await handler(request)
-    except ScalingPaused as refused:
-        return await _hold(request, handler, refused)
 
 
 async def _hold(request: web.Request, handler, refused: ScalingPaused) -> web.StreamResponse:
