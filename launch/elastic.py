@@ -252,7 +252,7 @@ class ElasticGroup:
                 self._finish("ok", f"the expert-parallel group has {size} members (was {r.old}); admission was "
                                    f"paused for {pause:.2f}s", pause_s=pause)
             else:
-                self._resume()
+                self.sup.resume_after_scaling()
             return
         if not self.failures and now < deadline:
             return
@@ -307,9 +307,6 @@ class ElasticGroup:
             r.paused_at = time.monotonic()
         self.sup.pause_for_scaling(phase)
 
-    def _resume(self) -> None:
-        self.sup.resume_after_scaling()
-
     def _abandon(self, why: str) -> None:
         r = self.resize
         assert r is not None
@@ -332,7 +329,7 @@ class ElasticGroup:
         log.log(logging.INFO if outcome == "ok" else logging.ERROR, "expert-parallel group of %s: %s",
                 self.tier.model_id, message)
         if resume:
-            self._resume()
+            self.sup.resume_after_scaling()
         else:
             self.sup.publish_scaling()
 
