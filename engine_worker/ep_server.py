@@ -35,6 +35,7 @@ from protocol.constants import ERR_ENGINE_DRAINING
 from protocol.control import PIPE_COMMANDS, GroupCommand, GroupFreeze, GroupReport, LineBuffer
 from protocol.messages import GroupWake, ProtocolError
 from zserve.catalog import ModelSource
+from zserve.curve import secure_client
 from zserve.proc import StatusPipe
 
 from .expert_parallel import ExpertGroup, GroupLost, expert_shard
@@ -193,6 +194,8 @@ class GroupedEngineServer(EngineServer):
             if i != cmd.rank:
                 peer = self.ctx.socket(zmq.DEALER)
                 peer.setsockopt(zmq.LINGER, 0)
+                if self.keys is not None:
+                    secure_client(peer, self.keys)  # with the engine host's own keypair, which its engines accept
                 peer.connect(endpoint)
                 self.peers.append(peer)
         log.info("engine %d joined expert-parallel group %d as member %d of %d (experts %d..%d) in %.2fs", self.rank,

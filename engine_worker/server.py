@@ -44,6 +44,7 @@ from protocol.control import Heartbeat, Ready
 from protocol.messages import MODEL_TASKS
 from zserve.catalog import ModelSource
 from zserve.config import EngineConfig
+from zserve.curve import CurveKeys, secure_server
 from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 
 from .scheduler import Scheduler
@@ -54,8 +55,9 @@ log = logging.getLogger("zserve.engine")
 
 class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
-                 stats_interval: float = 0.1, max_waiting: int | None = None):
+                 stats_interval: float = 0.1, max_waiting: int | None = None, keys: CurveKeys | None = None):
         self.rank = rank
+        self.keys = keys  # CURVE on a TCP endpoint (an engine host's): only authorized gateways get in
         self.max_waiting = max_waiting  # a full queue hands new requests back (429 once every engine is full)
         self.runner = runner
         self.scheduler = scheduler
@@ -66,6 +68,8 @@ class EngineServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if keys is not None:
+            secure_server(self.sock, keys, f"engine {rank}")
         self.sock.bind(endpoint)
         self.clients: dict[bytes, float] = {}
         # request id -> ZeroMQ identity of the gateway that owns it, until its last output goes out
@@ -274,11 +278,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ep-size", type=int, default=None,
                    help="expert parallel: the group size whose share of experts to load (the supervisor forms it)")
     p.add_argument("--ep-member", type=int, default=0, help="expert parallel: this engine's member rank")
+    p.add_argument("--keys", default=None, help="CURVE key directory (zserve.curve) of a TCP endpoint")
     a = p.parse_args(argv)
     try:
         cfg = EngineConfig.from_json(a.config) if a.config else EngineConfig()
+        a.curve = CurveKeys.for_server(a.keys) if a.keys else None
     except (ValueError, TypeError) as e:
-        p.error(f"--config: {e}")
+        p.error(f"--config / --keys: {e}")
 
     die_with_parent(a.parent_pid)
     ignore_terminal_signals()
@@ -339,13 +345,13 @@ def main(argv: list[str] | None = None) -> None:
         from .ep_server import GroupedEngineServer
 
         server: EngineServer = GroupedEngineServer(a.rank, a.endpoint, runner, scheduler, hello,
-                                                   max_waiting=cfg.max_waiting, control_fd=a.control_fd,
+                                                   max_waiting=cfg.max_waiting, keys=a.curve, control_fd=a.control_fd,
                                                    status=status, source=source)
         # Before Ready: a resize pauses admission once its new members are ready, and this half second of
         # work would otherwise land inside that pause.
         grammars.prepare().result()
     else:
-        server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting)
+        server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting, keys=a.curve)
     _serve(a, server, status, source, t0)
     if not grouped:
         grammars.prepare()
@@ -372,7 +378,7 @@ def serve_pooling(a: argparse.Namespace, cfg: EngineConfig, source: ModelSource,
         tasks=tuple(t for t in runner.tasks if t in MODEL_TASKS), embed_size=runner.hidden_size if embeds else 0,
         labels=tuple(runner.labels or ()),
         matryoshka=embeds and bool(config.get("matryoshka_dimensions") or config.get("is_matryoshka")))
-    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting)
+    server = EngineServer(a.rank, a.endpoint, runner, scheduler, hello, max_waiting=cfg.max_waiting, keys=a.curve)
     _serve(a, server, status, source, t0)
     server.serve_forever()
 

@@ -57,6 +57,7 @@ from protocol import (
 )
 from protocol.constants import ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING
 from zserve.cluster import ClusterState
+from zserve.curve import CurveKeys, secure_client
 
 from .logs import REQUEST_ID
 
@@ -241,8 +242,10 @@ class _Stream:
 
 
 class EngineClient:
-    def __init__(self, endpoints: list[str] | None = None, client_id: str | None = None):
+    def __init__(self, endpoints: list[str] | None = None, client_id: str | None = None,
+                 keys: CurveKeys | None = None):
         self.client_id = client_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self.keys = keys  # CURVE for engines on other hosts (tcp:// endpoints)
         self.ctx = gateway_context()
         self.engines: dict[str, EngineConnection] = {}
         self._streams: dict[str, _Stream] = {}
@@ -267,6 +270,8 @@ class EngineClient:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+        if self.keys is not None and endpoint.startswith("tcp://"):
+            secure_client(sock, self.keys)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         eng = EngineConnection(endpoint, sock, monitor)

@@ -27,6 +27,7 @@ from protocol.constants import EXIT_CUT_OFF
 from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
+from zserve.curve import CurveKeys
 from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 
 from . import logs
@@ -83,7 +84,9 @@ async def serve(a: argparse.Namespace) -> int:
     with boot_phase(status, f"gateway {a.index}"):
         check_disabled(a.config.disabled_families, ROUTE_FAMILIES, installed_plugin_names())
         plugins = load_plugins(reserved=ROUTE_FAMILIES, skip=a.config.disabled_families)
-    engines = EngineClient(a.engine or [], client_id=f"gw{a.index}-{os.getpid()}")
+    with boot_phase(status, f"gateway {a.index}"):
+        keys = CurveKeys.for_client(a.keys) if a.keys else None
+    engines = EngineClient(a.engine or [], client_id=f"gw{a.index}-{os.getpid()}", keys=keys)
     models = []
     for entry in a.served_model:
         source = ModelSource.from_json(entry["source"])
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor")
     p.add_argument("--responses-db", default=None, help="the SQLite file every gateway of this host shares")
     p.add_argument("--key-file", default=None, help="digests of the API and admin keys (gateway.security)")
+    p.add_argument("--keys", default=None, help="CURVE key directory (zserve.curve) for engines on other hosts")
     a = p.parse_args(argv)
     try:
         a.config = GatewayConfig.from_json(a.config) if a.config else GatewayConfig()

@@ -129,35 +129,57 @@ server_options = _options(
 )
 
 
+# What every command that runs engines takes: each option is a field of zserve.config.EngineConfig (named
+# after it).
+engine_options = _options(
+    click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True),
+    click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
+                 help="Sequences an engine runs at once."),
+    click.option("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens, show_default=True,
+                 help="Token budget of one engine step (chunked prefill)."),
+    click.option("--block-size", type=int, default=_ENGINE.block_size, show_default=True, help="Tokens per KV block."),
+    click.option("--kv-cache-memory", default=_ENGINE.kv_cache_memory,
+                 help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3)."),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=_ENGINE.enable_prefix_caching,
+                 show_default=True, help="Reuse KV blocks of shared prompt prefixes across requests."),
+    click.option("--enforce-eager", is_flag=True, default=_ENGINE.enforce_eager,
+                 help="CUDA: never capture decode steps as CUDA graphs (they are on by default)."),
+    click.option("--threads", "--engine-threads", type=int, default=_ENGINE.threads,
+                 help="CPU threads per engine (default: the cores divided among the engines)."),
+    click.option("--max-waiting", type=int, default=_ENGINE.max_waiting, show_default=True,
+                 help="Requests an engine queues; past it the engine refuses more, and once every engine of the model "
+                      "is full requests get 429."),
+    click.option("--expert-parallel", is_flag=True, default=_ENGINE.expert_parallel,
+                 help="Mixture-of-experts models: the model's ENGINES engines form one expert-parallel group, each "
+                      "holding a share of the experts (attention stays data parallel); resize it while serving with "
+                      "POST /scale_elastic_ep or `launch scale engine K`."),
+    click.option("--seed", type=int, default=_ENGINE.seed,
+                 help="Seed of the generator unseeded requests sample from (engine rank r uses seed + r), so a run "
+                      "can be repeated; default: a fresh seed from the OS."),
+)
+
+
+# Tiers on different hosts (launch.engine_registry, zserve.curve): how their TCP traffic is secured.
+across_hosts_options = _options(
+    click.option("--keys", "keys_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+                 help="CURVE keys (written by `launch keys --dir DIR`) that encrypt and authenticate the engine "
+                      "traffic between hosts: an engine host accepts only the client keys in DIR/authorized, a "
+                      "gateway host checks the engine host's DIR/server.key."),
+    click.option("--insecure", is_flag=True,
+                 help="Allow plain TCP between hosts (no encryption, no authentication; logged at every start)."),
+)
+
+
 @main.command("api-server")
 @server_options
 @click.option("--engines", type=click.IntRange(1, MAX_ENGINES_PER_MODEL), default=1, show_default=True,
               help="Engine worker processes per model (ID:engines=N sets one model's).")
-# -- engine tier: each option is a field of zserve.config.EngineConfig (named after it) --------------
-@click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True)
-@click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
-              help="Sequences an engine runs at once.")
-@click.option("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens, show_default=True,
-              help="Token budget of one engine step (chunked prefill).")
-@click.option("--block-size", type=int, default=_ENGINE.block_size, show_default=True, help="Tokens per KV block.")
-@click.option("--kv-cache-memory", default=_ENGINE.kv_cache_memory,
-              help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3).")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=_ENGINE.enable_prefix_caching,
-              show_default=True, help="Reuse KV blocks of shared prompt prefixes across requests.")
-@click.option("--enforce-eager", is_flag=True, default=_ENGINE.enforce_eager,
-              help="CUDA: never capture decode steps as CUDA graphs (they are on by default).")
-@click.option("--threads", "--engine-threads", type=int, default=_ENGINE.threads,
-              help="CPU threads per engine (default: the cores divided among the engines).")
-@click.option("--max-waiting", type=int, default=_ENGINE.max_waiting, show_default=True,
-              help="Requests an engine queues; past it the engine refuses more, and once every engine of the model "
-                   "is full requests get 429.")
-@click.option("--expert-parallel", is_flag=True, default=_ENGINE.expert_parallel,
-              help="Mixture-of-experts models: the model's ENGINES engines form one expert-parallel group, each "
-                   "holding a share of the experts (attention stays data parallel); resize it while serving with "
-                   "POST /scale_elastic_ep or `launch scale engine K`.")
-@click.option("--seed", type=int, default=_ENGINE.seed,
-              help="Seed of the generator unseeded requests sample from (engine rank r uses seed + r), so a run "
-                   "can be repeated; default: a fresh seed from the OS.")
+@click.option("--engine", "remote_engines", multiple=True, metavar="tcp://HOST:PORT",
+              help="Run no engine here: use the engines of the engine host (`launch engine --bind`) whose registry "
+                   "is at this address, following its engines as they start, drain and die. Repeatable (several "
+                   "engine hosts); needs --keys or --insecure.")
+@across_hosts_options
+@engine_options
 # -- gateway tier: each option is a field of gateway.config.GatewayConfig ----------------------------
 @click.option("--reasoning-parser", default=_GATEWAY.reasoning_parser,
               help=f"Split reasoning from the answer: {REASONING_PARSERS.names()}.")
@@ -187,25 +209,85 @@ def render(**options) -> None:
     serve(engines=0, **options)
 
 
-def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_names: tuple[str, ...], host: str,
-          port: int, uds: str | None, ready_timeout: float, shutdown_timeout: float, heartbeat_timeout: float,
-          log_level: str,
-          api_keys: tuple[str, ...], api_key_file: str | None, admin_keys: tuple[str, ...], **tier_options) -> NoReturn:
+@main.command("engine")
+@click.option("--count", "engines", type=click.IntRange(1, MAX_ENGINES_PER_MODEL), default=1, show_default=True,
+              help="Engine worker processes per model (ID:engines=N sets one model's).")
+@click.option("--model", "models", multiple=True, default=(DEFAULT_CHAT_MODEL,), show_default=True,
+              help="As for launch api-server; gateway hosts must serve the same model ids.")
+@click.option("--bind", default="tcp://127.0.0.1:7100", show_default=True, metavar="tcp://ADDR:PORT",
+              help="Where gateway hosts reach this host's engine registry; engine rank r listens on PORT + 1 + r. "
+                   "Loopback unless told otherwise (tcp://0.0.0.0:7100: every interface).")
+@across_hosts_options
+@click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
+              help="Seconds an engine may take to become ready.")
+@click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
+              help="Seconds in-flight requests may take to finish on SIGTERM or scale-down.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
+              help="An engine silent for this long is hung and gets replaced; a gateway host silent for this long "
+                   "gets no more registry updates.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@click.option("--max-model-len", type=int, default=_ENGINE.max_model_len, show_default=True,
+              help="Context length (prompt + output) per sequence, capped to the model's own.")
+@engine_options
+def engine(**options) -> None:
+    """Run only the engine tier, for gateway hosts (`launch api-server --engine tcp://THIS:PORT`) to use.
+
+    The same supervisor as an api-server's, without gateways: engines restart when they die, drain on
+    SIGTERM and scale with `launch scale engine N --port PORT`; `launch status --port PORT` lists them."""
+    serve(count=0, **options)
+
+
+@main.command("keys")
+@click.option("--dir", "directory", required=True, type=click.Path(file_okay=False),
+              help="Where to write the keys (created mode 0700; every file 0600; nothing is overwritten).")
+@click.option("--client-only", is_flag=True,
+              help="Write only a new client keypair (another gateway host's): copy its client.key into the engine "
+                   "host's authorized/ directory to let it in.")
+def keys(directory: str, client_only: bool) -> None:
+    """Write CURVE keys for engines on other hosts: server.key[_secret] (the engine host's), client.key[_secret]
+    (gateway hosts') and authorized/client.key (what the engine host accepts). Give the directory as --keys to
+    `launch engine` and `launch api-server --engine`; a gateway host needs server.key and client.key_secret only."""
+    from zserve.curve import write_keys
+
+    try:
+        written = write_keys(directory, client_only=client_only)
+    except (FileExistsError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    for path in written:
+        click.echo(path)
+
+
+def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_names: tuple[str, ...] = (),
+          host: str = "127.0.0.1", port: int = 0, uds: str | None = None, ready_timeout: float,
+          shutdown_timeout: float, heartbeat_timeout: float, log_level: str, api_keys: tuple[str, ...] = (),
+          api_key_file: str | None = None, admin_keys: tuple[str, ...] = (), bind: str | None = None,
+          remote_engines: tuple[str, ...] = (), keys_dir: str | None = None, insecure: bool = False,
+          **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
     told to stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
     gateway = _tier_config(GatewayConfig, tier_options)
     unknown = set(tier_options) - _field_names(EngineConfig) - _field_names(GatewayConfig)
     assert not unknown, f"options without a configuration field: {sorted(unknown)}"
+    remote_engines = tuple(dict.fromkeys(remote_engines))
+    _check_across_hosts(bind, remote_engines, keys_dir, insecure)
+    if remote_engines:
+        source = click.get_current_context().get_parameter_source("engines")
+        if source is not None and source.name != "DEFAULT":
+            raise click.UsageError("--engine runs no engine here: --engines does not go with it")
+        engines = 0
     served = _models(models, engine, engines, served_model_names)
+    if remote_engines and any(spec.engines for _, spec in served):
+        raise click.UsageError("--engine runs no engine here: ID:engines=N does not go with it")
     api_keys = _keys(api_keys, api_key_file)
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
     logging.getLogger("zserve.launch").info("%s", _start_line())
     cfg = ServeConfig(models=served, gateway=gateway, api_keys=api_keys, admin_keys=tuple(admin_keys), host=host,
-                      port=port, uds=uds, gateways=count,
-                      ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
+                      port=port, uds=uds, gateways=count, bind=bind, remote_engines=remote_engines,
+                      keys_dir=keys_dir, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
     sup = Supervisor(cfg)
     code = 0
@@ -222,6 +304,37 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
         code = sup.stop() or code
         logging.getLogger("zserve.launch").info("stopped (exit code %d)", code)
     sys.exit(code)
+
+
+def _check_across_hosts(bind: str | None, remote: tuple[str, ...], keys_dir: str | None, insecure: bool) -> None:
+    """TCP between hosts is CURVE (--keys) or, said out loud, plain (--insecure); the keys must be readable."""
+    from zserve.curve import CurveKeys, KeyFileError, tcp_port
+
+    for url, option in [(bind, "--bind"), *((u, "--engine") for u in remote)]:
+        if url is None:
+            continue
+        try:
+            port = tcp_port(url) if url.startswith("tcp://") else 0
+        except ValueError:
+            port = 0
+        if not 0 < port < 65535 - MAX_ENGINES_PER_MODEL:
+            raise click.BadParameter(f"{url!r} is not tcp://HOST:PORT (a port below "
+                                     f"{65535 - MAX_ENGINES_PER_MODEL})", param_hint=option)
+    if bind is None and not remote:
+        if keys_dir or insecure:
+            raise click.UsageError("--keys and --insecure secure the TCP between hosts: they go with --engine "
+                                   "(launch api-server) or launch engine")
+        return
+    if keys_dir and insecure:
+        raise click.UsageError("--keys and --insecure contradict each other")
+    if not keys_dir and not insecure:
+        raise click.UsageError("plain TCP between hosts is refused: give --keys DIR (`launch keys --dir DIR` writes "
+                               "one) or, on a network you trust, --insecure")
+    if keys_dir:
+        try:
+            CurveKeys.for_server(keys_dir) if bind is not None else CurveKeys.for_client(keys_dir)
+        except KeyFileError as e:
+            raise click.BadParameter(str(e), param_hint="--keys") from None
 
 
 SECRET_OPTIONS = frozenset({"api_keys", "admin_keys"})
@@ -432,6 +545,8 @@ def status(port: int, as_json: bool) -> None:
         uptime = f"{p['uptime_s']:.0f}s" if p.get("uptime_s") is not None else "-"
         if p.get("model") and len(st["models"]) > 1:
             load = f"{p['model']}: {load}"
+        if p.get("endpoint"):
+            load = f"at {p['endpoint']}"  # on another host: its own supervisor knows its load
         click.echo(f"{p['tier']:8} {p['index']:>3} {p['pid'] or '-':>7} {p['state']:10} {p['restarts']:>8} "
                    f"{uptime:>8}  {load}")
 

@@ -18,6 +18,10 @@ Ctrl-C reaches only the supervisor and ``kill -9`` of the supervisor takes every
 Each model served has its own engine tier (``ModelTier``): its own configuration, desired count and
 range of ranks, so its engines are scaled, restarted and drained on their own while every gateway
 serves every model. A render server (``launch render``) is the same loop with no engines at all.
+Tiers may live on different hosts (``launch.engine_registry``): an engine host (``launch engine``) is this
+loop with no gateways, serving its engines' membership to gateway hosts; a gateway host (``launch api-server
+--engine tcp://…``) is this loop with no local engines, merging the engine hosts' engines into the cluster
+state it gives its gateways.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from protocol.control import (
     ControlMessage,
     ElasticScaleCommand,
     ElasticScaleReply,
+    EngineRegistry,
     ErrorReply,
     GroupReport,
     Heartbeat,
@@ -68,6 +73,7 @@ from zserve import control
 from zserve.catalog import ModelSource
 from zserve.cluster import PAUSING_PHASES, ClusterStore, EngineInfo
 from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
+from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import user_cache_dir
 
@@ -75,6 +81,7 @@ from . import systemd
 from .children import CRASH_LOOP_WINDOW, Child, Slot, spawn
 from .control_server import AwaitAcks, ControlServer
 from .elastic import ElasticGroup, Later
+from .engine_registry import RegistryServer, RemoteEngines, engine_endpoint
 from .reload import RollingRestart
 from .sockets import UnixHTTPConnection, create_listener, create_unix_listener
 
@@ -128,6 +135,11 @@ class ServeConfig:
     shutdown_timeout: float = 30.0
     heartbeat_timeout: float = 30.0
     heartbeat_interval: float = 1.0
+    # Tiers on different hosts (launch.engine_registry): an engine host binds its registry here and runs no
+    # gateway; a gateway host runs no engine and uses the engine hosts at these registry URLs.
+    bind: str | None = None
+    remote_engines: tuple[str, ...] = ()
+    keys_dir: str | None = None  # CURVE keys (zserve.curve); None: plain TCP (--insecure) or one host (ipc)
 
 
 @dataclass
@@ -189,6 +201,9 @@ class Supervisor:
         self._scaling_version = 0  # the cluster-state version that paused admission for a resize
         self._operator_paused = False  # /pause given by an operator (restored when a resize resumes)
         self.reloading: RollingRestart | None = None  # SIGHUP / launch reload in progress
+        self.registry: RegistryServer | None = None  # an engine host's
+        self.remote: list[RemoteEngines] = []  # a gateway host's engine hosts
+        self._unknown_models: set[str] = set()  # served by an engine host but not here (warned once)
 
     # -- set-up ------------------------------------------------------------------------------
     def _make_run_dir(self) -> None:
@@ -212,7 +227,7 @@ class Supervisor:
     @property
     def render_only(self) -> bool:
         """A server without engines (launch render): gateways render requests and never generate."""
-        return all(spec.engines == 0 for _, spec in self.cfg.models)
+        return not self.cfg.remote_engines and all(spec.engines == 0 for _, spec in self.cfg.models)
 
     @property
     def engines_desired(self) -> int:
@@ -251,6 +266,8 @@ class Supervisor:
         return os.path.join(self.run_dir, "keys.json")
 
     def engine_endpoint(self, rank: int) -> str:
+        if self.cfg.bind is not None:
+            return engine_endpoint(self.cfg.bind, rank)
         return f"ipc://{self.run_dir}/engine-{rank}.sock"
 
     def _slot(self, tier: str, index: int) -> Slot:
@@ -278,6 +295,8 @@ class Supervisor:
             group = self.elastic.get(mt.base)
             if group is not None:
                 args += group.engine_args(index)
+            if self.cfg.bind is not None and self.cfg.keys_dir:
+                args += ["--keys", self.cfg.keys_dir]
             child = spawn(slot, "engine_worker", args)
         else:
             assert self.listener is not None
@@ -288,6 +307,8 @@ class Supervisor:
                 args += ["--served-model", orjson.dumps({"source": t.source.to_json(), "names": t.names}).decode()]
             if c.api_keys or c.admin_keys:
                 args += ["--key-file", self.key_file]
+            if c.remote_engines and c.keys_dir:
+                args += ["--keys", c.keys_dir]
             args += ["--config", c.gateway.replace(render_only=self.render_only).to_json(),
                      "--responses-db", os.path.join(self.run_dir, "responses.db")]
             env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
@@ -601,12 +622,35 @@ class Supervisor:
                        self.tier_of(c.index).model_id)
             for c in sorted(self._live("engine"), key=lambda c: c.index)
         )
-        st = self.store.get()
         models = {t.model_id: t.desired for t in self.tiers}
+        if self.registry is not None:
+            self.registry.publish(EngineRegistry(0, engines, models))
+        engines, models = self._with_remote(engines, models)
+        st = self.store.get()
         if engines != st.engines or st.gateways_desired != self.desired["gateway"] or st.models != models:
             self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
                               engines_desired=self.engines_desired, models=models)
             self._broadcast()
+
+    def _with_remote(self, engines: tuple[EngineInfo, ...], models: dict[str, int]
+                     ) -> tuple[tuple[EngineInfo, ...], dict[str, int]]:
+        """Add the engines of the engine hosts that answer (for the models served here) to the local ones."""
+        now = time.monotonic()
+        for remote in self.remote:
+            theirs = remote.models(now)
+            engines += tuple(e for e in remote.engines(now) if e.model in models)
+            for model, n in theirs.items():
+                if model in models:
+                    models[model] += n
+                elif model not in self._unknown_models:
+                    self._unknown_models.add(model)
+                    log.warning("engine host %s serves %s, which is not served here (give it as --model): its "
+                                "engines are not used", remote.url, model)
+        return engines, models
+
+    def _pump_remote(self, remote: RemoteEngines) -> None:
+        if remote.pump():
+            self._publish()
 
     def _broadcast(self) -> None:
         msg = ClusterUpdate(self.store.get())
@@ -615,6 +659,11 @@ class Supervisor:
 
     def reconcile(self) -> None:
         now = time.monotonic()
+        for remote in self.remote:
+            remote.tick(now)
+            remote.pump()  # (a send may take the descriptor's edge of a reply that came meanwhile)
+        if self.registry is not None:
+            self.registry.pump()
         self._reap(now)
         self._check_hung(now)
         if not self.stopping:
@@ -638,17 +687,40 @@ class Supervisor:
             self._last_watchdog = now
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def _open_tiers_across_hosts(self) -> None:
+        """An engine host's registry, or a gateway host's connections to its engine hosts."""
+        c = self.cfg
+        keys = CurveKeys.load(c.keys_dir) if c.keys_dir else None
+        if c.bind is not None:
+            self.registry = RegistryServer(c.bind, keys, c.heartbeat_timeout)
+            self.sel.register(self.registry.fileno(), selectors.EVENT_READ, self.registry.pump)
+            self.url = c.bind
+            self.pointer = control.pointer_path(tcp_port(c.bind))
+        for url in c.remote_engines:
+            remote = RemoteEngines(url, keys, c.heartbeat_interval, c.heartbeat_timeout)
+            self.remote.append(remote)
+            self.sel.register(remote.fileno(), selectors.EVENT_READ, partial(self._pump_remote, remote))
+        if keys is None and (c.bind is not None or c.remote_engines):
+            for _ in range(3):  # loudly, at every start
+                log.warning("--insecure: engine traffic over TCP (%s) is neither encrypted nor authenticated; anyone "
+                            "who reaches these ports can use or impersonate the engines", c.bind or
+                            ", ".join(c.remote_engines))
+
     def start(self) -> str:
         t0 = time.monotonic()
         self._make_run_dir()
-        self.listener = systemd.inherited_listener() or (
-            create_unix_listener(self.cfg.uds) if self.cfg.uds else create_listener(self.cfg.host, self.cfg.port))
         self.control_path = os.path.join(self.run_dir, "control.sock")
         self.control = ControlServer(self.control_path, self.sel, self.command)
         self.sel.register(self._signal_r, selectors.EVENT_READ, self._read_signals)
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(s, self._on_signal)
-        if self.listener.family == socket.AF_UNIX:
+        self._open_tiers_across_hosts()
+        if self.cfg.bind is None:
+            self.listener = systemd.inherited_listener() or (
+                create_unix_listener(self.cfg.uds) if self.cfg.uds else create_listener(self.cfg.host, self.cfg.port))
+        if self.listener is None:
+            pass  # an engine host: no HTTP
+        elif self.listener.family == socket.AF_UNIX:
             path = self.listener.getsockname()
             self._uds_inode = os.stat(path).st_ino  # removed on exit only if still ours
             self.url = f"unix:{path}"
@@ -662,6 +734,9 @@ class Supervisor:
         deadline = time.monotonic() + self.cfg.ready_timeout
         if self.render_only:
             log.info("starting %d render-only gateway(s) for %s (no engine)", self.desired["gateway"], self.model_ids)
+        elif self.remote:
+            log.info("starting %d gateway(s) for %s with the engines of %s", self.desired["gateway"], self.model_ids,
+                     ", ".join(r.url for r in self.remote))
         else:
             self.num_gpus = cuda_device_count()
             log.info("%s", f"{self.num_gpus} GPU(s) visible" if self.num_gpus else
@@ -677,23 +752,39 @@ class Supervisor:
             if self.stopping:
                 raise StartupError("interrupted while starting")
             if (all(len([c for c in live if c.ready]) >= len(wanted) for _, wanted, live in self._wanted())
-                    and all(g.serving for g in self.elastic.values())):
+                    and all(g.serving for g in self.elastic.values()) and self._remote_ready()):
                 break
             if time.monotonic() > deadline:
-                raise StartupError(f"not ready within {self.cfg.ready_timeout:.0f}s (--ready-timeout)")
+                silent = [r.url for r in self.remote if not r.fresh(time.monotonic())]
+                why = f": no answer from the engine host(s) at {', '.join(silent)}" if silent else ""
+                raise StartupError(f"not ready within {self.cfg.ready_timeout:.0f}s (--ready-timeout){why}")
             self._poll(0.2)
         # Every gateway follows the final membership (each acknowledges a version only once it reaches the
         # engines that version calls ready), so the first request for any model finds its engine.
         while self._lagging(self.store.get().version) and time.monotonic() < deadline:
             self._poll(0.05)
             self.reconcile()
-        self._check_health(deadline)
         n_gw, n_en = self.desired["gateway"], self.engines_desired
-        engines = "no engine: render only" if self.render_only else f"{n_en} engine{'s' * (n_en != 1)}"
+        if self.listener is not None:
+            self._check_health(deadline)
+        if self.remote:
+            n_en = len(self.store.get().engines)
+            hosts = len(self.remote)
+            engines = f"{n_en} engine{'s' * (n_en != 1)} on {hosts} engine host{'s' * (hosts != 1)}"
+        else:
+            engines = "no engine: render only" if self.render_only else f"{n_en} engine{'s' * (n_en != 1)}"
         print(f"zserve: serving {self.model_ids} at {self.url} ({n_gw} gateway{'s' * (n_gw != 1)}, "
               f"{engines}; ready in {time.monotonic() - t0:.1f}s)", flush=True)
         systemd.notify(f"READY=1\nSTATUS=serving {self.model_ids} at {self.url}")
         return self.url
+
+    def _remote_ready(self) -> bool:
+        """A gateway host starts serving once every engine host answered and each model has a ready engine."""
+        if not self.remote:
+            return True
+        now = time.monotonic()
+        ready = {e.model for r in self.remote for e in r.engines(now) if e.state == "ready"}
+        return all(r.fresh(now) for r in self.remote) and all(t.model_id in ready for t in self.tiers)
 
     def _check_health(self, deadline: float) -> None:
         while True:
@@ -752,6 +843,9 @@ class Supervisor:
             self._reap(time.monotonic())
         if self.control is not None:
             self.control.close()
+        for closing in (self.registry, *self.remote):
+            if closing is not None:
+                closing.close()
         if self.listener is not None:
             if self.listener.family == socket.AF_UNIX:
                 _remove_socket_file(self.listener.getsockname(), self._uds_inode)
@@ -784,10 +878,16 @@ class Supervisor:
                                            crash_looping=slot.crash_looping(now), last_exit=slot.last_exit,
                                            next_start_in_s=round(max(0.0, slot.next_start - now), 1),
                                            model=self._model_of(slot)))
+        local = {(c.index, self.engine_endpoint(c.index)) for c in self.children if c.tier == "engine"}
         st = self.store.get()
-        return StatusReply(url=self.url, models={t.model_id: t.desired for t in self.tiers}, pid=os.getpid(),
-                           run_dir=self.run_dir, uptime_s=round(time.time() - self.started_at, 1),
-                           desired={"gateway": self.desired["gateway"], "engine": self.engines_desired},
+        for e in st.engines:
+            if (e.rank, e.endpoint) not in local:  # an engine host's
+                procs.append(ProcessStatus("engine", e.rank, e.pid, e.state, 0, False, model=e.model,
+                                           endpoint=e.endpoint))
+        return StatusReply(url=self.url, models=dict(st.models) or {t.model_id: t.desired for t in self.tiers},
+                           pid=os.getpid(), run_dir=self.run_dir, uptime_s=round(time.time() - self.started_at, 1),
+                           desired={"gateway": self.desired["gateway"],
+                                    "engine": sum(st.models.values()) if st.models else self.engines_desired},
                            paused=st.paused, cluster_version=st.version, processes=tuple(procs),
                            expert_parallel={g.tier.model_id: g.status() for g in self.elastic.values()} or None)
 

@@ -20,12 +20,12 @@ Bump ``CONTROL_VERSION`` on any incompatible change; peers reject other versions
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 import orjson
 
-from zserve.cluster import ENGINE_STATES, ClusterState
+from zserve.cluster import ENGINE_STATES, ClusterState, EngineInfo
 
 from .messages import ProtocolError
 
@@ -156,6 +156,13 @@ class GroupReport(ControlMessage):
                and all(_is_int(e) for e in self.experts), "experts is (first, end)")
 
 
+def _check_engines(engines: tuple) -> None:
+    for e in engines:
+        _check(isinstance(e, EngineInfo) and _is_int(e.rank, 0, 1 << 16) and _is_str(e.endpoint, 1024)
+               and e.state in ENGINE_STATES and _is_int(e.pid) and _is_str(e.model, 1024, empty=True),
+               f"bad engine entry {e!r}")
+
+
 # -- supervisor → child (control pipe) -----------------------------------------------------------------
 @dataclass(frozen=True)
 class ClusterUpdate(ControlMessage):
@@ -168,9 +175,7 @@ class ClusterUpdate(ControlMessage):
         _check(isinstance(self.state, ClusterState), "state must be a ClusterState")
         st = self.state
         _check(_is_int(st.version, 0, 1 << 62) and isinstance(st.paused, bool), "bad cluster version or paused flag")
-        for e in st.engines:
-            _check(_is_int(e.rank, 0, 1 << 16) and _is_str(e.endpoint, 1024) and e.state in ENGINE_STATES
-                   and _is_int(e.pid), f"bad engine entry {e!r}")
+        _check_engines(st.engines)
 
     def to_wire(self) -> dict:
         return {"state": self.state.to_json()}
@@ -329,10 +334,12 @@ class ProcessStatus(ControlMessage):
     waiting: int | None = None
     kv_used: float | None = None
     model: str | None = None  # an engine's model
+    endpoint: str | None = None  # an engine on another host: where (launch api-server --engine)
 
     def __post_init__(self) -> None:
         _check(_is_str(self.tier, 32) and _is_int(self.index, 0, 1 << 16), "bad tier or index")
-        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
+        _check(_opt(self.model, lambda v: _is_str(v, 1024)) and _opt(self.endpoint, lambda v: _is_str(v, 1024)),
+               "model must be a model id, endpoint an endpoint")
         _check(_opt(self.pid, _is_int) and _is_str(self.state, 32) and _is_int(self.restarts),
                "bad pid, state or restarts")
         _check(isinstance(self.crash_looping, bool) and _opt(self.draining, lambda v: isinstance(v, bool)),
@@ -451,6 +458,51 @@ class StopReply(ControlMessage):
     def __post_init__(self) -> None:
         _check(isinstance(self.stopping, bool), "stopping must be a bool")
 
+
+# -- engine registry (an engine host's supervisor ↔ the supervisors of gateway hosts, over TCP) -------------
+@dataclass(frozen=True)
+class RegistryHello(ControlMessage):
+    """A gateway host asks an engine host for its engines; sent again every heartbeat interval, which keeps it
+    subscribed to the changes (a host silent for the heartbeat timeout gets no more)."""
+
+    TYPE: ClassVar[str] = "registry_hello"
+    host: str  # who asks, for the engine host's log
+
+    def __post_init__(self) -> None:
+        _check(_is_str(self.host, 256), "host must be a short str")
+
+
+@dataclass(frozen=True)
+class EngineRegistry(ControlMessage):
+    """An engine host's engines (their TCP endpoints, states and models) and each model's desired count: the
+    answer to every ``RegistryHello``, and sent at once to every subscribed gateway host when it changes. An
+    endpoint on a wildcard address (0.0.0.0, ::) means the host the gateway host reached the registry at."""
+
+    TYPE: ClassVar[str] = "engine_registry"
+    version: int
+    engines: tuple[EngineInfo, ...] = ()
+    models: dict | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.version, 0, 1 << 62), "version out of range")
+        _check(isinstance(self.engines, tuple) and len(self.engines) <= 1 << 12, "engines must be a list")
+        _check_engines(self.engines)
+        _check(_opt(self.models, lambda v: isinstance(v, dict) and all(
+            _is_str(k, 1024) and _is_int(n) for k, n in v.items())), "models maps model ids to engine counts")
+
+    def to_wire(self) -> dict:
+        return {"version": self.version, "engines": [asdict(e) for e in self.engines], "models": self.models or {}}
+
+    @classmethod
+    def from_wire(cls, body: dict) -> EngineRegistry:
+        _check(set(body) <= {"version", "engines", "models"}, "unknown fields in engine_registry")
+        engines = body.get("engines", [])
+        _check(isinstance(engines, list) and all(isinstance(e, dict) for e in engines), "engines must be a list")
+        return cls(body.get("version"), tuple(EngineInfo(**e) for e in engines), body.get("models"))
+
+
+REGISTRY_REQUESTS: tuple[type[ControlMessage], ...] = (RegistryHello,)
+REGISTRY_REPLIES: tuple[type[ControlMessage], ...] = (EngineRegistry,)
 
 PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport)
 """What a child writes on its status pipe."""

@@ -24,7 +24,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "launch"]
-URL_RE = re.compile(r"zserve: serving (.+?) at ((?:http://|unix:)\S+) ")
+URL_RE = re.compile(r"zserve: serving (.+?) at ((?:http://|unix:|tcp://)\S+) ")
 
 
 class Server:
@@ -121,6 +121,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports (an engine host's registry and its engines)."""
+    for _ in range(200):
+        first = free_port()
+        if first + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 # -- a tiny-random server and what tests ask it --------------------------------------------------------

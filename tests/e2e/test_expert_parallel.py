@@ -57,9 +57,12 @@ def greedy(url: str) -> list[list[int]]:
     out: list = [None] * len(PROMPTS)
 
     def one(i: int) -> None:
-        r = httpx.post(url + "/inference/v1/generate", timeout=120, json={
-            "model": MODEL, "token_ids": PROMPTS[i],
-            "sampling_params": {"temperature": 0, "max_tokens": TOKENS, "ignore_eos": True}})
+        # A refused connection is retried, as the SDKs do: CI once saw every connect of one burst refused
+        # right after a member was killed (while the supervisor and both gateways served on, their log showed).
+        with httpx.Client(transport=httpx.HTTPTransport(retries=3), timeout=120) as client:
+            r = client.post(url + "/inference/v1/generate", json={
+                "model": MODEL, "token_ids": PROMPTS[i],
+                "sampling_params": {"temperature": 0, "max_tokens": TOKENS, "ignore_eos": True}})
         r.raise_for_status()
         out[i] = r.json()["choices"][0]["token_ids"]
 

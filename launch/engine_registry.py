@@ -1,0 +1,218 @@
+"""Engine tiers on other hosts: the registry an engine host's supervisor serves, and its gateway-host client.
+
+``launch engine --bind tcp://ADDR:PORT`` runs engines only. Its supervisor binds a ZeroMQ ROUTER at PORT
+(``RegistryServer``); engine rank r binds PORT + 1 + r. ``launch api-server --engine tcp://HOST:PORT``
+runs gateways only; its supervisor keeps one DEALER per engine host (``RemoteEngines``), says
+``RegistryHello`` every heartbeat interval and gets ``EngineRegistry`` back, and at once whenever the engine
+host's membership changes (an engine starts, gets ready, drains, dies). It merges those engines into the
+cluster state it gives its gateways, which then connect to each engine directly and route by the load the
+engines report, exactly as they do with local engines. An engine host that stays silent for the heartbeat
+timeout drops out of the cluster state (its engines died with it) until it answers again.
+
+Both sockets use CURVE (``zserve.curve``) unless ``--insecure``. Lines are the control protocol's JSON lines
+(``protocol.control``), one per ZeroMQ message; anything else is dropped and logged, rate-limited.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import replace
+
+import zmq
+
+from protocol import ProtocolError
+from protocol.control import (
+    REGISTRY_REPLIES,
+    REGISTRY_REQUESTS,
+    EngineRegistry,
+    RegistryHello,
+    decode_line,
+    encode_line,
+)
+from zserve.cluster import EngineInfo
+from zserve.curve import CurveKeys, secure_client, secure_server, tcp_host, tcp_port, with_port
+
+from .sockets import ListenError
+
+log = logging.getLogger("zserve.launch")
+
+MAX_MESSAGE = 1 << 20
+WILDCARDS = ("0.0.0.0", "::", "*", "")
+LOG_EVERY_S = 10.0
+
+
+def engine_endpoint(bind: str, rank: int) -> str:
+    """Where engine ``rank`` of an engine host bound at ``bind`` listens: the port after the registry's plus
+    its rank."""
+    return with_port(bind, tcp_port(bind) + 1 + rank)
+
+
+class _Throttled:
+    """A warning at most every LOG_EVERY_S (a flood of bad frames must not flood the log)."""
+
+    def __init__(self) -> None:
+        self.last = -LOG_EVERY_S
+        self.dropped = 0
+
+    def warn(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        self.dropped += 1
+        if now - self.last >= LOG_EVERY_S:
+            log.warning(msg + " (%d dropped since the last such line)", *args, self.dropped)
+            self.last, self.dropped = now, 0
+
+
+class RegistryServer:
+    """The engine host's side: answers every hello with the engines, pushes each change to subscribers."""
+
+    def __init__(self, bind: str, keys: CurveKeys | None, subscriber_timeout: float):
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if keys is not None:
+            secure_server(self.sock, keys, f"the engine registry at {bind}")
+        try:
+            self.sock.bind(bind)
+        except zmq.ZMQError as e:
+            self.sock.close(0)
+            raise ListenError(f"cannot bind the engine registry at {bind}: {e}") from None
+        self.timeout = subscriber_timeout
+        self.subscribers: dict[bytes, tuple[float, str]] = {}  # identity → (last hello, its host)
+        self.state = EngineRegistry(0)
+        self.bad = _Throttled()
+
+    def fileno(self) -> int:
+        return self.sock.getsockopt(zmq.FD)
+
+    def pump(self) -> None:
+        """Answer every hello waiting (the descriptor signals edges: read until none is left)."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.bad.warn("engine registry: dropped a message of %d frames", len(frames))
+                continue
+            who, line = frames
+            try:
+                msg = decode_line(line, REGISTRY_REQUESTS)
+            except ProtocolError as e:
+                self.bad.warn("engine registry: dropped a bad message: %s", e)
+                continue
+            assert isinstance(msg, RegistryHello)
+            if who not in self.subscribers:
+                log.info("gateway host %s subscribed to the engine registry", msg.host)
+            self.subscribers[who] = (time.monotonic(), msg.host)
+            self._send(who, encode_line(self.state))
+
+    def publish(self, state: EngineRegistry) -> None:
+        """A new membership: every gateway host heard from recently gets it now."""
+        if (state.engines, state.models) == (self.state.engines, self.state.models):
+            return
+        self.state = replace(state, version=self.state.version + 1)
+        now = time.monotonic()
+        line = encode_line(self.state)
+        for who, (seen, host) in list(self.subscribers.items()):
+            if now - seen > self.timeout:
+                log.info("gateway host %s left the engine registry (silent for %.0fs)", host, now - seen)
+                del self.subscribers[who]
+            else:
+                self._send(who, line)
+
+    def _send(self, who: bytes, line: bytes) -> None:
+        try:
+            self.sock.send_multipart([who, line], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # its queue is full; it asks again within a heartbeat interval
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class RemoteEngines:
+    """A gateway host's view of one engine host's engines (an empty view while it is silent)."""
+
+    def __init__(self, url: str, keys: CurveKeys | None, interval: float, timeout: float):
+        self.url = url
+        self.host = tcp_host(url)
+        self.interval, self.timeout = interval, timeout
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # a hello is sent only on a connection that is up
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if keys is not None:
+            secure_client(self.sock, keys)
+        self.sock.connect(url)
+        self.hello = encode_line(RegistryHello(socket.gethostname()[:256] or "gateway-host"))
+        self.registry: EngineRegistry | None = None
+        self.heard = 0.0
+        self.said = -interval
+        self.lost_logged = False
+        self.bad = _Throttled()
+
+    def fileno(self) -> int:
+        return self.sock.getsockopt(zmq.FD)
+
+    def tick(self, now: float) -> None:
+        if now - self.said >= self.interval:
+            self.said = now
+            try:
+                self.sock.send(self.hello, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # not connected (yet): the next interval tries again
+        if self.registry is not None and not self.fresh(now) and not self.lost_logged:
+            self.lost_logged = True
+            log.error("engine host %s silent for %.0fs: its engines leave the cluster until it answers", self.url,
+                      now - self.heard)
+
+    def pump(self) -> bool:
+        """Take every reply waiting; whether the engines changed."""
+        changed = False
+        while True:
+            try:
+                line = self.sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return changed
+            try:
+                msg = decode_line(line, REGISTRY_REPLIES)
+            except ProtocolError as e:
+                self.bad.warn("engine host %s: dropped a bad registry message: %s", self.url, e)
+                continue
+            assert isinstance(msg, EngineRegistry)
+            if self.registry is None or self.lost_logged:
+                log.info("engine host %s: %d engine(s) for %s", self.url, len(msg.engines),
+                         ", ".join(msg.models or {}) or "no model")
+            self.lost_logged = False
+            changed = changed or self.registry is None or msg.engines != self.registry.engines
+            self.registry = msg
+            self.heard = time.monotonic()
+
+    def fresh(self, now: float) -> bool:
+        return self.registry is not None and now - self.heard <= self.timeout
+
+    def engines(self, now: float) -> tuple[EngineInfo, ...]:
+        if not self.fresh(now):
+            return ()
+        assert self.registry is not None
+        return tuple(replace(e, endpoint=self._reachable(e.endpoint)) for e in self.registry.engines)
+
+    def models(self, now: float) -> dict[str, int]:
+        return dict(self.registry.models or {}) if self.fresh(now) and self.registry is not None else {}
+
+    def _reachable(self, endpoint: str) -> str:
+        """An engine bound on a wildcard address is reached at the host its registry was reached at."""
+        if endpoint.startswith("tcp://") and tcp_host(endpoint) in WILDCARDS:
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"tcp://{host}:{tcp_port(endpoint)}"
+        return endpoint
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,243 @@
+"""Tiers on different hosts: an engine host (`launch engine --bind tcp://…`) and gateway hosts (`launch api-server
+--engine tcp://…`) on their own ports, CURVE between them; two gateway hosts behind a real HAProxy running the
+shipped config (deploy/haproxy/haproxy.cfg).
+
+- gateway hosts serve through the remote engines and follow them as they die, restart and scale;
+- an unauthenticated client (no CURVE, an unlisted key, raw bytes) reaches nothing and is logged;
+- plain TCP needs --insecure;
+- through HAProxy, killing one gateway host mid-run fails at most the requests it had in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+
+import httpx
+import openai
+import pytest
+import zmq
+
+from protocol import ClientHello, EngineHello, decode, encode
+from tests.helpers import LAUNCH, ROOT, Server, Traffic, free_port, free_ports, procs, ready_pids, status, wait_until
+
+pytestmark = pytest.mark.slow
+
+HAPROXY = shutil.which("haproxy")
+CONFIG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
+MODEL = ("--model", "tiny-random", "--dtype", "float32")
+
+
+def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("curve") / "keys"
+    r = launch("keys", "--dir", str(d))
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine_host(keys):
+    port = free_ports(8)
+    s = Server(command=[*LAUNCH, "engine", *MODEL, "--count", "2", "--bind", f"tcp://127.0.0.1:{port}",
+                        "--keys", str(keys), "--heartbeat-timeout", "10"], log_name="engine-host")
+    yield s
+    s.stop()
+
+
+def gateway_host(engine_host: Server, keys, name: str, *extra: str) -> Server:
+    return Server(*MODEL, "--count", "2", "--engine", engine_host.url, "--keys", str(keys), *extra, log_name=name)
+
+
+@pytest.fixture(scope="module")
+def gateways(engine_host, keys):
+    s = gateway_host(engine_host, keys, "gateway-host")
+    yield s
+    s.stop()
+
+
+def remote_engines(gw: Server) -> dict[int, dict]:
+    return {p["index"]: p for p in procs(gw, "engine") if p.get("endpoint")}
+
+
+def completion(url: str) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    return client.completions.create(model="tiny-random", prompt="hello", max_tokens=4).choices[0].text
+
+
+# -- one engine host, one gateway host -------------------------------------------------------------------
+def test_files_of_launch_keys_are_private_and_never_overwritten(keys):
+    for path in [keys / "server.key", keys / "server.key_secret", keys / "client.key", keys / "client.key_secret",
+                 keys / "authorized" / "client.key"]:
+        assert oct(path.stat().st_mode & 0o777) == "0o600", path
+    assert oct(keys.stat().st_mode & 0o777) == "0o700"
+    again = launch("keys", "--dir", str(keys))
+    assert again.returncode != 0 and "never overwritten" in again.stderr
+
+
+def test_a_gateway_host_serves_through_the_engine_host(engine_host, gateways):
+    assert completion(gateways.url)
+    engines = remote_engines(gateways)
+    theirs = {p["index"]: p["pid"] for p in procs(engine_host, "engine")}
+    assert {i: p["pid"] for i, p in engines.items()} == theirs and len(theirs) == 2
+    port = engine_host.port
+    assert {p["endpoint"] for p in engines.values()} == {f"tcp://127.0.0.1:{port + 1}", f"tcp://127.0.0.1:{port + 2}"}
+    health = httpx.get(gateways.url + "/health", timeout=10).json()
+    assert health["engines_ready"] == 2 and health["engines_desired"] == 2
+    assert status(engine_host)["desired"]["gateway"] == 0
+
+
+def test_gateway_hosts_follow_an_engine_that_dies_and_a_tier_that_scales(engine_host, gateways):
+    before = remote_engines(gateways)
+    os.kill(before[1]["pid"], signal.SIGKILL)
+    # Requests go on meanwhile (the other engine serves them; the dead one's connection dropped at once).
+    for _ in range(5):
+        assert completion(gateways.url)
+    wait_until(lambda: (e := remote_engines(gateways)).get(1, {}).get("state") == "ready"
+               and e[1]["pid"] != before[1]["pid"], 60, 0.2, "the gateway host to see engine 1 replaced")
+    r = launch("scale", "engine", "3", "--port", str(engine_host.port), "--timeout", "120", timeout=150)
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: len([p for p in remote_engines(gateways).values() if p["state"] == "ready"]) == 3, 60, 0.2,
+               "the gateway host to see the third engine")
+    wait_until(lambda: httpx.get(gateways.url + "/health", timeout=10).json()["engines_ready"] == 3, 30, 0.1,
+               "every gateway to reach the third engine")
+    for _ in range(6):
+        assert completion(gateways.url)
+    r = launch("scale", "engine", "2", "--port", str(engine_host.port), "--timeout", "120", timeout=150)
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: len(remote_engines(gateways)) == 2, 60, 0.2, "the gateway host to drop the third engine")
+    assert completion(gateways.url)
+
+
+# -- who may connect --------------------------------------------------------------------------------------
+def _hello(sock: zmq.Socket, endpoint: str, wait_ms: int) -> object | None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart(encode(ClientHello("intruder")))
+    if sock.poll(wait_ms):
+        return decode(sock.recv_multipart())
+    return None
+
+
+def test_unauthenticated_clients_reach_nothing_and_are_logged(engine_host, gateways, keys):
+    import zmq.auth
+
+    engine = f"tcp://127.0.0.1:{engine_host.port + 1}"
+    pids = ready_pids(engine_host, "engine")
+    ctx = zmq.Context()
+    try:
+        server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
+        # The accepted key gets an answer: the checks below can fail.
+        ok = ctx.socket(zmq.DEALER)
+        ok.curve_serverkey = server_public
+        ok.curve_publickey, ok.curve_secretkey = zmq.auth.load_certificate(str(keys / "client.key_secret"))
+        assert isinstance(_hello(ok, engine, 10_000), EngineHello)
+        # No CURVE at all, then a key of its own that nobody listed: no answer.
+        plain = ctx.socket(zmq.DEALER)
+        assert _hello(plain, engine, 1500) is None
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.curve_serverkey = server_public
+        public, secret = zmq.curve_keypair()
+        stranger.curve_publickey, stranger.curve_secretkey = public, secret
+        assert _hello(stranger, engine, 1500) is None
+        wait_until(lambda: public.decode() in engine_host.tail(20000), 10, 0.1, "the refused key in the log")
+        # Hostile bytes on the engine's and the registry's ports.
+        for port in (engine_host.port, engine_host.port + 1):
+            for junk in (b"\xff" * 10 + b"\x7f" + b"\x03\x00NULL" + b"\x00" * 60, os.urandom(4096),
+                         b"GET / HTTP/1.1\r\n\r\n"):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(junk)
+    finally:
+        ctx.destroy(linger=0)
+    assert ready_pids(engine_host, "engine") == pids  # nothing crashed
+    assert all((p.get("running") or 0) == 0 for p in procs(engine_host, "engine"))
+    assert "Traceback" not in engine_host.tail(50000)
+    assert completion(gateways.url)
+
+
+def test_a_gateway_host_with_an_unlisted_key_gets_no_engine(engine_host, keys, tmp_path):
+    other = tmp_path / "other"
+    assert launch("keys", "--dir", str(other), "--client-only").returncode == 0
+    shutil.copy(keys / "server.key", other / "server.key")
+    r = launch("api-server", *MODEL, "--port", "0", "--engine", engine_host.url, "--keys", str(other),
+               "--ready-timeout", "4", timeout=60)
+    assert r.returncode == 1 and "no answer from the engine host" in r.stderr, r.stderr[-2000:]
+    assert "refused a CURVE client" in engine_host.tail(50000)
+
+
+def test_plain_tcp_between_hosts_needs_insecure(engine_host):
+    for args in (["api-server", *MODEL, "--engine", engine_host.url],
+                 ["engine", *MODEL, "--bind", "tcp://127.0.0.1:1"]):
+        r = launch(*args)
+        assert r.returncode == 2 and "--insecure" in r.stderr, r.stderr
+    port = free_ports(4)
+    eng = Server(command=[*LAUNCH, "engine", *MODEL, "--bind", f"tcp://127.0.0.1:{port}", "--insecure"],
+                 log_name="insecure-engine-host")
+    try:
+        gw = Server(*MODEL, "--count", "1", "--engine", eng.url, "--insecure", log_name="insecure-gateway-host")
+        try:
+            assert completion(gw.url)
+            assert "--insecure: engine traffic over TCP" in gw.tail(20000)
+        finally:
+            gw.stop()
+        assert "--insecure: engine traffic over TCP" in eng.tail(20000)
+    finally:
+        eng.stop()
+
+
+# -- two gateway hosts behind HAProxy -----------------------------------------------------------------------
+@pytest.fixture
+def haproxy(engine_host, gateways, keys, tmp_path):
+    if HAPROXY is None:
+        pytest.skip("haproxy is not installed (.ci/run installs it from Debian's packages)")
+    second = gateway_host(engine_host, keys, "gateway-host-b")
+    port = free_port()
+    env = {**os.environ, "ZSERVE_LB_BIND": f"127.0.0.1:{port}", "ZSERVE_LB_ADMIN_SOCKET": str(tmp_path / "admin.sock"),
+           "ZSERVE_HOST_1": second.url.removeprefix("http://"), "ZSERVE_HOST_2": gateways.url.removeprefix("http://")}
+    check = subprocess.run([HAPROXY, "-c", "-f", str(CONFIG)], env=env, capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    log = open(tmp_path / "haproxy.log", "wb")
+    proc = subprocess.Popen([HAPROXY, "-db", "-f", str(CONFIG)], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(url), 30, 0.1, "HAProxy to see both hosts healthy")
+        yield url, second, tmp_path / "haproxy.log"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+        second.stop()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def gateway_pid(url: str) -> int:
+    """Which gateway process answered (a new connection each time, so HAProxy balances them)."""
+    return httpx.get(url + "/status", headers={"Connection": "close"}, timeout=10).json()["pid"]
+
+
+def test_requests_through_haproxy_survive_the_loss_of_a_gateway_host(gateways, haproxy):
+    url, second, log = haproxy
+    hosts = {"a": set(ready_pids(second, "gateway")), "b": set(ready_pids(gateways, "gateway"))}
+    with Traffic(url, "tiny-random", workers=4, keepalive=False) as traffic:
+        wait_until(lambda: traffic.ok >= 20, 60, what="requests through HAProxy")
+        seen = {gateway_pid(url) for _ in range(40)}
+        assert seen & hosts["a"] and seen & hosts["b"]  # both gateway hosts serve
+        before_kill = traffic.ok
+        os.kill(second.proc.pid, signal.SIGKILL)  # host 1's supervisor: its gateways die with it
+        wait_until(lambda: traffic.ok >= before_kill + 40, 120, what="requests after the host died")
+    assert len(traffic.failed) <= 4, traffic.failed  # at most what was in flight on the dead host (4 workers)
+    assert {gateway_pid(url) for _ in range(10)} <= hosts["b"]
+    wait_until(lambda: "host1 is DOWN" in log.read_text(errors="replace"), 30, what="HAProxy to mark host1 down")

@@ -1,0 +1,96 @@
+"""CURVE key files (zserve.curve) and the engine registry's messages (protocol.control)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import zmq.auth
+
+from launch.engine_registry import RemoteEngines, engine_endpoint
+from protocol import ProtocolError
+from protocol.control import (
+    REGISTRY_REPLIES,
+    REGISTRY_REQUESTS,
+    EngineRegistry,
+    RegistryHello,
+    decode_line,
+    encode_line,
+)
+from zserve.cluster import EngineInfo
+from zserve.curve import CurveKeys, KeyFileError, write_keys
+
+
+def test_written_keys_load_for_each_side(tmp_path):
+    d = str(tmp_path / "k")
+    write_keys(d)
+    server, client = CurveKeys.for_server(d), CurveKeys.for_client(d)
+    assert server.server_public == client.server_public and server.server_secret
+    assert client.client_public in server.authorized
+    assert client.pair_for_connecting() == (client.client_public, client.client_secret)
+    # The engine host connects (expert-parallel members waking each other) with its own pair.
+    assert CurveKeys.for_server(d).pair_for_connecting() == (server.server_public, server.server_secret)
+    assert {oct(os.stat(os.path.join(root, f)).st_mode & 0o777) for root, _, files in os.walk(d) for f in files} == {
+        "0o600"}
+
+
+def test_missing_or_wrong_key_files_say_which_and_how_to_make_them(tmp_path):
+    with pytest.raises(KeyFileError, match="server.key_secret is missing.*launch keys"):
+        CurveKeys.for_server(str(tmp_path))
+    d = str(tmp_path / "c")
+    write_keys(d, client_only=True)
+    with pytest.raises(KeyFileError, match="server.key is missing"):
+        CurveKeys.for_client(d)
+    (tmp_path / "c" / "server.key").write_text("not a certificate\n")
+    with pytest.raises(KeyFileError, match="not a CURVE certificate|holds no"):
+        CurveKeys.for_client(d)
+    full = str(tmp_path / "full")
+    write_keys(full)
+    os.unlink(os.path.join(full, "authorized", "client.key"))
+    with pytest.raises(KeyFileError, match="holds no client key"):
+        CurveKeys.for_server(full)
+
+
+def test_a_key_added_to_authorized_counts_after_a_rescan(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_keys(a)
+    write_keys(b, client_only=True)
+    keys = CurveKeys.for_server(a)
+    public, _ = zmq.auth.load_certificate(os.path.join(b, "client.key"))
+    assert public not in keys.authorized
+    shutil.copy(os.path.join(b, "client.key"), os.path.join(a, "authorized", "b.key"))
+    keys.rescan()
+    assert public in keys.authorized
+
+
+def test_registry_messages_round_trip_and_refuse_bad_lines():
+    reg = EngineRegistry(3, (EngineInfo(0, "tcp://0.0.0.0:7101", "ready", 42, "tiny-random"),), {"tiny-random": 1})
+    assert decode_line(encode_line(reg), REGISTRY_REPLIES) == reg
+    hello = RegistryHello("gw-host")
+    assert decode_line(encode_line(hello), REGISTRY_REQUESTS) == hello
+    for line in (b'{"v":1,"t":"engine_registry","version":1,"engines":[{"rank":0}]}',
+                 b'{"v":1,"t":"engine_registry","version":-1}',
+                 b'{"v":1,"t":"engine_registry","version":1,"engines":[{"rank":0,"endpoint":"x","state":"odd"}]}',
+                 b'{"v":1,"t":"engine_registry","version":1,"extra":1}', b"\xff", b"[]"):
+        with pytest.raises(ProtocolError):
+            decode_line(line, REGISTRY_REPLIES)
+    with pytest.raises(ProtocolError):  # a reply is not a request
+        decode_line(encode_line(reg), REGISTRY_REQUESTS)
+
+
+def test_engine_ports_follow_the_registry_and_wildcards_become_the_registry_host():
+    assert engine_endpoint("tcp://10.0.0.5:7100", 0) == "tcp://10.0.0.5:7101"
+    assert engine_endpoint("tcp://[::1]:7100", 3) == "tcp://[::1]:7104"
+    remote = RemoteEngines("tcp://10.1.2.3:7100", None, 1.0, 30.0)
+    try:
+        assert remote._reachable("tcp://0.0.0.0:7101") == "tcp://10.1.2.3:7101"
+        assert remote._reachable("tcp://10.9.9.9:7101") == "tcp://10.9.9.9:7101"
+        assert remote.engines(0.0) == ()  # it never answered
+    finally:
+        remote.close()
+    v6 = RemoteEngines("tcp://[fd00::1]:7100", None, 1.0, 30.0)
+    try:
+        assert v6._reachable("tcp://[::]:7102") == "tcp://[fd00::1]:7102"
+    finally:
+        v6.close()
