@@ -39,7 +39,7 @@ from protocol.control import (
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, resolve
 from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, EngineConfig, ModelSpec
-from zserve.proc import set_title, setup_logging
+from zserve.proc import redact_url, set_title, setup_logging
 
 from .sockets import ListenError
 from .supervisor import ServeConfig, StartupError, Supervisor
@@ -359,22 +359,9 @@ def _start_line() -> str:
         elif isinstance(value, (tuple, list)):
             shown = ",".join(map(str, value))
         else:
-            shown = _redact_url(str(value)) if isinstance(value, str) else str(value)
+            shown = redact_url(str(value)) if isinstance(value, str) else str(value)
         given.append(f"{p.opts[-1] if p.opts else p.name}={shown}")
     return f"zserve {__version__}: launch {ctx.info_name} {' '.join(given) or '(every option at its default)'}"
-
-
-def _redact_url(value: str) -> str:
-    """A URL's password replaced (``redis://:secret@host`` → ``redis://:***@host``); other text as it is."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    if "://" not in value:
-        return value
-    parts = urlsplit(value)
-    if parts.password is None:
-        return value
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _models(models: tuple[str, ...], engine: EngineConfig, engines: int, names: tuple[str, ...]

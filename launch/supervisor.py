@@ -83,6 +83,7 @@ from .control_server import AwaitAcks, ControlServer
 from .elastic import ElasticGroup, Later
 from .engine_registry import RegistryServer, RemoteEngines, engine_endpoint
 from .reload import RollingRestart
+from .shared_state import SharedControl, is_redis
 from .sockets import UnixHTTPConnection, create_listener, create_unix_listener
 
 log = logging.getLogger("zserve.launch")
@@ -204,6 +205,9 @@ class Supervisor:
         self.registry: RegistryServer | None = None  # an engine host's
         self.remote: list[RemoteEngines] = []  # a gateway host's engine hosts
         self._unknown_models: set[str] = set()  # served by an engine host but not here (warned once)
+        self.shared: SharedControl | None = None  # the control state of every gateway host (--state-url redis)
+        self._shared_local = 0  # the cluster-state version that applied the shared state's latest
+        self._shared_waits: dict[int, int] = {}  # a pause's cluster-state version → its shared version
 
     # -- set-up ------------------------------------------------------------------------------
     def _make_run_dir(self) -> None:
@@ -337,6 +341,10 @@ class Supervisor:
         except OSError:
             pass
 
+    def _wake(self) -> None:
+        """From another thread: turn the loop now (a zero byte is no signal)."""
+        self._on_signal(0, None)
+
     def _read_signals(self) -> None:
         try:
             for signum in self._signal_r.recv(64):
@@ -414,14 +422,13 @@ class Supervisor:
             return self._elastic_scale(cmd)
         if isinstance(cmd, (PauseCommand, ResumeCommand)):
             paused = isinstance(cmd, PauseCommand)
-            self._operator_paused = paused
-            state = self.store.get()
-            if state.scaling in PAUSING_PHASES:  # a resize holds admission; its end restores the operator's word
-                return PauseReply(paused, state.version)
-            if state.paused != paused:
-                state = self.store.update(paused=paused)
-                self._broadcast()
-                log.info("admission %s (cluster state v%d)", "paused" if paused else "resumed", state.version)
+            shared = self.shared.publish(paused) if self.shared is not None else None
+            state = self._apply_pause(paused)
+            if self.shared is not None and shared is None:  # Redis is away: this host only, and said so
+                return AwaitAcks(state.version, PauseReply(paused, state.version, ("the shared state (Redis)",)))
+            if shared is not None:
+                self._shared_waits = {v: s for v, s in self._shared_waits.items() if v > state.version - 64}
+                self._shared_waits[state.version] = shared
             return AwaitAcks(state.version, PauseReply(paused, state.version))
         if isinstance(cmd, ReloadCommand):
             answer = Later()
@@ -431,6 +438,36 @@ class Supervisor:
             self.stopping = True
             return StopReply()
         return ErrorReply(f"unknown command {cmd.TYPE!r}")
+
+    def _apply_pause(self, paused: bool):
+        """An operator's pause or resume, on this host's gateways."""
+        self._operator_paused = paused
+        state = self.store.get()
+        if state.scaling in PAUSING_PHASES:  # a resize holds admission; its end restores the operator's word
+            return state
+        if state.paused != paused:
+            state = self.store.update(paused=paused)
+            self._broadcast()
+            log.info("admission %s (cluster state v%d)", "paused" if paused else "resumed", state.version)
+        self._shared_local = state.version
+        return state
+
+    def _lagging_anywhere(self, version: int) -> list[str]:
+        """What has not applied cluster-state ``version`` yet: gateways here, and other gateway hosts when it
+        carried a shared pause or resume."""
+        behind = self._lagging(version)
+        shared = self._shared_waits.get(version)
+        if not behind and shared is not None and self.shared is not None:
+            behind = [name[:64] for name in self.shared.applied_by_all(shared)]
+        return behind
+
+    def _follow_shared(self, now: float) -> None:
+        assert self.shared is not None
+        paused = self.shared.poll(now, lambda: not self._lagging(self._shared_local))
+        if paused is not None and paused != self._operator_paused:
+            log.info("the shared control state says %s", "pause" if paused else "resume")
+        if paused is not None:
+            self._apply_pause(paused)
 
     def _elastic_scale(self, cmd: ElasticScaleCommand) -> ControlMessage | Later:
         groups = list(self.elastic.values())
@@ -676,8 +713,10 @@ class Supervisor:
                     self.reloading = None
             self._check_tiers(now)
         self._publish()
+        if self.shared is not None:
+            self._follow_shared(now)
         if self.control is not None:
-            self.control.answer_pending(self._lagging)
+            self.control.answer_pending(self._lagging_anywhere)
         self._watchdog(now)
 
     def _watchdog(self, now: float) -> None:
@@ -700,6 +739,9 @@ class Supervisor:
             remote = RemoteEngines(url, keys, c.heartbeat_interval, c.heartbeat_timeout)
             self.remote.append(remote)
             self.sel.register(remote.fileno(), selectors.EVENT_READ, partial(self._pump_remote, remote))
+        if c.bind is None and is_redis(c.gateway.state_url):
+            assert c.gateway.state_url is not None
+            self.shared = SharedControl(c.gateway.state_url, self._wake, c.heartbeat_interval)
         if keys is None and (c.bind is not None or c.remote_engines):
             for _ in range(3):  # loudly, at every start
                 log.warning("--insecure: engine traffic over TCP (%s) is neither encrypted nor authenticated; anyone "
@@ -843,6 +885,8 @@ class Supervisor:
             self._reap(time.monotonic())
         if self.control is not None:
             self.control.close()
+        if self.shared is not None:
+            self.shared.leave()
         for closing in (self.registry, *self.remote):
             if closing is not None:
                 closing.close()

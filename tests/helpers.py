@@ -253,3 +253,41 @@ class Traffic:
         self.stop.set()
         for t in self.threads:
             t.join(120)
+
+
+def start_redis(port: int, workdir: Path) -> subprocess.Popen:
+    """A private redis-server on loopback ``port`` that persists nothing, once it answers PING (10 s at most)."""
+    import shutil
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    assert binary is not None, "redis-server is not installed (.ci/run installs it)"
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=1)
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"redis-server exited with {proc.returncode}")
+            try:
+                if client.ping():
+                    return proc
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                stop_process(proc)
+                raise AssertionError(f"redis-server on port {port} did not answer within 10s")
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

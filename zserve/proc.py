@@ -94,3 +94,16 @@ def boot_phase(status: StatusPipe, what: str) -> Iterator[None]:
                                           what, e)
         status.send(BootFailed(str(e)[:4096] or type(e).__name__))
         sys.exit(EXIT_BOOT_ERROR)
+
+
+def redact_url(value: str) -> str:
+    """A URL's password replaced (``redis://:secret@host`` → ``redis://:***@host``); other text as it is."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if "://" not in value:
+        return value
+    parts = urlsplit(value)
+    if parts.password is None:
+        return value
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

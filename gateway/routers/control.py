@@ -70,14 +70,14 @@ async def _forward(state: GatewayState, cmd: ControlMessage, answer: type[R], ti
 async def pause(request: web.Request) -> web.Response:
     """Stop admitting new generation requests on every gateway; in-flight ones finish."""
     reply = await _forward(request.app[STATE], PauseCommand(), PauseReply)
-    return web.json_response({"paused": True, "version": reply.version})
+    return web.json_response({"paused": True, "version": reply.version, "unacknowledged": list(reply.unacknowledged)})
 
 
 @routes.post("/resume")
 @admin_route
 async def resume(request: web.Request) -> web.Response:
     reply = await _forward(request.app[STATE], ResumeCommand(), PauseReply)
-    return web.json_response({"paused": False, "version": reply.version})
+    return web.json_response({"paused": False, "version": reply.version, "unacknowledged": list(reply.unacknowledged)})
 
 
 @routes.get("/is_paused")

@@ -82,17 +82,19 @@ def test_the_shipped_units_pass_systemd_analyze_verify(tmp_path):
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
     deploy = ROOT / "deploy" / "systemd"
-    for name in ("zserve.service", "zserve.socket"):
+    names = ("zserve.service", "zserve.socket", "zserve-engine.service")
+    for name in names:
         text = (deploy / name).read_text().replace("/opt/zserve/.venv", str(ROOT / ".venv"))
         (tmp_path / name).write_text(text.replace("WorkingDirectory=/opt/zserve", f"WorkingDirectory={ROOT}"))
-    r = subprocess.run([analyze, "verify", str(tmp_path / "zserve.service"), str(tmp_path / "zserve.socket")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([analyze, "verify", *(str(tmp_path / n) for n in names)], capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    unit = (deploy / "zserve.service").read_text()
-    for line in ("Type=notify", "WatchdogSec=", "KillMode=mixed", "ExecReload=/bin/kill -HUP $MAINPID",
-                 "NoNewPrivileges=true", "ProtectSystem=strict", "PrivateTmp=true", "RuntimeDirectory=zserve",
-                 "EnvironmentFile=", "User=zserve"):
-        assert line in unit, line
-    stop = int(unit.split("TimeoutStopSec=")[1].split()[0])
-    drain = float(unit.split("--shutdown-timeout ")[1].split()[0])
-    assert stop >= drain + 5  # systemd waits out the drain before it kills
+    for name, command in (("zserve.service", "launch api-server"), ("zserve-engine.service", "launch engine")):
+        unit = (deploy / name).read_text()
+        for line in ("Type=notify", "WatchdogSec=", "KillMode=mixed", "ExecReload=/bin/kill -HUP $MAINPID",
+                     "NoNewPrivileges=true", "ProtectSystem=strict", "PrivateTmp=true", "RuntimeDirectory=zserve",
+                     "EnvironmentFile=", "User=zserve", command):
+            assert line in unit, (name, line)
+        stop = int(unit.split("TimeoutStopSec=")[1].split()[0])
+        drain = float(unit.split("--shutdown-timeout ")[1].split()[0])
+        assert stop >= drain + 5  # systemd waits out the drain before it kills

@@ -66,9 +66,9 @@ def test_an_ipv6_host_is_served(tmp_path):
 
 
 def test_redaction_of_urls_and_keys():
-    from launch.cli import _redact_url
+    from zserve.proc import redact_url
 
-    assert _redact_url("redis://:hunter2@cache:6379/0") == "redis://:***@cache:6379/0"
-    assert _redact_url("redis://user:hunter2@cache/1") == "redis://user:***@cache/1"
-    assert _redact_url("redis://cache:6379/0") == "redis://cache:6379/0"
-    assert _redact_url("sqlite:///var/lib/zserve/r.db") == "sqlite:///var/lib/zserve/r.db"
+    assert redact_url("redis://:hunter2@cache:6379/0") == "redis://:***@cache:6379/0"
+    assert redact_url("redis://user:hunter2@cache/1") == "redis://user:***@cache/1"
+    assert redact_url("redis://cache:6379/0") == "redis://cache:6379/0"
+    assert redact_url("sqlite:///var/lib/zserve/r.db") == "sqlite:///var/lib/zserve/r.db"

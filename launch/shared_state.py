@@ -1,0 +1,179 @@
+"""The cluster control state shared by every gateway host, in Redis (``--state-url redis://…``).
+
+Without it each host is its own cluster: ``/pause`` pauses the gateways of the host that got it. With it, the
+supervisor of every host keeps, in one Redis (the one the Responses store uses):
+
+- ``zserve:control``: a hash ``{version, paused}``, the state every host follows (a new version is a change:
+  a Redis restarted without its data counts from 1 again, and until something is written hosts keep theirs);
+- ``zserve:hosts``: a hash host id → ``{"seen": unix time, "applied": version}``, written every heartbeat;
+- a pub/sub channel ``zserve:control`` that says "changed", so hosts apply a change at once rather than at
+  their next heartbeat.
+
+A control request on any host (``/pause``, ``/resume``) writes the state and is answered only once every host
+heard from within the liveness window has applied that version (its own gateways acknowledged it), as one
+host's gateways are waited for today. Redis going away never stops a host: it keeps the last state it knew,
+logs loudly once (and once more when Redis is back), and takes the shared state again on recovery. A control
+request while Redis is away takes effect on this host only, and its reply says so.
+
+The subscriber is a thread (redis-py's pub/sub blocks); it only wakes the supervisor's loop, which does every
+read and write itself with short socket timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import orjson
+
+from zserve.proc import redact_url
+
+log = logging.getLogger("zserve.launch")
+
+KEY, HOSTS, CHANNEL = "zserve:control", "zserve:hosts", "zserve:control"
+TIMEOUT_S = 0.5  # each Redis call; a host whose Redis hangs stalls its loop at most this long per call
+LIVE_S = 10.0  # a host not seen for this long is not waited for
+
+
+def is_redis(url: str | None) -> bool:
+    return bool(url) and url.split("://", 1)[0].lower() in ("redis", "rediss", "unix")
+
+
+class SharedControl:
+    def __init__(self, url: str, wake: Callable[[], None], interval: float):
+        import redis
+
+        self.url = url
+        self.host = f"{socket.gethostname()}:{os.getpid()}"
+        self.interval = interval
+        self.client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+        self.wake = wake
+        self.version = 0  # of the shared state this host applied last
+        self.paused: bool | None = None  # None until read once
+        self.changed = threading.Event()
+        self.up: bool | None = None
+        self.last_beat = 0.0
+        self.reported = 0  # the version this host last said it applied
+        self.stopping = False
+        threading.Thread(target=self._listen, name="zserve-shared-state", daemon=True).start()
+
+    # -- the subscriber thread --------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        import redis
+
+        while not self.stopping:
+            try:
+                sub = self.client.pubsub(ignore_subscribe_messages=True)
+                sub.subscribe(CHANNEL)
+                self.changed.set()  # (re)subscribed: read the state, it may have changed meanwhile
+                self.wake()
+                while not self.stopping:
+                    if sub.get_message(timeout=1.0) is not None:
+                        self.changed.set()
+                        self.wake()
+            except (redis.RedisError, OSError):
+                time.sleep(1.0)
+
+    # -- the supervisor's loop ------------------------------------------------------------------------------
+    def _failed(self, e: Exception) -> None:
+        if self.up is not False:
+            log.error("the shared control state at %s is unreachable (%s): this host keeps its last state (%s) and "
+                      "control requests take effect here only, until it is back", _safe(self.url), e,
+                      "paused" if self.paused else "serving")
+        self.up = False
+
+    def _ok(self) -> None:
+        if self.up is False:
+            log.warning("the shared control state at %s is reachable again", _safe(self.url))
+        self.up = True
+
+    def poll(self, now: float, applied: Callable[[], bool]) -> bool | None:
+        """The paused flag to apply when the shared state changed (None: nothing new); and the heartbeat that
+        tells the others which version this host applied (``applied``: its gateways acknowledged it)."""
+        import redis
+
+        new = None
+        if self.up is False and now - self.last_beat < self.interval:
+            return None  # away: try again once a heartbeat interval, not on every turn of the loop
+        if self.changed.is_set() or self.up is not True:
+            self.changed.clear()
+            try:
+                got = self.client.hgetall(KEY)
+                self._ok()
+            except (redis.RedisError, OSError) as e:
+                self._failed(e)
+                self.last_beat = now
+                return None
+            if not got:  # a Redis that lost its data (restarted empty): keep ours; what is written next counts
+                self.version = self.reported = 0
+            else:
+                version, paused = int(got.get(b"version", 0)), got.get(b"paused") == b"1"
+                if version != self.version:  # (lower too: a restarted Redis counts from 1 again)
+                    self.version, self.paused, new = version, paused, paused
+        done = self.version if applied() else self.version - 1
+        if now - self.last_beat >= self.interval or done > self.reported:
+            self.last_beat = now
+            try:
+                self.client.hset(HOSTS, self.host, orjson.dumps({"seen": time.time(), "applied": done}))
+                if done > self.reported:
+                    self.client.publish(CHANNEL, b"applied")  # the host that asked answers now, not in a second
+                self.reported = done
+                self._ok()
+            except (redis.RedisError, OSError) as e:
+                self._failed(e)
+        return new
+
+    def publish(self, paused: bool) -> int | None:
+        """Write a new state for every host; its version, or None when Redis is away (this host only)."""
+        import redis
+
+        try:
+            pipe = self.client.pipeline()
+            pipe.hincrby(KEY, "version", 1)
+            pipe.hset(KEY, "paused", "1" if paused else "0")
+            version = int(pipe.execute()[0])
+            self.client.publish(CHANNEL, str(version))
+            self._ok()
+        except (redis.RedisError, OSError) as e:
+            self._failed(e)
+            return None
+        self.version, self.paused = version, paused
+        return version
+
+    def applied_by_all(self, version: int) -> list[str]:
+        """The live hosts (other than this one) that have not applied ``version`` yet; [] when Redis is away."""
+        import redis
+
+        try:
+            hosts = self.client.hgetall(HOSTS)
+        except (redis.RedisError, OSError) as e:
+            self._failed(e)
+            return []
+        now, behind = time.time(), []
+        for host, raw in hosts.items():
+            try:
+                h = orjson.loads(raw)
+                seen, applied = float(h["seen"]), int(h["applied"])
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+            name = host.decode(errors="replace")
+            if name != self.host and now - seen <= LIVE_S and applied < version:
+                behind.append(f"host {name}")
+        return behind
+
+    def leave(self) -> None:
+        import redis
+
+        self.stopping = True
+        try:
+            self.client.hdel(HOSTS, self.host)
+        except (redis.RedisError, OSError):
+            pass
+
+
+def _safe(url: str) -> str:
+    return redact_url(url)  # a password in the URL never reaches the log
