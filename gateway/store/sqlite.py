@@ -71,6 +71,20 @@ def _create_schema(db: sqlite3.Connection) -> None:
         raise
 
 
+def _while_locked(fn: Callable[[], object]) -> None:
+    """Run ``fn`` again while it finds the file locked, up to the busy timeout. Switching a new file to WAL
+    does not wait on the busy handler: gateways starting together saw "database is locked" at once."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            fn()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class SqliteStore(ResponseStore):
     def __init__(self, path: str, *, ttl_s: float, max_items: int) -> None:
         self.path = path
@@ -88,9 +102,9 @@ class SqliteStore(ResponseStore):
             # check_same_thread=False: opened here, then used only by the store's one thread.
             db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            db.execute("PRAGMA journal_mode = WAL")
+            _while_locked(lambda: db.execute("PRAGMA journal_mode = WAL"))
             db.execute("PRAGMA synchronous = NORMAL")  # with WAL: never corrupt; a power cut may lose the last commits
-            _create_schema(db)
+            _while_locked(lambda: _create_schema(db))
         except (OSError, sqlite3.Error) as e:
             if db is not None:
                 db.close()

@@ -348,3 +348,31 @@ def test_sqlite_store_does_not_import_redis(tmp_path: Path) -> None:
             f"open_store(None, {str(tmp_path / 'r.db')!r}, ttl_s=1, max_items=1); "
             "assert 'redis' not in sys.modules, 'redis imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=30)
+
+
+def _open_at(path: str, barrier, results) -> None:
+    from gateway.store.sqlite import SqliteStore
+
+    barrier.wait()
+    try:
+        SqliteStore(path, ttl_s=60, max_items=10)
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(repr(e))
+
+
+def test_gateways_opening_a_new_store_at_once_all_succeed(tmp_path):
+    """Every gateway of a host opens the one SQLite file as it starts; they start together."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(40):
+        path = str(tmp_path / f"r{attempt}.db")
+        barrier, results = ctx.Barrier(16), ctx.Queue()
+        procs = [ctx.Process(target=_open_at, args=(path, barrier, results)) for _ in range(16)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=30) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert got == ["ok"] * 16, got
