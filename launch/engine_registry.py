@@ -9,6 +9,11 @@ cluster state it gives its gateways, which then connect to each engine directly 
 engines report, exactly as they do with local engines. An engine host that stays silent for the heartbeat
 timeout drops out of the cluster state (its engines died with it) until it answers again.
 
+Each hello also says which registry version every gateway of that host has applied, so the engine host drains
+an engine (scale-down, rolling restart) only once no gateway host routes to it any more; and the registry
+carries the engine host's phase, so while it replaces a model's only engine (``reloading``) gateway hosts hold
+that model's new requests as its own gateways would.
+
 Both sockets use CURVE (``zserve.curve``) unless ``--insecure``. Lines are the control protocol's JSON lines
 (``protocol.control``), one per ZeroMQ message; anything else is dropped and logged, rate-limited.
 """
@@ -81,8 +86,9 @@ class RegistryServer:
             self.sock.close(0)
             raise ListenError(f"cannot bind the engine registry at {bind}: {e}") from None
         self.timeout = subscriber_timeout
-        self.subscribers: dict[bytes, tuple[float, str]] = {}  # identity → (last hello, its host)
+        self.subscribers: dict[bytes, tuple[float, str, int]] = {}  # identity → (last hello, its host, applied)
         self.state = EngineRegistry(0)
+        self.marks: list[tuple[int, int]] = []  # (cluster-state version, the registry version that carried it)
         self.bad = _Throttled()
 
     def fileno(self) -> int:
@@ -107,22 +113,34 @@ class RegistryServer:
             assert isinstance(msg, RegistryHello)
             if who not in self.subscribers:
                 log.info("gateway host %s subscribed to the engine registry", msg.host)
-            self.subscribers[who] = (time.monotonic(), msg.host)
+            self.subscribers[who] = (time.monotonic(), msg.host, msg.applied)
             self._send(who, encode_line(self.state))
 
-    def publish(self, state: EngineRegistry) -> None:
-        """A new membership: every gateway host heard from recently gets it now."""
-        if (state.engines, state.models) == (self.state.engines, self.state.models):
-            return
-        self.state = replace(state, version=self.state.version + 1)
+    def publish(self, state: EngineRegistry, cluster_version: int) -> None:
+        """The engine host's cluster state ``cluster_version``: a new membership or phase goes to every gateway
+        host heard from recently."""
+        if (state.engines, state.models, state.scaling) != (self.state.engines, self.state.models, self.state.scaling):
+            self.state = replace(state, version=self.state.version + 1)
+            now = time.monotonic()
+            line = encode_line(self.state)
+            for who, (seen, host, _) in list(self.subscribers.items()):
+                if now - seen > self.timeout:
+                    log.info("gateway host %s left the engine registry (silent for %.0fs)", host, now - seen)
+                    del self.subscribers[who]
+                else:
+                    self._send(who, line)
+        if not self.marks or cluster_version > self.marks[-1][0]:
+            self.marks = [*self.marks[-255:], (cluster_version, self.state.version)]
+
+    def lagging(self, cluster_version: int) -> list[str]:
+        """The gateway hosts (heard from recently) whose gateways have not applied what cluster-state
+        ``cluster_version`` told them yet: an engine is drained only once none routes to it."""
+        wanted = next((r for cv, r in self.marks if cv >= cluster_version), None)
+        if wanted is None:
+            return ["the engine registry (not sent yet)"]
         now = time.monotonic()
-        line = encode_line(self.state)
-        for who, (seen, host) in list(self.subscribers.items()):
-            if now - seen > self.timeout:
-                log.info("gateway host %s left the engine registry (silent for %.0fs)", host, now - seen)
-                del self.subscribers[who]
-            else:
-                self._send(who, line)
+        return [f"gateway host {host}" for seen, host, applied in self.subscribers.values()
+                if now - seen <= self.timeout and applied < wanted]
 
     def _send(self, who: bytes, line: bytes) -> None:
         try:
@@ -151,7 +169,9 @@ class RemoteEngines:
         if keys is not None:
             secure_client(self.sock, keys)
         self.sock.connect(url)
-        self.hello = encode_line(RegistryHello(socket.gethostname()[:256] or "gateway-host"))
+        self.name = socket.gethostname()[:256] or "gateway-host"
+        self.applied = 0  # the registry version every gateway here applied
+        self.carried: tuple[int, int] | None = None  # (cluster-state version, registry version it carries)
         self.registry: EngineRegistry | None = None
         self.heard = 0.0
         self.said = -interval
@@ -161,13 +181,26 @@ class RemoteEngines:
     def fileno(self) -> int:
         return self.sock.getsockopt(zmq.FD)
 
+    def say_hello(self, now: float) -> None:
+        self.said = now
+        try:
+            self.sock.send(encode_line(RegistryHello(self.name, self.applied)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected (yet): the next interval tries again
+
+    def applied_by_gateways(self, lagging, now: float) -> None:
+        """Once every gateway here applied the cluster state that carried the registry's last version, say so
+        at once (the engine host drains an engine only after that)."""
+        if self.carried is not None and self.carried[1] > self.applied and not lagging(self.carried[0]):
+            self.applied = self.carried[1]
+            self.say_hello(now)
+
+    def phase(self, now: float) -> str:
+        return self.registry.scaling if self.fresh(now) and self.registry is not None else ""
+
     def tick(self, now: float) -> None:
         if now - self.said >= self.interval:
-            self.said = now
-            try:
-                self.sock.send(self.hello, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # not connected (yet): the next interval tries again
+            self.say_hello(now)
         if self.registry is not None and not self.fresh(now) and not self.lost_logged:
             self.lost_logged = True
             log.error("engine host %s silent for %.0fs: its engines leave the cluster until it answers", self.url,
@@ -187,6 +220,8 @@ class RemoteEngines:
                 self.bad.warn("engine host %s: dropped a bad registry message: %s", self.url, e)
                 continue
             assert isinstance(msg, EngineRegistry)
+            if self.registry is not None and msg.version < self.registry.version:
+                self.applied, self.carried = 0, None  # a restarted engine host counts from 1 again
             if self.registry is None or self.lost_logged:
                 log.info("engine host %s: %d engine(s) for %s", self.url, len(msg.engines),
                          ", ".join(msg.models or {}) or "no model")

@@ -205,6 +205,7 @@ class Supervisor:
         self.registry: RegistryServer | None = None  # an engine host's
         self.remote: list[RemoteEngines] = []  # a gateway host's engine hosts
         self._unknown_models: set[str] = set()  # served by an engine host but not here (warned once)
+        self._remote_phase = ""  # an engine host's pausing phase, followed here
         self.shared: SharedControl | None = None  # the control state of every gateway host (--state-url redis)
         self._shared_local = 0  # the cluster-state version that applied the shared state's latest
         self._shared_waits: dict[int, int] = {}  # a pause's cluster-state version → its shared version
@@ -500,7 +501,7 @@ class Supervisor:
     # -- the cluster state while an expert-parallel group resizes ---------------------------------------------
     def _scaling_phase(self) -> str:
         """The phase the cluster state shows: the first group's that is doing anything."""
-        return next((g.phase for g in self.elastic.values() if g.phase), "")
+        return next((g.phase for g in self.elastic.values() if g.phase), "") or self._remote_phase
 
     def pause_for_scaling(self, phase: str) -> None:
         st = self.store.update(paused=True, scaling=self._scaling_phase() or phase)
@@ -530,7 +531,8 @@ class Supervisor:
 
     def _lagging(self, version: int) -> list[str]:
         """The ready gateways that have not yet applied cluster-state ``version``."""
-        return [c.name for c in self._live("gateway") if c.ready and c.acked_version < version]
+        behind = [c.name for c in self._live("gateway") if c.ready and c.acked_version < version]
+        return behind + self.registry.lagging(version) if self.registry is not None else behind
 
     def _poll(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
@@ -660,19 +662,32 @@ class Supervisor:
             for c in sorted(self._live("engine"), key=lambda c: c.index)
         )
         models = {t.model_id: t.desired for t in self.tiers}
-        if self.registry is not None:
-            self.registry.publish(EngineRegistry(0, engines, models))
+        local = engines
         engines, models = self._with_remote(engines, models)
         st = self.store.get()
         if engines != st.engines or st.gateways_desired != self.desired["gateway"] or st.models != models:
-            self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
-                              engines_desired=self.engines_desired, models=models)
+            st = self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
+                                   engines_desired=self.engines_desired, models=models)
             self._broadcast()
+        if self.registry is not None:
+            self.registry.publish(EngineRegistry(0, local, models, st.scaling), st.version)
+        now = time.monotonic()
+        for remote in self.remote:
+            if remote.fresh(now) and remote.registry is not None:
+                remote.carried = (st.version, remote.registry.version)
 
     def _with_remote(self, engines: tuple[EngineInfo, ...], models: dict[str, int]
                      ) -> tuple[tuple[EngineInfo, ...], dict[str, int]]:
-        """Add the engines of the engine hosts that answer (for the models served here) to the local ones."""
+        """Add the engines of the engine hosts that answer (for the models served here) to the local ones, and
+        hold admission while one of them pauses its own (it replaces a model's only engine)."""
         now = time.monotonic()
+        phase = next((p for r in self.remote if (p := r.phase(now)) in PAUSING_PHASES), "")
+        if phase != self._remote_phase:
+            self._remote_phase = phase
+            if phase:
+                self.pause_for_scaling(phase)
+            else:
+                self.resume_after_scaling()
         for remote in self.remote:
             theirs = remote.models(now)
             engines += tuple(e for e in remote.engines(now) if e.model in models)
@@ -699,6 +714,7 @@ class Supervisor:
         for remote in self.remote:
             remote.tick(now)
             remote.pump()  # (a send may take the descriptor's edge of a reply that came meanwhile)
+            remote.applied_by_gateways(self._lagging, now)
         if self.registry is not None:
             self.registry.pump()
         self._reap(now)

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import orjson
 
-from zserve.cluster import ENGINE_STATES, ClusterState, EngineInfo
+from zserve.cluster import ENGINE_STATES, SCALING_PHASES, ClusterState, EngineInfo
 
 from .messages import ProtocolError
 
@@ -467,9 +467,11 @@ class RegistryHello(ControlMessage):
 
     TYPE: ClassVar[str] = "registry_hello"
     host: str  # who asks, for the engine host's log
+    applied: int = 0  # the registry version every gateway of that host applied (sent again at once when it grows)
 
     def __post_init__(self) -> None:
-        _check(_is_str(self.host, 256), "host must be a short str")
+        _check(_is_str(self.host, 256) and _is_int(self.applied, 0, 1 << 62), "host must be a short str, applied a "
+               "version")
 
 
 @dataclass(frozen=True)
@@ -482,23 +484,29 @@ class EngineRegistry(ControlMessage):
     version: int
     engines: tuple[EngineInfo, ...] = ()
     models: dict | None = None
+    # The engine host's phase (SCALING_PHASES): "reloading" while it replaces a model's only engine, when gateway
+    # hosts hold new requests as its own gateways would.
+    scaling: str = ""
 
     def __post_init__(self) -> None:
         _check(_is_int(self.version, 0, 1 << 62), "version out of range")
         _check(isinstance(self.engines, tuple) and len(self.engines) <= 1 << 12, "engines must be a list")
         _check_engines(self.engines)
+        _check(self.scaling in SCALING_PHASES, f"scaling must be one of {SCALING_PHASES}")
         _check(_opt(self.models, lambda v: isinstance(v, dict) and all(
             _is_str(k, 1024) and _is_int(n) for k, n in v.items())), "models maps model ids to engine counts")
 
     def to_wire(self) -> dict:
-        return {"version": self.version, "engines": [asdict(e) for e in self.engines], "models": self.models or {}}
+        return {"version": self.version, "engines": [asdict(e) for e in self.engines], "models": self.models or {},
+                "scaling": self.scaling}
 
     @classmethod
     def from_wire(cls, body: dict) -> EngineRegistry:
-        _check(set(body) <= {"version", "engines", "models"}, "unknown fields in engine_registry")
+        _check(set(body) <= {"version", "engines", "models", "scaling"}, "unknown fields in engine_registry")
         engines = body.get("engines", [])
         _check(isinstance(engines, list) and all(isinstance(e, dict) for e in engines), "engines must be a list")
-        return cls(body.get("version"), tuple(EngineInfo(**e) for e in engines), body.get("models"))
+        return cls(body.get("version"), tuple(EngineInfo(**e) for e in engines), body.get("models"),
+                   body.get("scaling", ""))
 
 
 REGISTRY_REQUESTS: tuple[type[ControlMessage], ...] = (RegistryHello,)

@@ -116,6 +116,29 @@ def test_gateway_hosts_follow_an_engine_that_dies_and_a_tier_that_scales(engine_
     assert completion(gateways.url)
 
 
+def test_reloading_an_engine_host_with_one_engine_drops_no_request_of_a_gateway_host(keys):
+    port = free_ports(4)
+    eng = Server(command=[*LAUNCH, "engine", *MODEL, "--bind", f"tcp://127.0.0.1:{port}", "--keys", str(keys)],
+                 log_name="reload-engine-host")
+    try:
+        gw = gateway_host(eng, keys, "reload-gateway-host")
+        try:
+            before = ready_pids(eng, "engine")
+            with Traffic(gw.url, "tiny-random", workers=4) as traffic:
+                r = launch("reload", "--port", str(eng.port), timeout=300)
+                assert r.returncode == 0, r.stderr
+                done = traffic.ok
+                wait_until(lambda: traffic.ok >= done + 8, 60, what="requests after the reload")
+            assert not traffic.failed, traffic.failed  # held by the gateway host while the engine was replaced
+            after = ready_pids(eng, "engine")
+            assert len(after) == 1 and after != before
+            assert "reloading" in gw.tail(50000)  # the gateway host followed the engine host's pause
+        finally:
+            gw.stop()
+    finally:
+        eng.stop()
+
+
 # -- who may connect --------------------------------------------------------------------------------------
 def _hello(sock: zmq.Socket, endpoint: str, wait_ms: int) -> object | None:
     sock.setsockopt(zmq.LINGER, 0)
