@@ -29,7 +29,7 @@ import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -256,6 +256,10 @@ class EngineClient:
         self._ready: list[EngineConnection] = []
         self._ready_by_model: dict[str | None, list[EngineConnection]] = {}  # ``_ready`` by model, as asked
         self._recheck: set[EngineConnection] = set()  # sockets sent on in this loop iteration
+        # How long a request that a draining engine handed back may wait for an engine when none is left (the
+        # gateway's --scaling-wait while a restart or resize holds admission; 0: fail it at once).
+        self.hold: Callable[[], float] | None = None
+        self._parked: list[tuple[_Stream, float]] = []  # (handed back with no engine left, until when)
 
     # -- membership ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -339,6 +343,23 @@ class EngineClient:
             self.any_ready.set()
         else:
             self.any_ready.clear()
+        if self._parked and self._ready:
+            self._unpark()
+
+    def _unpark(self) -> None:
+        """Send the parked requests that an engine can take now; fail those whose wait is over."""
+        now = asyncio.get_running_loop().time()
+        parked, self._parked = self._parked, []
+        for st, until in parked:
+            if self._streams.get(st.request_id) is not st:
+                continue  # cancelled meanwhile
+            try:
+                self._send(st)
+            except NoEngineAvailable as e:
+                if now < until:
+                    self._parked.append((st, until))
+                else:
+                    self._end(st, e)
 
     async def close(self) -> None:
         for eng in list(self.engines.values()):
@@ -541,7 +562,16 @@ class EngineClient:
         try:
             self._send(st)
         except NoEngineAvailable as e:
-            self._end(st, e)
+            wait = self.hold() if self.hold is not None and not busy else 0.0
+            if wait <= 0:
+                self._end(st, e)
+                return
+            # The engine is leaving while admission is held (a rolling restart of a model's only engine, an
+            # expert-parallel resize): wait for its replacement, which takes the same endpoint.
+            st.refused.discard(eng.endpoint)
+            loop = asyncio.get_running_loop()
+            self._parked.append((st, loop.time() + wait))
+            loop.call_later(wait + 0.01, self._unpark)
 
     def fail_all(self, why: str) -> int:
         """End every in-flight request with an error, and abort it in its engine (shutdown timeout)."""

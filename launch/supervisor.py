@@ -669,6 +669,10 @@ class Supervisor:
             st = self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
                                    engines_desired=self.engines_desired, models=models)
             self._broadcast()
+        if self._remote_phase and not any(r.phase(time.monotonic()) in PAUSING_PHASES for r in self.remote):
+            self._remote_phase = ""  # resumed after the gateways were told of the replacement, never before
+            self.resume_after_scaling()
+            st = self.store.get()
         if self.registry is not None:
             self.registry.publish(EngineRegistry(0, local, models, st.scaling), st.version)
         now = time.monotonic()
@@ -682,12 +686,9 @@ class Supervisor:
         hold admission while one of them pauses its own (it replaces a model's only engine)."""
         now = time.monotonic()
         phase = next((p for r in self.remote if (p := r.phase(now)) in PAUSING_PHASES), "")
-        if phase != self._remote_phase:
+        if phase and phase != self._remote_phase:  # held before the engine it replaces stops taking requests
             self._remote_phase = phase
-            if phase:
-                self.pause_for_scaling(phase)
-            else:
-                self.resume_after_scaling()
+            self.pause_for_scaling(phase)
         for remote in self.remote:
             theirs = remote.models(now)
             engines += tuple(e for e in remote.engines(now) if e.model in models)
