@@ -57,7 +57,7 @@ from protocol import (
 )
 from protocol.constants import ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING
 from zserve.cluster import ClusterState
-from zserve.curve import CurveKeys, secure_client
+from zserve.curve import CurveKeys, is_tcp, secure_client
 
 from .logs import REQUEST_ID
 
@@ -274,7 +274,7 @@ class EngineClient:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
-        if self.keys is not None and endpoint.startswith("tcp://"):
+        if self.keys is not None and is_tcp(endpoint):
             secure_client(sock, self.keys)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)

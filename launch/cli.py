@@ -308,13 +308,13 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
 
 def _check_across_hosts(bind: str | None, remote: tuple[str, ...], keys_dir: str | None, insecure: bool) -> None:
     """TCP between hosts is CURVE (--keys) or, said out loud, plain (--insecure); the keys must be readable."""
-    from zserve.curve import CurveKeys, KeyFileError, tcp_port
+    from zserve.curve import CurveKeys, KeyFileError, is_tcp, tcp_port
 
     for url, option in [(bind, "--bind"), *((u, "--engine") for u in remote)]:
         if url is None:
             continue
         try:
-            port = tcp_port(url) if url.startswith("tcp://") else 0
+            port = tcp_port(url) if is_tcp(url) else 0
         except ValueError:
             port = 0
         if not 0 < port < 65535 - MAX_ENGINES_PER_MODEL:

@@ -37,7 +37,7 @@ from protocol.control import (
     encode_line,
 )
 from zserve.cluster import EngineInfo
-from zserve.curve import CurveKeys, secure_client, secure_server, tcp_host, tcp_port, with_port
+from zserve.curve import CurveKeys, is_tcp, secure_client, secure_server, tcp_host, tcp_port, with_port
 
 from .sockets import ListenError
 
@@ -244,7 +244,7 @@ class RemoteEngines:
 
     def _reachable(self, endpoint: str) -> str:
         """An engine bound on a wildcard address is reached at the host its registry was reached at."""
-        if endpoint.startswith("tcp://") and tcp_host(endpoint) in WILDCARDS:
+        if is_tcp(endpoint) and tcp_host(endpoint) in WILDCARDS:
             host = f"[{self.host}]" if ":" in self.host else self.host
             return f"tcp://{host}:{tcp_port(endpoint)}"
         return endpoint

@@ -45,8 +45,9 @@ def is_redis(url: str | None) -> bool:
 
 class SharedControl:
     def __init__(self, url: str, wake: Callable[[], None], interval: float):
-        import redis
+        import redis  # only deployments with a Redis URL pay for the import
 
+        self.errors = (redis.RedisError, OSError)  # what "Redis is away" looks like
         self.url = url
         self.host = f"{socket.gethostname()}:{os.getpid()}"
         self.interval = interval
@@ -63,8 +64,6 @@ class SharedControl:
 
     # -- the subscriber thread --------------------------------------------------------------------------------
     def _listen(self) -> None:
-        import redis
-
         while not self.stopping:
             try:
                 sub = self.client.pubsub(ignore_subscribe_messages=True)
@@ -75,27 +74,25 @@ class SharedControl:
                     if sub.get_message(timeout=1.0) is not None:
                         self.changed.set()
                         self.wake()
-            except (redis.RedisError, OSError):
+            except self.errors:
                 time.sleep(1.0)
 
     # -- the supervisor's loop ------------------------------------------------------------------------------
     def _failed(self, e: Exception) -> None:
         if self.up is not False:
             log.error("the shared control state at %s is unreachable (%s): this host keeps its last state (%s) and "
-                      "control requests take effect here only, until it is back", _safe(self.url), e,
+                      "control requests take effect here only, until it is back", redact_url(self.url), e,
                       "paused" if self.paused else "serving")
         self.up = False
 
     def _ok(self) -> None:
         if self.up is False:
-            log.warning("the shared control state at %s is reachable again", _safe(self.url))
+            log.warning("the shared control state at %s is reachable again", redact_url(self.url))
         self.up = True
 
     def poll(self, now: float, applied: Callable[[], bool]) -> bool | None:
         """The paused flag to apply when the shared state changed (None: nothing new); and the heartbeat that
         tells the others which version this host applied (``applied``: its gateways acknowledged it)."""
-        import redis
-
         new = None
         if self.up is False and now - self.last_beat < self.interval:
             return None  # away: try again once a heartbeat interval, not on every turn of the loop
@@ -104,7 +101,7 @@ class SharedControl:
             try:
                 got = self.client.hgetall(KEY)
                 self._ok()
-            except (redis.RedisError, OSError) as e:
+            except self.errors as e:
                 self._failed(e)
                 self.last_beat = now
                 return None
@@ -123,14 +120,12 @@ class SharedControl:
                     self.client.publish(CHANNEL, b"applied")  # the host that asked answers now, not in a second
                 self.reported = done
                 self._ok()
-            except (redis.RedisError, OSError) as e:
+            except self.errors as e:
                 self._failed(e)
         return new
 
     def publish(self, paused: bool) -> int | None:
         """Write a new state for every host; its version, or None when Redis is away (this host only)."""
-        import redis
-
         try:
             pipe = self.client.pipeline()
             pipe.hincrby(KEY, "version", 1)
@@ -138,7 +133,7 @@ class SharedControl:
             version = int(pipe.execute()[0])
             self.client.publish(CHANNEL, str(version))
             self._ok()
-        except (redis.RedisError, OSError) as e:
+        except self.errors as e:
             self._failed(e)
             return None
         self.version, self.paused = version, paused
@@ -146,11 +141,9 @@ class SharedControl:
 
     def applied_by_all(self, version: int) -> list[str]:
         """The live hosts (other than this one) that have not applied ``version`` yet; [] when Redis is away."""
-        import redis
-
         try:
             hosts = self.client.hgetall(HOSTS)
-        except (redis.RedisError, OSError) as e:
+        except self.errors as e:
             self._failed(e)
             return []
         now, behind = time.time(), []
@@ -166,14 +159,8 @@ class SharedControl:
         return behind
 
     def leave(self) -> None:
-        import redis
-
         self.stopping = True
         try:
             self.client.hdel(HOSTS, self.host)
-        except (redis.RedisError, OSError):
+        except self.errors:
             pass
-
-
-def _safe(url: str) -> str:
-    return redact_url(url)  # a password in the URL never reaches the log

@@ -669,7 +669,7 @@ class Supervisor:
             st = self.store.update(engines=engines, gateways_desired=self.desired["gateway"],
                                    engines_desired=self.engines_desired, models=models)
             self._broadcast()
-        if self._remote_phase and not any(r.phase(time.monotonic()) in PAUSING_PHASES for r in self.remote):
+        if self._remote_phase and not self._remote_pausing(time.monotonic()):
             self._remote_phase = ""  # resumed after the gateways were told of the replacement, never before
             self.resume_after_scaling()
             st = self.store.get()
@@ -685,7 +685,7 @@ class Supervisor:
         """Add the engines of the engine hosts that answer (for the models served here) to the local ones, and
         hold admission while one of them pauses its own (it replaces a model's only engine)."""
         now = time.monotonic()
-        phase = next((p for r in self.remote if (p := r.phase(now)) in PAUSING_PHASES), "")
+        phase = self._remote_pausing(now)
         if phase and phase != self._remote_phase:  # held before the engine it replaces stops taking requests
             self._remote_phase = phase
             self.pause_for_scaling(phase)
@@ -700,6 +700,10 @@ class Supervisor:
                     log.warning("engine host %s serves %s, which is not served here (give it as --model): its "
                                 "engines are not used", remote.url, model)
         return engines, models
+
+    def _remote_pausing(self, now: float) -> str:
+        """The pausing phase of an engine host that answers ("" when none pauses)."""
+        return next((p for r in self.remote if (p := r.phase(now)) in PAUSING_PHASES), "")
 
     def _pump_remote(self, remote: RemoteEngines) -> None:
         if remote.pump():
