@@ -60,13 +60,15 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_bytes: int | None = None,
                  num_blocks: int | None = None, cuda_graphs: bool | None = None,
-                 attention: str | None = None, expert_parallel: bool = False):
+                 attention: str | None = None, expert_parallel: bool = False, fit_context: bool = False):
         """``cuda_graphs``: capture decode steps (default: on CUDA when the attention backend reads
         the pool through block tables, i.e. Triton). ``True`` on a CPU runs the graph path in
         emulation, for tests. ``attention``: a backend name of ``attention.BACKENDS`` instead of
         the best available one (tests, benchmarks). ``expert_parallel``: the model's experts are split
         across a group (``set_group``); every step is then a group step, and no decode graphs are captured
-        (the MoE collectives run between the graph's kernels)."""
+        (the MoE collectives run between the graph's kernels). ``fit_context``: a KV cache that holds fewer tokens
+        than ``max_model_len`` lowers it to what the cache holds (the server's default context, vLLM's rule)
+        instead of refusing to start."""
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
@@ -104,6 +106,8 @@ class ModelRunner:
                 num_blocks = max(1, min(want, cap))
             else:
                 num_blocks = kv_cache_bytes // per_block
+        if fit_context and 0 < num_blocks * block_size < max_model_len:
+            max_model_len = self.max_model_len = num_blocks * block_size
         if num_blocks * block_size < max_model_len:
             need = -(-max_model_len // block_size) * per_block
             raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "

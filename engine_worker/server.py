@@ -315,16 +315,19 @@ def main(argv: list[str] | None = None) -> None:
     with boot_phase(status, f"engine {a.rank}"):
         loaded = load_model(source, dtype, device, progress=_progress,
                             expert_share=(a.ep_member, a.ep_size) if grouped else None)
-        max_model_len = min(cfg.max_model_len, loaded.config.max_position_embeddings)
+        own = loaded.config.max_position_embeddings
         kv_bytes = parse_memory(cfg.kv_cache_memory, device) if cfg.kv_cache_memory is not None else None
-        runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs, max_model_len, block_size=cfg.block_size,
-                             kv_cache_bytes=kv_bytes, cuda_graphs=False if cfg.enforce_eager else None,
-                             expert_parallel=grouped)
+        runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs, own if cfg.max_model_len is None else
+                             min(cfg.max_model_len, own), block_size=cfg.block_size, kv_cache_bytes=kv_bytes,
+                             cuda_graphs=False if cfg.enforce_eager else None, expert_parallel=grouped,
+                             fit_context=cfg.max_model_len is None)
+        max_model_len = runner.max_model_len
     if cfg.seed is not None:
         runner.sampler.seed_shared(cfg.seed + a.rank)
-    log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s", a.rank,
-             runner.num_blocks, cfg.block_size, runner.kv_cache_bytes / (1 << 20),
-             "on" if cfg.enable_prefix_caching else "off")
+    log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s; context %d tokens (%s)",
+             a.rank, runner.num_blocks, cfg.block_size, runner.kv_cache_bytes / (1 << 20),
+             "on" if cfg.enable_prefix_caching else "off", max_model_len, _context_origin(cfg.max_model_len, own,
+                                                                                       max_model_len))
     grammars = Grammars(tokenizer_json_loader(source.tokenizer_path), runner.vocab_size, runner.eos_token_ids)
     scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
                           enable_prefix_caching=cfg.enable_prefix_caching, grammars=grammars)
@@ -358,6 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     server.serve_forever()
 
 
+def _context_origin(asked: int | None, own: int, got: int) -> str:
+    """Where an engine's context length came from, for its start-up line."""
+    if asked is None:
+        return "the model's own" if got == own else f"the model's {own}, lowered to what the KV cache holds"
+    return "--max-model-len" if got == asked else f"--max-model-len {asked}, capped to the model's own"
+
+
 def serve_pooling(a: argparse.Namespace, cfg: EngineConfig, source: ModelSource, device, dtype, status: StatusPipe,
                   t0: float) -> None:
     """An engine for an encoder (embed / classify): no KV cache, no sampler, batches of whole inputs.
@@ -373,7 +383,9 @@ def serve_pooling(a: argparse.Namespace, cfg: EngineConfig, source: ModelSource,
     embeds = "embed" in runner.tasks
     hello = EngineHello(
         rank=a.rank, model_id=source.model_id, max_num_seqs=scheduler.max_num_seqs,
-        max_model_len=min(cfg.max_model_len, runner.max_model_len), vocab_size=runner.vocab_size, eos_token_ids=(),
+        max_model_len=runner.max_model_len if cfg.max_model_len is None else min(cfg.max_model_len,
+                                                                                  runner.max_model_len),
+        vocab_size=runner.vocab_size, eos_token_ids=(),
         pid=os.getpid(), device=str(device), dtype=str(dtype).removeprefix("torch."),
         tasks=tuple(t for t in runner.tasks if t in MODEL_TASKS), embed_size=runner.hidden_size if embeds else 0,
         labels=tuple(runner.labels or ()),

@@ -28,7 +28,8 @@ class GatewayConfig:
     responses_max_items: int = DEFAULT_MAX_ITEMS  # the oldest stored responses go first past this
     # The context (prompt + output) requests are checked against while no engine reports its own: always on a
     # render server, which has none (engines cap it to the model's own context; this value is taken as given).
-    max_model_len: int = EngineConfig.max_model_len
+    # None: the model's own context, as its tokenizer files give it.
+    max_model_len: int | None = EngineConfig.max_model_len
     render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
     max_concurrent_requests: int | None = 1024  # per gateway; past it: 429 at once; None: unbounded
     stream_interval: int = 1  # output tokens per stream chunk after the first (vLLM's --stream-interval)
@@ -74,8 +75,9 @@ class GatewayConfig:
             raise ValueError("responses_ttl must be a number of seconds in 1..31536000")
         if not (isinstance(self.responses_max_items, int) and 1 <= self.responses_max_items <= 10**8):
             raise ValueError("responses_max_items must be an integer in 1..100000000")
-        if not (isinstance(self.max_model_len, int) and not isinstance(self.max_model_len, bool)
-                and 16 <= self.max_model_len <= 1 << 20):
+        if self.max_model_len is not None and not (isinstance(self.max_model_len, int)
+                                                    and not isinstance(self.max_model_len, bool)
+                                                    and 16 <= self.max_model_len <= 1 << 20):
             raise ValueError("max_model_len must be an integer in 16..1048576")
         if not isinstance(self.render_only, bool):
             raise ValueError("render_only must be true or false")

@@ -29,6 +29,10 @@ from .text.token_text import TokenText
 from .text.tool_parsers import ToolParser
 
 
+# The context of a render server's model whose files do not say (none of the catalog's models).
+FALLBACK_MAX_MODEL_LEN = 4096
+
+
 @dataclass
 class ServedModel:
     """One model this gateway serves: the names clients use for it, its text side, and its engines."""
@@ -61,7 +65,9 @@ class GatewayState:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     responses: ResponseStore | None = None  # stored Responses-API objects, shared by every gateway
     render_only: bool = False  # no engine tier (launch render): generation is refused, rendering is not
-    default_max_model_len: int = 4096  # the context checked against while no engine reports one
+    # The context checked against while no engine reports one (a render server); None: each model's own, as its
+    # tokenizer files give it (else FALLBACK_MAX_MODEL_LEN).
+    default_max_model_len: int | None = None
     stream_interval: int = 1  # --stream-interval: output tokens per stream chunk after the first
     scaling_wait: float = 30.0  # --scaling-wait: seconds a request is held while a resize pauses admission
     # Set while no resize pauses admission (``apply_cluster`` keeps it so): held requests wait on it.
@@ -195,7 +201,9 @@ class ModelState:
     @property
     def max_model_len(self) -> int:
         limit = self.engines.max_model_len
-        return self.gateway.default_max_model_len if limit is None else limit
+        if limit is not None:
+            return limit
+        return self.gateway.default_max_model_len or self.tokenizer.model_max_length or FALLBACK_MAX_MODEL_LEN
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

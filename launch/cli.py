@@ -90,9 +90,10 @@ server_options = _options(
                  help="A process silent for this long is hung and gets replaced."),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                  show_default=True),
-    click.option("--max-model-len", type=int, default=_ENGINE.max_model_len, show_default=True,
-                 help="Context length (prompt + output) per sequence; engines cap it to the model's own, a render "
-                      "server checks requests against it as given."),
+    click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
+                 help="Context length (prompt + output) per sequence. Default: the model's own, lowered to what "
+                      "the KV cache holds (the engine's start-up line says which); a given value is capped to the "
+                      "model's own, and a render server checks requests against it as given."),
     click.option("--served-model-name", "served_model_names", multiple=True,
                  help="Name(s) clients use for the model (default: the model id); with several --model, give "
                       "each model its names as ID:name=NAME."),
@@ -227,8 +228,9 @@ def render(**options) -> None:
                    "gets no more registry updates.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-@click.option("--max-model-len", type=int, default=_ENGINE.max_model_len, show_default=True,
-              help="Context length (prompt + output) per sequence, capped to the model's own.")
+@click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
+              help="Context length (prompt + output) per sequence. Default: the model's own, lowered to what the "
+                   "KV cache holds; a given value is capped to the model's own.")
 @engine_options
 def engine(**options) -> None:
     """Run only the engine tier, for gateway hosts (`launch api-server --engine tcp://THIS:PORT`) to use.

@@ -34,7 +34,9 @@ class EngineConfig:
 
     dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with native bf16, else fp32
     max_num_seqs: int = 32  # sequences an engine runs at once
-    max_model_len: int = 4096  # context (prompt + output) per sequence; capped to the model's own
+    # Context (prompt + output) per sequence. None: the model's own (vLLM's default), lowered to what the KV cache
+    # holds (logged at start); a given value is capped to the model's own.
+    max_model_len: int | None = None
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prompt chunks)
     block_size: int = 16  # tokens per KV cache block
     kv_cache_memory: str | None = None  # None: max_num_seqs full-length requests, at most 25% of free memory
@@ -51,7 +53,8 @@ class EngineConfig:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
             (_int(self.max_num_seqs, 1, 4096), "max_num_seqs must be an integer in 1..4096"),
-            (_int(self.max_model_len, 16, 1 << 20), "max_model_len must be an integer in 16..1048576"),
+            (self.max_model_len is None or _int(self.max_model_len, 16, 1 << 20),
+             "max_model_len must be an integer in 16..1048576"),
             (_int(self.max_num_batched_tokens, 1, 1 << 20), "max_num_batched_tokens must be an integer in 1..1048576"),
             (_int(self.block_size, 1, 1024), "block_size must be an integer in 1..1024"),
             (isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching must be true or false"),

@@ -37,7 +37,7 @@ from tokenizers import Tokenizer as _Backend
 log = logging.getLogger(__name__)
 
 # Bump when the way a GGUF becomes a tokenizer changes, so that stale cache files are rebuilt.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 # llama.cpp's token types (llama_token_type): 3 is CONTROL (<|im_start|> etc.), 4 is USER_DEFINED.
 _TOKEN_TYPE_CONTROL = 3
@@ -197,6 +197,7 @@ def _read_gguf_tokenizer(path: str) -> dict[str, Any]:
         "add_bos_token": bool(value("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(value("tokenizer.ggml.add_eos_token", False)),
         "chat_template": value("tokenizer.chat_template"),
+        "context_length": value(f"{value('general.architecture', '')}.context_length"),
     }
     if not meta["tokens"]:
         raise ValueError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
@@ -289,6 +290,22 @@ def _write_atomically(target: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _length(value: Any) -> int | None:
+    """A context length from a model's files; None for a missing one or a placeholder (HF writes 1e30)."""
+    return int(value) if isinstance(value, (int, float)) and 0 < value < 1 << 40 else None
+
+
+def _dir_context_length(directory: Path, tokenizer_config: dict[str, Any]) -> int | None:
+    """An HF directory's context: config.json's ``max_position_embeddings``, else tokenizer_config.json's
+    ``model_max_length``."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    found = _length(config.get("max_position_embeddings")) if isinstance(config, dict) else None
+    return found or _length(tokenizer_config.get("model_max_length"))
 
 
 def _token_content(value: Any) -> str | None:
@@ -449,8 +466,12 @@ class Tokenizer:
         pad_token_id: int | None = None,
         unk_token_id: int | None = None,
         piece_cache: SizedLRU[str, list[int]] | None = None,
+        model_max_length: int | None = None,
     ) -> None:
         self._backend = backend
+        # The model's own context (GGUF ``<arch>.context_length``, HF ``max_position_embeddings``): what requests
+        # are checked against where no engine reports its context (a render server). None: not known.
+        self.model_max_length = model_max_length
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -498,6 +519,7 @@ class Tokenizer:
             "pad_token_id": meta["pad_token_id"],
             "unk_token_id": meta["unk_token_id"],
             "chat_template": meta["chat_template"],
+            "model_max_length": _length(meta["context_length"]),
         }
         if cache is not None:
             try:
@@ -531,6 +553,7 @@ class Tokenizer:
             pad_token_id=token_id("pad_token"),
             unk_token_id=token_id("unk_token"),
             chat_template=_config_chat_template(config, directory),
+            model_max_length=_dir_context_length(directory, config),
         )
 
     # -- text <-> ids -------------------------------------------------------------------------

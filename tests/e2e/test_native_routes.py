@@ -231,7 +231,7 @@ BAD = [
     (GENERATE, {"token_ids": [-5]}, 400, "token_ids.0"),
     (GENERATE, {"token_ids": [10**7]}, 400, "token_ids"),
     (GENERATE, {"token_ids": [1] * (MAX_IDS + 1)}, 400, "token_ids"),
-    (GENERATE, {"token_ids": [1] * 5000}, 400, "token_ids"),  # beyond tiny-random's 4096 context
+    (GENERATE, {"token_ids": [1] * 9000}, 400, "token_ids"),  # beyond tiny-random's 8192 context
     (GENERATE, {"token_ids": [1], "sampling_params": {"max_tokens": 10**6}}, 400, "sampling_params.max_tokens"),
     (GENERATE, {"token_ids": [1], "sampling_params": {"max_tokens": 0}}, 400, "sampling_params.max_tokens"),
     (GENERATE, {"token_ids": [1], "sampling_params": {"stop": ["x"]}}, 400, "sampling_params.stop"),

@@ -77,7 +77,7 @@ def test_health_ping_models_and_metrics_need_no_engine(render):
     assert ok(render.get("/health")) == health
     assert ok(render.get("/ping")) == health and ok(render.post("/ping")) == health
     models = ok(render.get("/v1/models"))["data"]
-    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 4096)]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 8192)]  # the model's own, from its GGUF
     render.post("/v1/completions/render", json={"prompt": "hi"})
     counted = 'zserve_http_requests_total{method="POST",route="/v1/completions/render",status="200"}'
 
@@ -108,7 +108,7 @@ def test_chat_render_is_what_the_engine_gets(render, api):
     assert got["text_options"] == {"stop": ["\n\n"], "include_stop_str_in_output": False, "skip_special_tokens": True}
     # Without max_tokens the engine gets the rest of the context.
     rest = ok(render.post("/v1/chat/completions/render", json={**CHAT, "max_tokens": None}))
-    assert rest["sampling_params"]["max_tokens"] == 4096 - len(ids)
+    assert rest["sampling_params"]["max_tokens"] == 8192 - len(ids)
 
     # The engine's side: the chat route's prompt has len(ids) tokens, and the first token after it is
     # scored exactly as after the rendered ids sent as they are.

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine_worker.block_manager import BlockManager, block_hashes
+from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
 from engine_worker.scheduler import Scheduler, run_until_done
@@ -173,6 +174,11 @@ def test_prompt_logprobs_arrive_once_with_the_first_token_whatever_the_chunking(
     ref = _full_logprobs(loaded, PROMPT)
     want = [float(ref[i, PROMPT[i + 1]]) for i in range(len(PROMPT) - 1)]
     assert first.prompt_logprobs == pytest.approx(want, abs=1e-5)
+    assert chunked[0][0].prompt_ranks == first.prompt_ranks
+    top = first.prompt_top_logprobs.token_ids
+    for i, rank in enumerate(first.prompt_ranks):  # a token among the top 4 ranks as it is placed there; else lower
+        best = top[4 * i : 4 * i + 4]
+        assert rank == (best.index(PROMPT[i + 1]) + 1 if PROMPT[i + 1] in best else max(rank, 5))
     # A cached prefix is not used for a request that wants prompt logprobs: they need the logits.
     runner = make_runner(loaded)
     _, sched = run(runner, [(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))])
@@ -420,3 +426,20 @@ def test_a_generating_model_embeds_by_last_token_pooling_alone_and_in_a_busy_bat
     assert len(busy["c"].data) == 16
     sched = Scheduler(runner, 8, 64)
     assert "does not classify" in sched.add_pool(PoolRequest("x", (1, 2), task="classify"))
+
+
+def test_the_default_context_is_lowered_to_what_the_kv_cache_holds_and_a_given_one_is_refused(loaded):
+    """Without --max-model-len an engine takes the model's own context (vLLM's default), lowered to what its KV
+    cache holds; a context the user asked for that the cache cannot hold is a boot error that says so."""
+    cfg = loaded.config
+    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    own = cfg.max_position_embeddings
+    fitted = ModelRunner(loaded, CPU, torch.float32, max_num_seqs=2, max_model_len=own, block_size=4,
+                         kv_cache_bytes=10 * per_block, fit_context=True)
+    assert (fitted.num_blocks, fitted.max_model_len) == (10, 40)
+    roomy = ModelRunner(loaded, CPU, torch.float32, max_num_seqs=1, max_model_len=own, block_size=16,
+                        fit_context=True)
+    assert roomy.max_model_len == own == 8192
+    with pytest.raises(ValueError, match="less than one max_model_len=8192 request"):
+        ModelRunner(loaded, CPU, torch.float32, max_num_seqs=2, max_model_len=own, block_size=4,
+                    kv_cache_bytes=10 * per_block)

@@ -174,6 +174,7 @@ def test_cached_build_skips_the_gguf_and_encodes_the_same(
     assert cached.encode(CHATML_PROMPT) == CHATML_IDS
     assert (cached.bos_token_id, cached.eos_token_id, cached.chat_template) == (1, 2, tok.chat_template)
     assert cached.all_special_ids == tok.all_special_ids
+    assert cached.model_max_length == tok.model_max_length == 8192  # llama.context_length: a render server's limit
 
 
 def test_stale_or_corrupt_cache_is_rebuilt(gguf_path: Path, tmp_path: Path, gguf_reads: list[str]) -> None:
@@ -213,6 +214,11 @@ def test_from_dir_loads_a_hugging_face_directory(tok: Tokenizer, tmp_path: Path)
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 2)
     assert loaded.chat_template == tok.chat_template
     assert loaded.id_to_bytes(loaded.encode("😀")[0]) == b"\xf0\x9f"
+    assert loaded.model_max_length is None  # neither config.json nor model_max_length says
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 1e30}))
+    assert Tokenizer.from_dir(tmp_path).model_max_length is None  # HF's placeholder for "unset"
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    assert Tokenizer.from_dir(tmp_path).model_max_length == 2048
 
 
 def test_gateway_text_never_imports_torch(gguf_path: Path, tmp_path: Path) -> None:
