@@ -329,14 +329,19 @@ class BlockStream:
 async def stream_message(request: web.Request, state: ModelState, rid: str, model: str, c: Choice, use: ToolUse,
                          prompt_tokens: int, opts) -> web.StreamResponse:
     resp = await open_stream(request)
-    start = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
-    await send_event(resp, {"type": "message_start", "message": start}, "message_start")
     blocks = BlockStream(resp)
+    started = False
     try:
         async for _, d in run_choices(state, rid, [c], opts):
             c.take(d)
+            if not started:
+                # Sent with the first output, when the engine has said how much of the prompt its prefix cache
+                # held: message_start's usage then splits the input as message_delta and a non-streamed reply do.
+                started = True
+                start = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
+                         "stop_reason": None, "stop_sequence": None, "usage": {**_usage(prompt_tokens, c),
+                                                                               "output_tokens": 0}}
+                await send_event(resp, {"type": "message_start", "message": start}, "message_start")
             await blocks.push(c.piece(d))
         calls = final_tool_calls(use, c.msg.tool_calls) if c.msg is not None else []
         if "text" not in blocks.opened and not calls:

@@ -176,6 +176,20 @@ def chat_messages(items: str | list) -> list[dict]:
     return out
 
 
+def check_call_outputs(items: str | list, history: list[dict]) -> None:
+    """A ``function_call_output`` answers a call made before it, in this input or in the chained conversation;
+    OpenAI refuses one whose ``call_id`` no call has (400), and so does this server."""
+    if isinstance(items, str):
+        return
+    known = {call.get("id") for message in history for call in message.get("tool_calls") or ()}
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallItem):
+            known.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in known:
+            raise bad_request(f"input.{i}.call_id: no tool call found for function call output with call_id "
+                              f"{item.call_id!r}", param=f"input.{i}.call_id")
+
+
 def input_items(items: str | list) -> list[dict]:
     """This turn's input as the API lists it (``GET /v1/responses/{id}/input_items``), each with an id."""
     if isinstance(items, str):
@@ -353,6 +367,7 @@ class Turn:
         self.state, self.req, self.model = state, req, model
         self.rid = _new_id("resp")
         self.created = time.time()
+        check_call_outputs(req.input, history)
         self.messages = history + chat_messages(req.input)
         self.input_items = input_items(req.input)
         tools = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
@@ -415,7 +430,10 @@ class Turn:
         return {"status": obj["status"], "response": obj, "messages": messages, "input_items": self.input_items}
 
     async def run(self, builder: OutputBuilder) -> dict:
-        """Generate, watching the store for a cancel from any gateway; store the result."""
+        """Generate, watching the store for a cancel from any gateway; store the result.
+
+        A background response whose record was deleted (or expired) stops too: nobody can read its result, and
+        it would hold an engine slot until max_output_tokens. A streamed one goes on: its client still reads."""
         store = self.state.responses
         if not self.req.store:
             return await self.generate(builder)
@@ -434,7 +452,8 @@ class Turn:
                     current = await store.get(self.rid)
                 except StoreUnavailable:
                     continue  # keep generating; the result is written when the store is back
-                if current is not None and current.get("status") == "cancelled":
+                gone = current is None and self.req.background
+                if gone or (current is not None and current.get("status") == "cancelled"):
                     cancelled = True
                     gen.cancel()
                     break
@@ -586,7 +605,8 @@ async def list_input_items(request: web.Request) -> web.Response:
 
 @routes.delete("/v1/responses/{response_id}")
 async def delete_response(request: web.Request) -> web.Response:
-    """Forget a stored response (an in-progress one finishes, but its result is not stored)."""
+    """Forget a stored response. An in-progress background one stops generating (its gateway sees the record gone
+    within ``CANCEL_POLL_S``); a streamed one goes on to its client, and its result is not stored."""
     rid = request.match_info["response_id"]
     if not await _store_call(request.app[STATE].responses.delete(rid)):
         raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")

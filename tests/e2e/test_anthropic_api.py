@@ -149,6 +149,13 @@ def test_stream_sends_every_event_in_order_and_matches_the_message(smol):
     full = smol.messages.create(**kw)
     assert streamed_text == full.content[0].text
     assert message_delta["usage"]["output_tokens"] == full.usage.output_tokens
+    # The prompt is in the prefix cache now: message_start, message_delta and the non-streamed reply split the
+    # input alike (input_tokens + cache_read_input_tokens), as Anthropic's usage does.
+    again = _sse_events(smol, **kw)
+    split = ("input_tokens", "cache_read_input_tokens")
+    start_usage, delta_usage = again[0][1]["message"]["usage"], again[-2][1]["usage"]
+    assert [start_usage[k] for k in split] == [delta_usage[k] for k in split] == [getattr(full.usage, k) for k in split]
+    assert start_usage["cache_read_input_tokens"] > 0 and start_usage["output_tokens"] == 0
     with smol.messages.stream(**kw) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()

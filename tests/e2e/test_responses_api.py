@@ -223,6 +223,11 @@ def test_function_call_output_round_trip(client, gws, model) -> None:
     r3 = client.responses.create(model=model, input=[result], previous_response_id=r1.id, tools=[WEATHER_FUNCTION])
     assert r3.output_text == sm.EXPECTED_TOOL_RESULT
     assert r3.usage.input_tokens == r2.usage.input_tokens
+    # A result for a call that neither the input nor the chain made is refused, as OpenAI refuses it.
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model=model, input=[{**result, "call_id": "call_unknown"}], previous_response_id=r1.id,
+                                tools=[WEATHER_FUNCTION])
+    assert ei.value.body["param"] == "input.0.call_id" and "call_unknown" in ei.value.body["message"]
 
 
 def test_input_items_are_listed_from_any_gateway(gws, model) -> None:
@@ -325,6 +330,20 @@ def test_cancel_background_response_through_another_gateway(tiny_gws) -> None:
         a.sdk.responses.create(model=TINY, input="go on", previous_response_id=r.id)
     assert ei.value.body["param"] == "previous_response_id"
     assert a.sdk.responses.retrieve(r.id).status == "cancelled"  # A never overwrote it
+
+
+def test_deleting_an_in_progress_background_response_stops_its_generation(tiny_gws) -> None:
+    a, b = tiny_gws
+    r = a.sdk.responses.create(model=TINY, input="Write a very long story.", max_output_tokens=4000,
+                               background=True)
+    wait_until(lambda: a.load()["in_flight"] == 1, 10, what="A generating the background response")
+    b.sdk.responses.delete(r.id)
+    # A notices the record gone and stops: its request ends, and the engine frees the slot long before 4000 tokens.
+    wait_until(lambda: a.load()["in_flight"] == 0, 5, what="A to stop generating")
+    wait_until(lambda: all(e["running"] == 0 for e in a.load()["engines"]), 5, what="the engine to go idle")
+    for gw in (a, b):
+        with pytest.raises(openai.NotFoundError):
+            gw.sdk.responses.retrieve(r.id)
 
 
 def test_cancel_streamed_response_through_another_gateway(tiny_gws) -> None:
@@ -455,6 +474,8 @@ BAD = [
     ({"input": "x", "text": {"format": {"type": "json_object"}}, "tools": [WEATHER_FUNCTION],
       "tool_choice": "required"}, 400, "text.format"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "call_nope",
+                                                   "output": "x"}]}, 400, "input.1.call_id"),
     ({"input": "x", "max_output_tokens": 100_000}, 400, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, 400, "temperature"),
     ({"input": "x", "tools": [{"type": "function"}]}, 400, None),
