@@ -12,6 +12,11 @@ bitmask row per request, computed in parallel by llguidance's executor) and sets
 -inf before anything else; after the step the scheduler feeds the chosen token to the matcher
 (``GrammarHandle.accept``). A grammar that is complete ends the request ("stop") without waiting
 for an end-of-sequence token; one that reaches a dead end ends it with an error, never a crash.
+
+llguidance sees the model's vocabulary plus a placeholder token for each byte no token spells
+(``zserve.grammar.every_byte_vocabulary`` says why); masks are cut to the model's vocabulary, so a row
+left with no allowed token is a grammar that needs a byte the model cannot write: a dead end, seen
+before the step samples (``GrammarHandle.stuck``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from zserve.grammar import GrammarError, llguidance_grammar
+from zserve.grammar import GrammarError, every_byte_vocabulary, llguidance_grammar
 
 log = logging.getLogger("zserve.engine")
 
@@ -34,10 +39,18 @@ DEFAULT_MAX_CACHED = 256  # compiled grammars kept per engine
 class GrammarHandle:
     """One request's grammar: compiling, then a matcher that follows the request's output."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, mask_size: Callable[[], int]):
         self._future = future
+        self._mask_size = mask_size
         self.matcher = None  # an llguidance.LLMatcher once ready
         self.error: str | None = None
+        self.stuck = False  # the last mask allowed no token of the model's vocabulary (``fill_masks``)
+        self.accepted = 0  # tokens fed so far
+
+    @property
+    def mask_size(self) -> int:
+        """Tokens in the grammar engine's vocabulary (the model's and the placeholders): a mask row's bits."""
+        return self._mask_size()
 
     @property
     def ready(self) -> bool:
@@ -60,9 +73,15 @@ class GrammarHandle:
     def accept(self, token: int) -> str | None:
         """Feed the sampled token; return ``stop`` when the grammar is complete, ``error`` at a dead end."""
         m = self.matcher
-        if not m.consume_token(token):
-            self.error = f"structured output: token {token} does not continue the grammar ({m.get_error()})"
+        if self.stuck:
+            needs = m.compute_ff_bytes()
+            self.error = ("structured output: the model's vocabulary has no token that continues the grammar after "
+                          f"{self.accepted} tokens" + (f" (it must write {needs[:64]!r} next)" if needs else ""))
             return "error"
+        if not m.consume_token(token) or m.is_error():
+            self.error = f"structured output: token {token} does not continue the grammar ({m.get_error()[:1000]})"
+            return "error"
+        self.accepted += 1
         if m.is_stopped():
             return "stop"
         return None
@@ -82,6 +101,7 @@ class Grammars:
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer = None
+        self.mask_size = vocab_size  # the grammar engine's vocabulary, with the placeholders once it is built
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.compiled = 0  # compilations (cache misses) since start
 
@@ -94,8 +114,11 @@ class Grammars:
         if template is not None:
             done: Future = Future()
             done.set_result(template.deep_copy())
-            return GrammarHandle(done)
-        return GrammarHandle(self._pool.submit(self._compile, spec))
+            return GrammarHandle(done, self._get_mask_size)
+        return GrammarHandle(self._pool.submit(self._compile, spec), self._get_mask_size)
+
+    def _get_mask_size(self) -> int:
+        return self.mask_size
 
     def prepare(self) -> Future:
         """Build the grammar engine's view of the vocabulary now, on the compile thread (an engine
@@ -106,8 +129,9 @@ class Grammars:
         import llguidance
 
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                     eos_token=self._eos)
+            tokenizer_json, size = every_byte_vocabulary(self._tokenizer_json(), self.vocab_size)
+            self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=size, eos_token=self._eos)
+            self.mask_size = size
         return self._tokenizer
 
     def _compile(self, spec: tuple[str, str]):
@@ -134,20 +158,24 @@ _executor = None  # llguidance.LLExecutor (its threads compute masks of a batch 
 
 
 def fill_masks(handles: Sequence[GrammarHandle], vocab_size: int) -> torch.Tensor:
-    """``[len(handles), vocab_size]`` bool: the tokens each request's matcher allows next."""
+    """``[len(handles), vocab_size]`` bool: the tokens each request's matcher allows next. A handle whose row
+    is empty (the grammar needs a byte only a placeholder spells) is marked ``stuck``."""
     global _executor
     import llguidance
 
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    words = (vocab_size + 31) // 32
+    words = (handles[0].mask_size + 31) // 32
     bits = torch.empty((len(handles), words), dtype=torch.int32)
     _executor.unsafe_compute_mask_ptr([(h.matcher, i) for i, h in enumerate(handles)], bits.data_ptr(), words * 4,
                                       len(handles))
     # Token 32w + i is bit i of word w; in little-endian bytes, bit j of byte k is token 8k + j.
     # Looking each byte up in a 256 x 8 table is ~10x faster than shifting every word 32 times.
     unpacked = torch.nn.functional.embedding(bits.view(torch.uint8).int(), _BYTE_BITS)
-    return unpacked.view(len(handles), words * 32)[:, :vocab_size].view(torch.bool)
+    allowed = unpacked.view(len(handles), words * 32)[:, :vocab_size].view(torch.bool)
+    for h, some in zip(handles, allowed.any(dim=1).tolist()):
+        h.stuck = not some
+    return allowed
 
 
 _mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")

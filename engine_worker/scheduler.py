@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from protocol import PoolOutput, PoolRequest, RequestOutput, SamplingParams, TopLogprobs
+from protocol.constants import ERR_STRUCTURED_OUTPUT
 
 from .block_manager import BlockManager, block_hashes
 from .expert_parallel import GroupLost
@@ -192,7 +193,8 @@ class Scheduler:
         """Schedule, run the forward pass, apply its samples: the outputs of this step. A failed
         forward pass fails the requests in it (with an ``error`` output each), not the engine."""
         step = self.schedule()
-        failed = [RequestOutput(s.request_id, (), "error", error=s.grammar.error[:4000]) for s in self._failed]
+        failed = [RequestOutput(s.request_id, (), "error", error=s.grammar.error[:4000],
+                                error_code=ERR_STRUCTURED_OUTPUT) for s in self._failed]
         self._failed.clear()
         if not step.seqs:
             return failed
@@ -409,6 +411,7 @@ class Scheduler:
             prompt_top_logprobs=prompt_top,
             num_cached_tokens=seq.num_cached_tokens if first else 0,
             error=seq.grammar.error if seq.finish_reason == "error" else None,  # type: ignore[union-attr]
+            error_code=ERR_STRUCTURED_OUTPUT if seq.finish_reason == "error" else None,  # only a grammar errs here
         )
 
     def _cache_full_blocks(self, seq: Sequence) -> None:

@@ -93,7 +93,12 @@ class EnginesBusy(NoEngineAvailable):
 
 
 class EngineRequestError(RuntimeError):
-    """The engine ended a request with an error (or died with it)."""
+    """The engine ended a request with an error (or died with it); ``code`` says what kind, when the engine did
+    (``RequestOutput.error_code``)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class OutputSink(Protocol):
@@ -495,7 +500,7 @@ class EngineClient:
         if type(out) is RequestOutput:
             finish = out.finish_reason
             if finish == "error":
-                self._end(st, EngineRequestError(out.error or "the engine failed the request"))
+                self._end(st, EngineRequestError(out.error or "the engine failed the request", out.error_code))
                 return
             if finish is not None:
                 self._forget(st)  # finished by the engine: nothing to abort

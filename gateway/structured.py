@@ -11,20 +11,25 @@ pair (``protocol.messages.STRUCTURED_KINDS``) that the engine compiles into toke
 - a forced tool call, whose grammar the tool-call parser writes (``ToolParser.forced_grammar``).
 
 Converting a field is pure and cheap (``from_*``); compiling the spec to find a bad schema or
-regex before it reaches an engine is ``check`` (off the event loop for a large spec). Every error
-is a 400 that names the field it came from, e.g. ``response_format.json_schema.schema``.
+regex before it reaches an engine is ``check`` (off the event loop for a large spec), which also
+refuses a spec whose every output needs a byte that no token of the model's vocabulary holds
+(``zserve.grammar.check_spec``): SmolLM2 cannot write U+40000..U+BFFFF at all. Every error is a 400
+that names the field it came from, e.g. ``response_format.json_schema.schema``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
-from protocol.constants import MAX_GRAMMAR_CHARS
-from zserve.grammar import GrammarError, check_spec, choice_grammar
+from protocol.constants import ERR_STRUCTURED_OUTPUT, MAX_GRAMMAR_CHARS
+from zserve.grammar import GrammarError, Unwritable, bytes_no_token_holds, check_spec, choice_grammar
+from zserve.tokenizer import Tokenizer
 
 from .errors import APIError, bad_request
 from .openai_schemas import SamplingFields
@@ -224,24 +229,45 @@ def with_forced_call(spec: StructuredSpec | None, forced: StructuredSpec | None)
     return spec or forced
 
 
-def check_now(spec: StructuredSpec) -> None:
-    """Compile ``spec`` (on this thread); a 400 naming its field when it does not compile."""
+def check_now(spec: StructuredSpec, unwritable: frozenset[int] = frozenset()) -> None:
+    """Compile ``spec`` (on this thread); a 400 naming its field when it does not compile, or when every output
+    it accepts needs one of the ``unwritable`` bytes."""
     try:
-        check_spec(spec.kind, spec.spec)
+        check_spec(spec.kind, spec.spec, unwritable)
+    except Unwritable as e:
+        raise bad_request(f"{spec.param}: {e}", param=spec.param, code=ERR_STRUCTURED_OUTPUT) from None
     except GrammarError as e:
         what = {"json": "invalid JSON schema", "regex": "invalid regex", "lark": "invalid grammar"}[spec.kind]
         raise _bad(f"{what}: {e}", param=spec.param) from None
 
 
-async def check(spec: StructuredSpec | None) -> tuple[str, str] | None:
-    """``check_now``, in the loop's default executor when the spec is large; the checked pair."""
+async def check(spec: StructuredSpec | None, tokenizer: Tokenizer) -> tuple[str, str] | None:
+    """``check_now`` against ``tokenizer``'s vocabulary, in the loop's default executor when the spec is large;
+    the checked pair."""
     if spec is None:
         return None
+    unwritable = _unwritable.get(tokenizer)
+    loop = asyncio.get_running_loop()
+    if unwritable is None:  # once per tokenizer: reading 50k tokens takes a few tenths of a second
+        unwritable = await loop.run_in_executor(None, lambda: bytes_no_token_holds(_vocabulary_bytes(tokenizer)))
+        _unwritable[tokenizer] = unwritable
     if len(spec.spec) <= INLINE_CHECK_CHARS:
-        check_now(spec)
+        check_now(spec, unwritable)
     else:
-        await asyncio.get_running_loop().run_in_executor(None, check_now, spec)
+        await loop.run_in_executor(None, check_now, spec, unwritable)
     return spec.pair
+
+
+# The bytes no token of a tokenizer's vocabulary holds, per tokenizer (``check``).
+_unwritable: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _vocabulary_bytes(tokenizer: Tokenizer) -> Iterator[bytes]:
+    for token_id in range(tokenizer.vocab_size):
+        try:
+            yield tokenizer.id_to_bytes(token_id)
+        except ValueError:  # an id the vocabulary skips
+            continue
 
 
 def from_request(req: SamplingFields, where: str = "") -> StructuredSpec | None:

@@ -41,7 +41,7 @@ MAX_FRAMES = 8
 
 _BY_TYPE: dict[str, type[Message]] = {m.TYPE: m for m in ALL_MESSAGES}
 _LITTLE = sys.byteorder == "little"
-_OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "lp", "k", "nc", "plp", "pk"}  # one output's header fields
+_OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "ec", "lp", "k", "nc", "plp", "pk"}  # one output's header
 
 
 def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
@@ -113,6 +113,8 @@ def _encode_outputs(msg: StepOutputs) -> list[bytes]:
             item["np"] = o.num_prompt_tokens
         if o.error is not None:
             item["err"] = o.error
+            if o.error_code is not None:
+                item["ec"] = o.error_code
         if o.logprobs is not None:
             item["lp"] = True
             lps.extend(o.logprobs)
@@ -261,7 +263,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
             raise ProtocolError("output item token count does not match the tokens array")
         new = tuple(toks[t : t + n])
         t += n
-        if len(item) <= 5 and not item.keys() & _LOGPROB_KEYS:  # the common case: checked here, field by field
+        if len(item) <= 5 and not item.keys() & _LOGPROB_KEYS and "ec" not in item:  # the common case, checked here
             rid, finish, err = item.get("rid"), item.get("finish"), item.get("err")
             n_prompt, n_cached = item.get("np", 0), item.get("nc", 0)
             if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_LEN or (
@@ -313,6 +315,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
                 prompt_logprobs=prompt_lp,
                 prompt_top_logprobs=prompt_top,
                 num_cached_tokens=item.get("nc", 0),
+                error_code=item.get("ec"),
             )
         )
     if t != n_toks or lp != len(lps) or tp != len(top_ids) or pl != len(plps) or ptp != len(ptop_ids) \

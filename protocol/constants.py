@@ -20,6 +20,12 @@ another engine of the model, and answers 429 when every one is full."""
 ERR_BAD_FRAME = "bad_frame"
 """An engine could not decode a frame that named no request."""
 
+# -- error codes in RequestOutput.error_code (with finish_reason "error") -------------------------
+ERR_STRUCTURED_OUTPUT = "structured_output"
+"""The request's structured-output grammar failed in the engine: it does not compile for the model's vocabulary,
+or it reached a point that no token of the vocabulary continues (it needs a byte no token holds). The request's
+grammar is at fault, not the server: the gateway answers 400 (in a stream, an error event of that status)."""
+
 # -- limits shared by the HTTP schemas and the engine protocol -----------------------------------
 MAX_LOGIT_BIAS = 1024
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
@@ -378,6 +378,7 @@ class RequestOutput:
     prompt_logprobs: tuple[float, ...] | None = None
     prompt_top_logprobs: TopLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (with the first token)
+    error_code: str | None = None  # with error, what kind of failure it is (an ERR_* of protocol.constants)
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
@@ -404,6 +405,8 @@ class RequestOutput:
             _check(len(t.token_ids) == n and len(t.logprobs) == n, "prompt_top_logprobs size mismatch")
         _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
                "error must be a short str")
+        _check(self.error_code is None or (self.error is not None and isinstance(self.error_code, str)
+                                           and 0 < len(self.error_code) <= 64), "error_code must be a short str")
 
     @classmethod
     def checked(cls, request_id: str, new_token_ids: tuple[int, ...], finish_reason: str | None,
@@ -414,7 +417,8 @@ class RequestOutput:
         obj = object.__new__(cls)
         obj.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finish_reason=finish_reason,
                             logprobs=None, top_logprobs=None, num_prompt_tokens=num_prompt_tokens, error=error,
-                            prompt_logprobs=None, prompt_top_logprobs=None, num_cached_tokens=num_cached_tokens)
+                            prompt_logprobs=None, prompt_top_logprobs=None, num_cached_tokens=num_cached_tokens,
+                            error_code=None)
         return obj
 
 

@@ -375,7 +375,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     prompt, use = _prompt(state, req)
     max_tokens = check_prompt_ids(state, prompt.ids, req.max_tokens, param="messages")
     fields = req.sampling_fields()
-    constraint = await structured.check(prompt.forced)  # a forced call's arguments follow the tool's input_schema
+    constraint = await structured.check(prompt.forced, state.tokenizer)  # a forced call follows the input_schema
     c = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0, structured=constraint),
                msg=message_parser(state, use, prompt.prefill))
     rid = f"msg_{random_hex()}"

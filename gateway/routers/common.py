@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from protocol import RequestOutput, SamplingParams
+from protocol.constants import ERR_STRUCTURED_OUTPUT
 from zserve.cluster import PAUSING_PHASES
 
 from ..admission import ScalingPaused
@@ -325,6 +326,8 @@ def engine_error(e: Exception) -> APIError:
                         code="too_many_requests", headers={"Retry-After": "1"})
     if isinstance(e, NoEngineAvailable):
         return APIError(503, "no engine is available to serve the request; retry shortly", headers={"Retry-After": "1"})
+    if isinstance(e, EngineRequestError) and e.code == ERR_STRUCTURED_OUTPUT:
+        return bad_request(str(e), code=ERR_STRUCTURED_OUTPUT)  # the request's grammar, not the server, failed
     return APIError(500, f"generation failed: {e}")
 
 

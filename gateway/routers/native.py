@@ -156,7 +156,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ids = list(req.token_ids)
     max_tokens = check_prompt_ids(state, ids, sp.max_tokens, param="token_ids",
                                   max_tokens_param="sampling_params.max_tokens")
-    constraint = await structured.check(structured.from_request(sp, where="sampling_params."))
+    constraint = await structured.check(structured.from_request(sp, where="sampling_params."), state.tokenizer)
     choices = [Choice(j, ids, build_sampling(state, sp, max_tokens, sp.logprobs, j, sp.prompt_logprobs,
                                                "sampling_params.", structured=constraint))
                for j in range(sp.n)]

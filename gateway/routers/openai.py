@@ -354,7 +354,7 @@ async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
         prompts = list(p)  # type: ignore[arg-type]
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
-    constraint = await structured.check(structured.from_request(req))
+    constraint = await structured.check(structured.from_request(req), state.tokenizer)
     choices: list[Choice] = []
     rendered: list[tuple[str | None, list[int]]] = []
     for i, pr in enumerate(prompts):
@@ -412,7 +412,7 @@ async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    constraint = await structured.check(structured.with_forced_call(requested, prompt.forced))
+    constraint = await structured.check(structured.with_forced_call(requested, prompt.forced), state.tokenizer)
     choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j, structured=constraint),
                       msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
     return Plan(state, f"chatcmpl-{random_hex()}", state.name, [(prompt.text, prompt.ids)], req.n, choices,

@@ -565,7 +565,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                               "finished response can be continued", param="previous_response_id")
         history = prev["messages"]
     turn = Turn(state, req, model, history)
-    await structured.check(turn.constraint)
+    await structured.check(turn.constraint, state.tokenizer)
     admit(state)
     if req.store and turn.announced:
         await _store_call(state.responses.put(turn.rid, turn.record(turn.obj)))

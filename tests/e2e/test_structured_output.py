@@ -230,6 +230,51 @@ def test_invalid_specs_are_400_naming_the_field(tiny, kw: dict, param: str) -> N
         assert ei.value.body["param"] == param
 
 
+# -- outputs the model's vocabulary cannot write ------------------------------------------------------
+# SmolLM2's vocabulary (tiny-random has the same) holds no token with byte 0xF1, the lead byte of U+40000..U+7FFFF,
+# so U+6AA2B (F1 AA A8 AB) can never be written. The grammar engine used to force a token its matcher then refused.
+
+UNWRITABLE = "\U0006AA2B"
+
+
+def chat_or_completion(client: openai.OpenAI, route: str, **kw):
+    if route == "chat":
+        return client.chat.completions.create(model=TINY_RANDOM, messages=CHAT, **kw)
+    return client.completions.create(model=TINY_RANDOM, prompt="Answer:", **kw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_spec_the_vocabulary_cannot_write_is_a_400_before_generation(tiny, route: str, stream: bool) -> None:
+    for so in ({"regex": UNWRITABLE}, {"regex": "x?" + UNWRITABLE}, {"json": {"const": UNWRITABLE}}):
+        with pytest.raises(openai.BadRequestError) as ei:
+            chat_or_completion(tiny, route, max_tokens=8, stream=stream, extra_body={"structured_outputs": so})
+        body = ei.value.body
+        assert body["param"] == f"structured_outputs.{next(iter(so))}" and body["code"] == "structured_output"
+        assert "0xF1" in body["message"], body
+    # Emoji, accents and CJK are written as ever.
+    out = chat_or_completion(tiny, route, max_tokens=16, extra_body={"structured_outputs": {
+        "regex": "\U0001F600|caf\u00e9|\u4e2d"}})
+    text = out.choices[0].message.content if route == "chat" else out.choices[0].text
+    assert text in ("\U0001F600", "caf\u00e9", "\u4e2d")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_dead_end_during_generation_is_the_requests_error_not_the_servers(tiny, route: str) -> None:
+    """After "a" or "b" the grammar needs U+6AA2B: the engine ends the request there (no wrong token, no 500)."""
+    so = {"structured_outputs": {"regex": "(a|b)" + UNWRITABLE}}
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat_or_completion(tiny, route, max_tokens=8, temperature=1.0, extra_body=so)
+    assert ei.value.body["code"] == "structured_output"
+    assert "no token that continues the grammar" in ei.value.body["message"]
+    stream = chat_or_completion(tiny, route, max_tokens=8, temperature=1.0, stream=True, extra_body=so)
+    with pytest.raises(openai.APIError) as ei:
+        list(stream)  # the stream had begun: the error comes as its last event, in the route's shape
+    assert ei.value.body["code"] == "structured_output" and ei.value.body["type"] == "invalid_request_error"
+    out = chat_or_completion(tiny, route, max_tokens=4, extra_body={"structured_outputs": {"regex": "(a|b)c"}})
+    assert (out.choices[0].message.content if route == "chat" else out.choices[0].text) in ("ac", "bc")
+
+
 # -- forced tool calls --------------------------------------------------------------------------------
 
 CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {

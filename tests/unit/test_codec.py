@@ -38,6 +38,7 @@ SAMPLES = [
         RequestOutput("a", (5, 6), None, (-0.5, -1.25), TopLogprobs(2, (5, 7, 6, 8), (-0.5, -2.0, -1.25, -3.0)), 12),
         RequestOutput("b", (9,), "stop"),
         RequestOutput("c", (), "error", error="boom"),
+        RequestOutput("d", (7,), "error", error="no token continues the grammar", error_code="structured_output"),
     )),
     StepOutputs(3, ()),
     StepOutputs(1, (

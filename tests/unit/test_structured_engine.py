@@ -19,6 +19,7 @@ from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
 from engine_worker.scheduler import Scheduler, run_until_done
 from engine_worker.sequence import Sequence
+from protocol.constants import ERR_STRUCTURED_OUTPUT
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve
 from zserve.grammar import choice_grammar
@@ -174,3 +175,54 @@ def test_engines_without_grammars_refuse_structured_requests(runner, prompt):
     sched = Scheduler(runner, 8, 256)
     err = sched.add(Sequence("r", list(prompt), SamplingParams(structured=("regex", "a"))))
     assert err is not None and "structured output" in err
+
+
+# -- what the grammar engine is given of the vocabulary ---------------------------------------------
+
+def test_the_grammar_engine_sees_every_token_as_the_tokenizer_decodes_it(grammars, smollm2_tokenizer):
+    """Byte-level BPE spells raw bytes as Latin-1-looking characters (GPT-2's table); llguidance must map
+    every token of the real SmolLM2 vocabulary to the very bytes the tokenizer decodes it to."""
+    llt = grammars.prepare().result(60)
+    tok = smollm2_tokenizer
+    for i in range(tok.vocab_size):
+        expected = tok.token_bytes(i)
+        if i in tok.all_special_ids:  # llguidance marks special tokens with a leading 0xFF
+            assert llt.decode_bytes([i]).removeprefix(b"\xff") == expected, i
+        else:
+            assert llt.decode_bytes([i]) == expected, (i, tok.convert_ids_to_tokens([i]))
+    # Past the model's vocabulary: one placeholder per byte the vocabulary has no one-byte token for.
+    own = {tok.token_bytes(i) for i in range(tok.vocab_size)}
+    placeholders = [llt.decode_bytes([i]) for i in range(tok.vocab_size, grammars.mask_size)]
+    # (0xFF, never in UTF-8, is llguidance's mark of a special token: no grammar can ask for it.)
+    assert sorted(placeholders) == sorted(bytes([b]) for b in range(255) if bytes([b]) not in own)
+    assert bytes([0xF1]) in placeholders and bytes([0xF0]) not in placeholders
+
+
+@pytest.mark.parametrize("text", [bytes([b]) for b in range(255)] + [
+    "\U0006AA2B".encode(), "x\U0006AA2By".encode(), "caf\u00e9 \u4e2d \U0001F600".encode(), b"\x04\x06\x13"])
+def test_the_grammar_engine_tokenizes_every_byte_without_dropping_one(grammars, text):
+    """The bytes a grammar forces are tokenized by llguidance with the model's tokenizer, which dropped the
+    bytes it has no token for (F1 of U+6AA2B: the forced token then did not continue the grammar)."""
+    llt = grammars.prepare().result(60)
+    assert llt.decode_bytes(llt.tokenize_bytes(text)) == text
+
+
+@pytest.mark.parametrize("regex", ["\U0006AA2B", "(a|b)\U0006AA2B", "[\U00040000-\U000BFFFF]", "\x04"])
+def test_a_grammar_needing_a_byte_no_token_holds_ends_with_a_structured_output_error(runner, grammars, prompt,
+                                                                                      smollm2_tokenizer, regex):
+    """Never a wrong token and never a silent empty "stop": the request ends at the dead end with an error the
+    gateway answers as the request's fault (400), and the engine goes on."""
+    sched = Scheduler(runner, 8, 256, grammars=grammars)
+    sp = SamplingParams(temperature=1.0, seed=0, max_tokens=20, structured=("regex", regex))
+    assert sched.add(Sequence("r", list(prompt), sp)) is None
+    assert sched.add(Sequence("ok", list(prompt), SamplingParams(max_tokens=3, ignore_eos=True))) is None
+    outs: dict[str, list] = {}
+    while sched.has_work:
+        for o in sched.step():
+            outs.setdefault(o.request_id, []).append(o)
+    last = outs["r"][-1]
+    assert last.finish_reason == "error" and last.error_code == ERR_STRUCTURED_OUTPUT
+    assert "no token that continues the grammar" in last.error
+    written = [t for o in outs["r"][:-1] for t in o.new_token_ids]
+    assert text(smollm2_tokenizer, written) in ("", "a", "b")
+    assert outs["ok"][-1].finish_reason == "length"

@@ -222,13 +222,40 @@ def test_good_specs_compile() -> None:
         check_now(spec)
 
 
-def test_check_runs_large_specs_off_the_loop_with_the_same_answer() -> None:
+def test_check_runs_large_specs_off_the_loop_with_the_same_answer(smollm2_tokenizer) -> None:
     props = {f"field_{i}": {"type": "string", "maxLength": 8} for i in range(800)}
     big = from_structured_outputs({"json": {"type": "object", "properties": props}})
     assert len(big.spec) > structured.INLINE_CHECK_CHARS
-    assert asyncio.run(check(big)) == big.pair
+    assert asyncio.run(check(big, smollm2_tokenizer)) == big.pair
     broken = StructuredSpec("json", big.spec.replace('"string"', '"strong"', 1), "structured_outputs.json")
     with pytest.raises(APIError) as ei:
-        asyncio.run(check(broken))
+        asyncio.run(check(broken, smollm2_tokenizer))
     assert ei.value.param == "structured_outputs.json"
-    assert asyncio.run(check(None)) is None
+    assert asyncio.run(check(None, smollm2_tokenizer)) is None
+
+
+# SmolLM2's vocabulary holds no token with byte 0xF1 or 0xF2 (the lead bytes of U+40000..U+BFFFF) or 0x04.
+@pytest.mark.parametrize("so", [
+    {"regex": "\U0006AA2B"},
+    {"regex": "x?\U0006AA2B"},  # the x is writable, but what must follow it is not
+    {"regex": "[\U00040000-\U000BFFFF]+"},
+    {"json": {"type": "string", "pattern": "^\U0006AA2B$"}},
+    {"choice": ["\U00080000", "\x04"]},
+])  # fmt: skip
+def test_a_spec_no_output_of_the_vocabulary_can_follow_is_a_400_before_generation(smollm2_tokenizer, so) -> None:
+    spec = from_structured_outputs(so)
+    with pytest.raises(APIError) as ei:
+        asyncio.run(check(spec, smollm2_tokenizer))
+    err = ei.value
+    assert err.status == 400 and err.param == spec.param and err.code == "structured_output"
+    assert "no token of the vocabulary holds" in err.message
+
+
+@pytest.mark.parametrize("so", [
+    {"regex": "(a|\U0006AA2B)"},  # an output without the unwritable character exists
+    {"regex": "\U0001F600|\u00e9|\u4e2d"},  # emoji, accents and CJK are all writable
+    {"regex": "(a|b)\U0006AA2B"},  # undecided without a search: the engine finds the dead end
+])  # fmt: skip
+def test_a_spec_with_writable_outputs_passes_the_check(smollm2_tokenizer, so) -> None:
+    spec = from_structured_outputs(so)
+    assert asyncio.run(check(spec, smollm2_tokenizer)) == spec.pair
