@@ -87,12 +87,13 @@ class TextPipeline:
     (``ended_early``). ``close`` (idempotent) ends the in-flight gauge's count of the request."""
 
     __slots__ = ("detok", "stopper", "final_ids", "prompt_ids", "n_out", "interval", "held", "sent_at", "timer",
-                 "ended_early", "_open")
+                 "ended_early", "_open", "min_tokens")
 
     def __init__(self, state: ModelState, prompt_ids: list[int], sampling: SamplingParams, opts: TextOptions):
         self.detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens) \
             if opts.detokenize else None
         self.stopper = StopChecker(opts.stop, opts.include_stop_str_in_output) if opts.stop and self.detok else None
+        self.min_tokens = sampling.min_tokens  # no stop string ends in the text of this many first tokens (vLLM)
         self.final_ids = state.eos_token_ids | set(sampling.stop_token_ids) if sampling.stop_token_ids \
             else state.eos_token_ids
         self.prompt_ids = prompt_ids
@@ -115,12 +116,25 @@ class TextPipeline:
         # The token that ended generation (EOS or a stop token id) counts as output but is not text.
         text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in self.final_ids else ids
         detok = self.detok
-        text = detok.push(text_ids) if detok is not None else ""
+        stopper = self.stopper
+        first = self.min_tokens - (self.n_out - len(ids))  # of ids, how many are among the first min_tokens
+        shielded = stopper is not None and first > 0
+        protected = 0  # characters of text that are those tokens' (no stop string may end there)
+        if detok is None:
+            text = ""
+        elif shielded:
+            text = detok.push(text_ids[:first])
+            protected = len(text)
+            if first < len(text_ids):
+                text += detok.push(text_ids[first:])
+        else:
+            text = detok.push(text_ids)
         if finish is not None and detok is not None:
             text += detok.flush()
-        stopper = self.stopper
+            if shielded and first >= len(ids):
+                protected = len(text)
         if stopper is not None:
-            text, stopped = stopper.push(text)
+            text, stopped = stopper.push(text, protected)
             if stopped:
                 finish = "stop"
                 self.ended_early = out.finish_reason is None

@@ -3,6 +3,10 @@
 Text arrives in deltas, and a stop string can be split across them ("Hel" + "lo"). So the checker
 holds back the tail of the text that could still become a stop string, and emits only what can no
 longer be part of one; the client never sees any piece of a stop string (unless asked to).
+
+``min_tokens`` holds stop strings off as vLLM does: a stop string counts only where it ends in the text
+of an output token after the first ``min_tokens`` (it may begin before). The caller says how much of a
+delta is the text of those first tokens (``push(delta, protected)``).
 """
 
 from __future__ import annotations
@@ -23,20 +27,24 @@ class StopChecker:
         self._stops = sorted({s for s in stop if s}, key=len, reverse=True)
         self._include = include_stop_str_in_output
         self._held = ""  # received but not yet emitted: could be the start of a stop string
+        self._held_protected = 0  # how much of _held is text of the first min_tokens tokens
         self.matched: str | None = None
 
     @property
     def stopped(self) -> bool:
         return self.matched is not None
 
-    def push(self, delta: str) -> tuple[str, bool]:
-        """Add generated text; return (text safe to emit now, whether a stop string ended it)."""
+    def push(self, delta: str, protected: int = 0) -> tuple[str, bool]:
+        """Add generated text; return (text safe to emit now, whether a stop string ended it). No stop string
+        ends in the first ``protected`` characters of ``delta`` (the text of the first ``min_tokens`` tokens)."""
         if self.matched is not None:
             return "", True
         if not self._stops:
             return delta, False
         text = self._held + delta
-        match = self._first_match(text)
+        # The protected text is a beginning of the whole output: with some of delta in it, all of _held is.
+        floor = len(self._held) + protected if protected else self._held_protected
+        match = self._first_match(text, floor)
         if match is not None:
             start, stop = match
             self.matched = stop
@@ -44,17 +52,19 @@ class StopChecker:
             return text[: start + len(stop)] if self._include else text[:start], True
         keep = self._partial_tail(text)
         self._held = text[len(text) - keep:] if keep else ""
+        self._held_protected = max(0, floor - (len(text) - keep))
         return text[: len(text) - keep], False
 
     def flush(self) -> str:
         """At the end of generation without a stop: the held-back tail (it never became a stop string)."""
-        held, self._held = self._held, ""
+        held, self._held, self._held_protected = self._held, "", 0
         return held
 
-    def _first_match(self, text: str) -> tuple[int, str] | None:
+    def _first_match(self, text: str, min_end: int = 0) -> tuple[int, str] | None:
+        """The first stop string in ``text`` that ends after its first ``min_end`` characters: (start, stop)."""
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stops:
-            start = text.find(stop)
+            start = text.find(stop, max(0, min_end - len(stop) + 1))
             if start >= 0:
                 candidate = (start + len(stop), start, stop)
                 if best is None or candidate[:2] < best[:2]:

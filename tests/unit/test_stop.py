@@ -107,3 +107,54 @@ def test_result_does_not_depend_on_how_text_is_split(seed: int) -> None:
         assert whole[2].matched == split[2].matched == chars[2].matched
         if not whole[1]:
             assert whole[0] == full
+
+
+# -- min_tokens: no stop string ends in the text of the first min_tokens tokens (vLLM's rule) ------------
+
+def run_protected(stop: list[str], deltas: list[str], protected: int) -> tuple[str, bool, str | None]:
+    """Feed deltas whose first ``protected`` characters (over all of them) are the first tokens' text."""
+    checker = StopChecker(stop)
+    out, at = [], 0
+    for delta in deltas:
+        text, stopped = checker.push(delta, max(0, min(len(delta), protected - at)))
+        at += len(delta)
+        out.append(text)
+        if stopped:
+            return "".join(out), True, checker.matched
+    out.append(checker.flush())
+    return "".join(out), False, None
+
+
+def test_a_stop_string_in_the_first_tokens_text_does_not_stop() -> None:
+    checker = StopChecker(["STOP"])
+    assert checker.push("Hello STOP", protected=10) == ("Hello STOP", False)
+    assert checker.push(" then STOP here") == (" then ", True)
+
+
+def test_a_stop_string_that_begins_in_the_first_tokens_and_ends_after_them_stops() -> None:
+    assert run_protected(["STOP"], ["xxST", "OP tail"], protected=4) == ("xx", True, "STOP")
+    assert run_protected(["STOP"], ["xxSTOP tail"], protected=5) == ("xx", True, "STOP")
+
+
+def test_a_protected_stop_string_held_back_as_a_prefix_of_a_longer_one_never_matches_later() -> None:
+    # "ab" ends in protected text and is held (it begins "abc"): a later push must not match it.
+    assert run_protected(["ab", "abc"], ["xab", "d"], protected=3) == ("xabd", False, None)
+    assert run_protected(["ab", "abc"], ["xab", "c"], protected=3) == ("x", True, "abc")
+    assert run_protected(["ab", "abc"], ["xa", "b", "cd"], protected=3) == ("x", True, "abc")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_protected_result_does_not_depend_on_how_text_is_split(seed: int) -> None:
+    rng = random.Random(seed)
+    stops = ["\n\n", "Observation:", "ion", "ab", "abc"]
+    alphabet = ["a", "b", "c", "\n", "Obs", "ervation", ":", "i", "o", "n", " "]
+    full = "".join(rng.choice(alphabet) for _ in range(40))
+    protected = rng.randrange(len(full) + 1)
+    cuts = sorted(rng.sample(range(1, len(full)), k=min(8, len(full) - 1)))
+    deltas = [full[i:j] for i, j in zip([0, *cuts], [*cuts, len(full)])]
+    whole = run_protected(stops, [full], protected)
+    assert whole == run_protected(stops, deltas, protected) == run_protected(stops, list(full), protected)
+    # The reference: the earliest-ending occurrence (then earliest-starting) that ends past the protected text.
+    found = sorted((i + len(s), i, s) for s in stops for i in range(len(full)) if full.startswith(s, i)
+                   and i + len(s) > protected)
+    assert whole == ((full[: found[0][1]], True, found[0][2]) if found else (full, False, None))
