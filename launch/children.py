@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from gateway.security import SECRET_ENV
 from protocol.control import ControlMessage, Heartbeat, LineBuffer, encode_line
+from zserve.cluster import EngineState
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -107,12 +108,13 @@ class Child:
         return self.proc.poll() is None
 
     @property
-    def state(self) -> str:
-        if not self.alive:
-            return "exited"
+    def state(self) -> EngineState:
+        """Where the process is in its life, as gateways are told it (gateways and engines share the words).
+        Never "exited": whether it still runs is ``alive``, asked separately, and a dead child leaves the
+        cluster state only when it is reaped, so no membership can carry a state outside the contract."""
         if self.draining:
-            return "draining"
-        return "ready" if self.ready else "starting"
+            return EngineState.DRAINING
+        return EngineState.READY if self.ready else EngineState.STARTING
 
     def send(self, msg: ControlMessage) -> bool:
         """Write one control line; False if the child can no longer read it."""

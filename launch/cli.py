@@ -42,7 +42,7 @@ from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, EngineConfig, ModelSpec
 from zserve.proc import redact_url, set_title, setup_logging
 
 from .sockets import ListenError
-from .supervisor import ServeConfig, StartupError, Supervisor
+from .supervisor import EXIT_SUPERVISOR_FAILED, ServeConfig, StartupError, Supervisor
 
 T = TypeVar("T")
 R = TypeVar("R", bound=ControlMessage)
@@ -302,6 +302,10 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
     except StartupError as e:
         click.echo(f"error: {e}", err=True)
         code = 1
+    except Exception:  # a bug in the supervisor: its children still stop cleanly, and the exit says it failed
+        logging.getLogger("zserve.launch").exception("the supervisor failed; stopping every process (exit code %d)",
+                                                     EXIT_SUPERVISOR_FAILED)
+        code = EXIT_SUPERVISOR_FAILED
     finally:
         code = sup.stop() or code
         logging.getLogger("zserve.launch").info("stopped (exit code %d)", code)

@@ -71,7 +71,7 @@ from protocol.control import (
 )
 from zserve import control
 from zserve.catalog import ModelSource
-from zserve.cluster import PAUSING_PHASES, ClusterStore, EngineInfo
+from zserve.cluster import PAUSING_PHASES, ClusterStore, EngineInfo, EngineState
 from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
 from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
@@ -89,6 +89,9 @@ from .sockets import UnixHTTPConnection, create_listener, create_unix_listener
 log = logging.getLogger("zserve.launch")
 
 ABORT_GRACE = 3.0  # seconds a hung child has to write its traceback after SIGABRT before SIGKILL
+EXIT_SUPERVISOR_FAILED = 70
+"""launch's exit code when the supervisor itself failed (an unexpected exception, a bug: its traceback is in the
+log); its children were stopped as at SIGTERM. sysexits' EX_SOFTWARE, so systemd's Restart=on-failure restarts it."""
 
 
 def _remove_socket_file(path: str, inode: int | None) -> None:
@@ -648,11 +651,11 @@ class Supervisor:
                 which = "the gateway tier" if tier == "gateway" else f"{self.tier_of(wanted[0]).model_id}'s engine tier"
                 raise TierFailed(f"{which} cannot run: every {tier} is crash-looping ({reasons})")
 
-    def _engine_state(self, c: Child) -> str:
+    def _engine_state(self, c: Child) -> EngineState:
         """What gateways are told of an engine: an expert-parallel one is ready only inside its serving group."""
         group = self._group_of(c)
-        if group is not None and c.state == "ready" and not group.serves(c.index):
-            return "starting"
+        if group is not None and c.state == EngineState.READY and not group.serves(c.index):
+            return EngineState.STARTING
         return c.state
 
     def _publish(self) -> None:
@@ -933,7 +936,8 @@ class Supervisor:
         procs = []
         for c in sorted(self.children, key=lambda c: (c.tier, c.index)):
             load = c.load.to_wire() if c.load is not None else {}
-            procs.append(ProcessStatus(c.tier, c.index, c.pid, c.state, restarts=max(0, c.slot.restarts - 1),
+            state = c.state if c.alive else "exited"  # (not reaped yet)
+            procs.append(ProcessStatus(c.tier, c.index, c.pid, state, restarts=max(0, c.slot.restarts - 1),
                                        crash_looping=c.slot.crash_looping(now), uptime_s=round(now - c.started, 1),
                                        model=self._model_of(c.slot), **load))
         wanted = {(tier, i) for tier, indices, _ in self._wanted() for i in indices}

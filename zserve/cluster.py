@@ -12,8 +12,17 @@ Only this module knows the state's shape, so a multi-host deployment can later k
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 
-ENGINE_STATES = ("starting", "ready", "draining")
+
+class EngineState(StrEnum):
+    """What gateways are told of an engine. A process that exited has no state here: it is no member any more
+    (the supervisor leaves a process it found dead out of ``engines``)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+
 ELASTIC_PHASES = ("starting", "draining", "regrouping", "recovering")
 """An expert-parallel group's phases: new members load (the old group serves on); admission paused while
 in-flight requests finish; the group re-forms at its new size; it re-forms after losing a member."""
@@ -28,9 +37,14 @@ PAUSING_PHASES = ("draining", "regrouping", "recovering", "reloading")
 class EngineInfo:
     rank: int
     endpoint: str
-    state: str  # one of ENGINE_STATES
+    state: EngineState
     pid: int = 0
     model: str = ""  # the model id of the engine's tier (gateways route each request to its model's engines)
+
+    def __post_init__(self) -> None:
+        # The one constructor of every entry (the supervisor's, and each decoded from the wire): a state outside
+        # EngineState cannot exist in an EngineInfo (ValueError, which the control codec reports for a bad line).
+        object.__setattr__(self, "state", EngineState(self.state))
 
 
 @dataclass(frozen=True)
