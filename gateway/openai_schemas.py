@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from protocol.constants import MAX_LOGIT_BIAS
 
 from .errors import bad_request
+from .json_depth import TooDeep, check_depth, is_too_deep
 
 MAX_N = 16
 MAX_STOP = 16
@@ -142,11 +143,17 @@ def _param(loc: tuple) -> str:
 
 
 def json_object(body: bytes) -> dict[str, Any]:
-    """Decode a JSON body that must be an object, or raise a 400."""
+    """Decode a JSON body that must be an object, or raise a 400 (naming where it nests too deep, if it does:
+    every body enters here, so the depth limit is checked once for all routes)."""
     try:
         data = orjson.loads(body)
+        check_depth(body, data)
     except orjson.JSONDecodeError as e:
+        if is_too_deep(e):
+            raise bad_request(f"request body: {TooDeep('')}") from None
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except TooDeep as e:
+        raise bad_request(f"{e.path}: {e}", param=e.path) from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     return data

@@ -32,6 +32,7 @@ from zserve.grammar import GrammarError, Unwritable, bytes_no_token_holds, check
 from zserve.tokenizer import Tokenizer
 
 from .errors import APIError, bad_request
+from .json_depth import TooDeep, check_depth, is_too_deep
 from .openai_schemas import SamplingFields
 
 MAX_CHOICES = 1024
@@ -79,7 +80,12 @@ def json_spec(schema: Any, param: str) -> StructuredSpec:
     if isinstance(schema, str):
         try:
             value = orjson.loads(schema)
+            check_depth(schema, value)
+        except TooDeep as e:
+            raise _bad(f"the schema is {e}", param=e.within(param)) from None
         except orjson.JSONDecodeError as e:
+            if is_too_deep(e):
+                raise _bad(f"the schema is {TooDeep('')}", param=param) from None
             raise _bad(f"the schema is not valid JSON: {e}", param=param) from None
         if not isinstance(value, dict):
             raise _bad("the schema must be a JSON object", param=param)

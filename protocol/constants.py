@@ -31,3 +31,8 @@ MAX_LOGIT_BIAS = 1024
 
 MAX_GRAMMAR_CHARS = 1 << 18
 """The longest structured-output spec (a JSON schema, regex or grammar text) a request may carry."""
+
+MAX_JSON_DEPTH = 64
+"""The deepest a request's JSON may nest (containers in containers, the body itself the first), in its body and in
+the strings that hold JSON (``function.arguments``, a schema as text). Far past what clients send (OpenAI's strict
+schemas nest 10 levels at most) and short of every limit downstream: llguidance reads 128 levels, orjson writes 254."""

@@ -29,6 +29,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from zserve.tokenizer import SizedLRU
 
+from ..json_depth import TooDeep, check_depth
+
 # Bounds of a template's render cache. An entry's size is its key (the inputs' JSON, bytes) plus
 # the rendered text (characters), about twice the prompt; 2M holds ~1000 prompts of 1K characters
 # in a few MB. A prompt over 128K would push out 1/16 of the cache at once and is not kept.
@@ -223,8 +225,11 @@ def _template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         fn = call.get("function")
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
             try:
+                check_depth(fn["arguments"])  # before json.loads, which a deep value exhausts the stack of
                 args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-            except ValueError:
+            except TooDeep as e:
+                raise ChatTemplateError(f"{where}[{i}].function.arguments: {e}") from None
+            except (ValueError, RecursionError):
                 raise ChatTemplateError(f"{where}[{i}].function.arguments is not valid JSON") from None
             call = {**call, "function": {**fn, "arguments": args}}
         out.append(call)
