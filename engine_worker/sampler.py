@@ -58,6 +58,7 @@ class PromptLogprobs:
     logprobs: list[float]
     top_ids: list[list[int]]  # per token, the k most likely ids, best first
     top_logprobs: list[list[float]]
+    ranks: list[int]  # per token, its rank in the distribution (1 = most likely; ties count against it, as vLLM's)
 
 
 @dataclass
@@ -187,11 +188,13 @@ class Sampler:
     def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int], k: int) -> PromptLogprobs:
         """Row j of ``logits`` ([n, V], raw) scored against prompt token ``targets[j]``."""
         lp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor(list(targets), device=lp.device)[:, None])[:, 0].tolist()
+        picked = lp.gather(1, torch.tensor(list(targets), device=lp.device)[:, None])
+        ranks = (lp >= picked).sum(dim=-1).tolist()
+        chosen = picked[:, 0].tolist()
         if k:
             top_v, top_i = lp.topk(k, dim=-1)
-            return PromptLogprobs(chosen, top_i.tolist(), top_v.tolist())
-        return PromptLogprobs(chosen, [[] for _ in chosen], [[] for _ in chosen])
+            return PromptLogprobs(chosen, top_i.tolist(), top_v.tolist(), ranks)
+        return PromptLogprobs(chosen, [[] for _ in chosen], [[] for _ in chosen], ranks)
 
     # -- steps ---------------------------------------------------------------------------------
 

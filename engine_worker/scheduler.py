@@ -303,7 +303,7 @@ class Scheduler:
             if use_cache:
                 bm.record_lookup(len(seq.prompt_ids), min(cached, len(seq.prompt_ids)))
         if seq.wants_prompt_logprobs:
-            seq.prompt_lps, seq.prompt_top_ids, seq.prompt_top_lps = [], [], []
+            seq.prompt_lps, seq.prompt_top_ids, seq.prompt_top_lps, seq.prompt_ranks = [], [], [], []
         if use_cache:
             for h in hashes[len(hit):]:
                 if h not in seq.inflight:
@@ -356,6 +356,7 @@ class Scheduler:
             self._cache_full_blocks(seq)
             if res is not None and res.prompt is not None and seq.prompt_lps is not None:
                 seq.prompt_lps.extend(res.prompt.logprobs)
+                seq.prompt_ranks.extend(res.prompt.ranks)  # type: ignore[union-attr]
                 for ids, lps in zip(res.prompt.top_ids, res.prompt.top_logprobs):
                     seq.prompt_top_ids.extend(ids)  # type: ignore[union-attr]
                     seq.prompt_top_lps.extend(lps)  # type: ignore[union-attr]
@@ -393,13 +394,13 @@ class Scheduler:
         top = None
         if res.top_ids is not None and sp.logprobs:
             top = TopLogprobs(len(res.top_ids), tuple(res.top_ids), tuple(res.top_logprobs or ()))
-        prompt_lp = prompt_top = None
+        prompt_lp = prompt_top = prompt_ranks = None
         if first and sp.prompt_logprobs is not None and seq.prompt_lps is not None:
-            prompt_lp = tuple(seq.prompt_lps)
+            prompt_lp, prompt_ranks = tuple(seq.prompt_lps), tuple(seq.prompt_ranks or ())
             if sp.prompt_logprobs:
                 prompt_top = TopLogprobs(sp.prompt_logprobs, tuple(seq.prompt_top_ids or ()),
                                          tuple(seq.prompt_top_lps or ()))
-            seq.prompt_lps = seq.prompt_top_ids = seq.prompt_top_lps = None
+            seq.prompt_lps = seq.prompt_top_ids = seq.prompt_top_lps = seq.prompt_ranks = None
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=(res.token_id,),  # type: ignore[arg-type]
@@ -409,6 +410,7 @@ class Scheduler:
             num_prompt_tokens=len(seq.prompt_ids) if first else 0,
             prompt_logprobs=prompt_lp,
             prompt_top_logprobs=prompt_top,
+            prompt_ranks=prompt_ranks,
             num_cached_tokens=seq.num_cached_tokens if first else 0,
             error=seq.grammar.error if seq.finish_reason == "error" else None,  # type: ignore[union-attr]
             error_code=ERR_STRUCTURED_OUTPUT if seq.finish_reason == "error" else None,  # only a grammar errs here

@@ -43,6 +43,7 @@ class Sequence:
     prompt_lps: list[float] | None = None
     prompt_top_ids: list[int] | None = None
     prompt_top_lps: list[float] | None = None
+    prompt_ranks: list[int] | None = None
 
     @property
     def total_len(self) -> int:

@@ -227,7 +227,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                    num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens),
                    prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
                    prompt_top_logprobs=a.prompt_top_logprobs if a.prompt_logprobs is not None
-                   else b.prompt_top_logprobs)
+                   else b.prompt_top_logprobs,
+                   prompt_ranks=a.prompt_ranks if a.prompt_logprobs is not None else b.prompt_ranks)
 
 
 class _Stream:

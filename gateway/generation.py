@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None  # None for a prompt's first token, which has no context to be scored in
     top: list[tuple[int, float]] | None
+    rank: int | None = None  # prompt tokens: the token's rank in its distribution (1 = most likely)
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class Delta:
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (first delta, when asked)
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (first delta)
     stop_str: str | None = None  # the stop string that ended the text (last delta)
+    stop_token: int | None = None  # the request's stop token id that ended it, when not an EOS (last delta)
 
     def then(self, later: Delta) -> Delta:
         """This delta and the one after it as one (``--stream-interval``)."""
@@ -42,7 +44,7 @@ class Delta:
         return Delta(self.text + later.text, self.token_ids + later.token_ids, lps, later.finish_reason,
                      later.num_output_tokens,
                      self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                     max(self.cached_tokens, later.cached_tokens), later.stop_str)
+                     max(self.cached_tokens, later.cached_tokens), later.stop_str, later.stop_token)
 
 
 @dataclass
@@ -60,10 +62,10 @@ def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
 def _prompt_logprobs(out: RequestOutput, prompt_ids: list[int]) -> list[TokenLogprob] | None:
     if out.prompt_logprobs is None:  # every output but the first: no copy of the prompt per token
         return None
-    return _pair_logprobs(prompt_ids[1:], out.prompt_logprobs, out.prompt_top_logprobs)
+    return _pair_logprobs(prompt_ids[1:], out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_ranks)
 
 
-def _pair_logprobs(ids, lps, top) -> list[TokenLogprob] | None:
+def _pair_logprobs(ids, lps, top, ranks=None) -> list[TokenLogprob] | None:
     if lps is None:
         return None
     res = []
@@ -71,7 +73,7 @@ def _pair_logprobs(ids, lps, top) -> list[TokenLogprob] | None:
         pairs: list[tuple[int, float]] = []
         if top is not None and top.k:
             pairs = list(zip(top.token_ids[i * top.k : (i + 1) * top.k], top.logprobs[i * top.k : (i + 1) * top.k]))
-        res.append(TokenLogprob(tid, lp, pairs))
+        res.append(TokenLogprob(tid, lp, pairs, None if ranks is None else ranks[i]))
     return res
 
 
@@ -86,8 +88,8 @@ class TextPipeline:
     last; when a stop string ended the text, the engine is still generating and its request must be cancelled
     (``ended_early``). ``close`` (idempotent) ends the in-flight gauge's count of the request."""
 
-    __slots__ = ("detok", "stopper", "final_ids", "prompt_ids", "n_out", "interval", "held", "sent_at", "timer",
-                 "ended_early", "_open", "min_tokens")
+    __slots__ = ("detok", "stopper", "final_ids", "stop_ids", "prompt_ids", "n_out", "interval", "held", "sent_at",
+                 "timer", "ended_early", "_open", "min_tokens")
 
     def __init__(self, state: ModelState, prompt_ids: list[int], sampling: SamplingParams, opts: TextOptions):
         self.detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens) \
@@ -96,6 +98,10 @@ class TextPipeline:
         self.min_tokens = sampling.min_tokens  # no stop string ends in the text of this many first tokens (vLLM)
         self.final_ids = state.eos_token_ids | set(sampling.stop_token_ids) if sampling.stop_token_ids \
             else state.eos_token_ids
+        # The ids that end a choice with a stop_reason (vLLM's): the request's stop tokens, but an EOS is not one
+        # unless the request ignores EOS (then only its stop_token_ids can end it).
+        self.stop_ids = frozenset() if not sampling.stop_token_ids else frozenset(sampling.stop_token_ids) \
+            - (frozenset() if sampling.ignore_eos else state.eos_token_ids)
         self.prompt_ids = prompt_ids
         self.n_out = 0
         self.interval = state.stream_interval
@@ -143,6 +149,8 @@ class TextPipeline:
         d = Delta(text, ids, None if out.logprobs is None else _logprobs(out), finish, self.n_out,
                   None if out.prompt_logprobs is None else _prompt_logprobs(out, self.prompt_ids),
                   out.num_cached_tokens, stopper.matched if stopper is not None else None)
+        if finish == "stop" and d.stop_str is None and ids and ids[-1] in self.stop_ids:
+            d.stop_token = ids[-1]
         if self.interval > 1:
             if self.held is not None:
                 d = self.held.then(d)

@@ -1,18 +1,22 @@
 """Request schemas of the OpenAI-compatible routes, with the vLLM-style extra sampling fields.
 
 pydantic turns a malformed body into a list of located errors; ``parse`` reports the first one as
-OpenAI does (a 400 naming the offending ``param``). Unknown fields are ignored, like OpenAI and vLLM.
+OpenAI does (a 400 naming the offending ``param``). Unknown fields are ignored, like OpenAI and vLLM, except
+the fields of OpenAI's and vLLM's own requests that would change the answer and that this server does not
+implement (a model's ``UNSUPPORTED``): a request that sets one is a 400 naming it, never served as if it
+were absent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from protocol.constants import MAX_LOGIT_BIAS
+from protocol.messages import MAX_TOP_LOGPROBS
 
 from .errors import bad_request
 from .json_depth import TooDeep, check_depth, is_too_deep
@@ -91,7 +95,33 @@ class SamplingFields(BaseModel):
         return v
 
 
-class CompletionRequest(SamplingFields):
+# Fields of OpenAI's or vLLM's generation requests this server does not implement, each with the values that
+# ask for nothing (its defaults): any other value is refused (``validate``).
+UNSUPPORTED_GENERATION: dict[str, tuple] = {
+    "use_beam_search": (False, None),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "logprob_token_ids": (None,),
+    "return_tokens_as_token_ids": (False, None),
+    "return_token_ids": (False, None),
+    "cache_salt": (None,),  # a prefix cache shared by every request of the model: no salting
+}
+
+
+class PromptFields(SamplingFields):
+    """vLLM's prompt fields of completions and chat completions: cutting the prompt to fit, scoring it."""
+
+    # Keep the last k prompt tokens (-1: as many as the context leaves room for); ``truncation_side`` "right" keeps
+    # the first k instead.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=1 << 63)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # k; not with stream
+
+
+class CompletionRequest(PromptFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = UNSUPPORTED_GENERATION
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
@@ -123,7 +153,13 @@ class ChatTool(BaseModel):
 MAX_TOOLS = 256
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(PromptFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **UNSUPPORTED_GENERATION, "chat_template": (None,), "include_reasoning": (True, None),
+        "functions": (None, []), "function_call": (None,), "audio": (None,), "modalities": (None, ["text"]),
+        "web_search_options": (None,),
+    }
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -135,6 +171,16 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the last message's content starts the answer when its role is the answer's
+    # Template variables, as vLLM passes them (over the same names in chat_template_kwargs).
+    reasoning_effort: str | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, then reasoning_effort and documents."""
+        extra = {k: v for k, v in (("reasoning_effort", self.reasoning_effort), ("documents", self.documents))
+                 if v is not None}
+        return {**(self.chat_template_kwargs or {}), **extra} if extra else self.chat_template_kwargs
 
 
 def _param(loc: tuple) -> str:
@@ -170,6 +216,9 @@ def parse_query(model: type[BaseModel], query: Mapping[str, str]) -> Any:
 
 
 def validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    for name, inert in getattr(model, "UNSUPPORTED", {}).items():
+        if name in data and data[name] not in inert:
+            raise bad_request(f"{name} is not supported by this server", param=name)
     try:
         return model.model_validate(data)
     except ValidationError as e:

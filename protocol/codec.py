@@ -2,8 +2,9 @@
 
 Frame 0 is an orjson header ``{"v": PROTOCOL_VERSION, "t": <type>, ...fields}``. Token ids and
 logprobs follow as raw little-endian int32 / float32 frames (AddRequest and PoolRequest: the prompt's
-tokens; StepOutputs: one frame holding seven arrays back to back, whose sizes the header's ``lens``
-gives: tokens, logprobs, top ids, top logprobs, then the same three for prompt logprobs; PoolOutputs:
+tokens; StepOutputs: one frame holding eight arrays back to back, whose sizes the header's ``lens``
+gives: tokens, logprobs, top ids, top logprobs, then the same three for prompt logprobs and the prompt
+tokens' ranks; PoolOutputs:
 every output's vector, one after another), so a 4k-token prompt costs one memcpy instead of a JSON
 array. Nothing here can execute code from a frame: no pickle, no eval.
 """
@@ -41,7 +42,7 @@ MAX_FRAMES = 8
 
 _BY_TYPE: dict[str, type[Message]] = {m.TYPE: m for m in ALL_MESSAGES}
 _LITTLE = sys.byteorder == "little"
-_OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "ec", "lp", "k", "nc", "plp", "pk"}  # one output's header
+_OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "ec", "lp", "k", "nc", "plp", "pk", "pr"}  # one output's header
 
 
 def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
@@ -98,13 +99,13 @@ def _header(msg: Message, body: dict) -> bytes:
 
 # StepOutputs' arrays, in their order in the data frame, and each one's element type.
 _OUTPUT_ARRAYS = ("tokens", "logprobs", "top ids", "top logprobs", "prompt logprobs", "prompt top ids",
-                  "prompt top logprobs")
-_OUTPUT_TYPES = "ififfif"
+                  "prompt top logprobs", "prompt ranks")
+_OUTPUT_TYPES = "ififfifi"
 
 
 def _encode_outputs(msg: StepOutputs) -> list[bytes]:
     items, toks, lps, top_ids, top_lps = [], [], [], [], []
-    plps, ptop_ids, ptop_lps = [], [], []
+    plps, ptop_ids, ptop_lps, pranks = [], [], [], []
     for o in msg.outputs:
         item: dict = {"rid": o.request_id, "n": len(o.new_token_ids)}
         if o.finish_reason is not None:
@@ -131,11 +132,14 @@ def _encode_outputs(msg: StepOutputs) -> list[bytes]:
             item["pk"] = o.prompt_top_logprobs.k
             ptop_ids.extend(o.prompt_top_logprobs.token_ids)
             ptop_lps.extend(o.prompt_top_logprobs.logprobs)
+        if o.prompt_ranks is not None:
+            item["pr"] = True
+            pranks.extend(o.prompt_ranks)
         toks.extend(o.new_token_ids)
         items.append(item)
-    arrays = (toks, lps, top_ids, top_lps, plps, ptop_ids, ptop_lps)
+    arrays = (toks, lps, top_ids, top_lps, plps, ptop_ids, ptop_lps, pranks)
     head = _header(msg, {"rank": msg.rank, "items": items, "lens": [len(a) for a in arrays]})
-    # One data frame for all seven arrays: every ZeroMQ frame costs each side about a microsecond and a half.
+    # One data frame for all eight arrays: every ZeroMQ frame costs each side about a microsecond and a half.
     return [head, b"".join([_pack(t, a) for t, a in zip(_OUTPUT_TYPES, arrays) if a])]
 
 
@@ -241,7 +245,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
     lens = head["lens"]
     if not isinstance(lens, list) or len(lens) != len(_OUTPUT_ARRAYS) \
             or not all(type(n) is int and n >= 0 for n in lens):
-        raise ProtocolError("lens must list the sizes of the seven arrays")
+        raise ProtocolError("lens must list the sizes of the eight arrays")
     data = memoryview(frames[1])
     if len(data) != 4 * sum(lens):
         raise ProtocolError("the data frame's length does not match lens")
@@ -249,11 +253,11 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
     for typecode, n, what in zip(_OUTPUT_TYPES, lens, _OUTPUT_ARRAYS):
         arrays.append(_unpack(typecode, data[at: at + 4 * n], what) if n else [])
         at += 4 * n
-    toks, lps, top_ids, top_lps, plps, ptop_ids, ptop_lps = arrays
+    toks, lps, top_ids, top_lps, plps, ptop_ids, ptop_lps, pranks = arrays
     if toks and min(toks) < 0:  # int32 ids: none is 2**31 or more
         raise ProtocolError("negative token id in outputs")
     n_toks = len(toks)
-    t = lp = tp = pl = ptp = 0
+    t = lp = tp = pl = ptp = pr = 0
     outs = []
     for item in head["items"]:
         if type(item) is not dict or not item.keys() <= _OUTPUT_KEYS:
@@ -288,7 +292,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
                 raise ProtocolError("top logprobs arrays do not match")
             top = TopLogprobs(k, tuple(top_ids[tp : tp + k * n]), tuple(top_lps[tp : tp + k * n]))
             tp += k * n
-        prompt_lp = prompt_top = None
+        prompt_lp = prompt_top = ranks = None
         if "plp" in item:
             m = item["plp"]
             if not isinstance(m, int) or isinstance(m, bool) or m < 0 or pl + m > len(plps):
@@ -301,8 +305,13 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
                     raise ProtocolError("prompt top logprobs arrays do not match")
                 prompt_top = TopLogprobs(pk, tuple(ptop_ids[ptp : ptp + pk * m]), tuple(ptop_lps[ptp : ptp + pk * m]))
                 ptp += pk * m
-        elif "pk" in item:
-            raise ProtocolError("prompt top logprobs without prompt logprobs")
+            if item.get("pr"):
+                if pr + m > len(pranks):
+                    raise ProtocolError("prompt ranks array too short")
+                ranks = tuple(pranks[pr : pr + m])
+                pr += m
+        elif "pk" in item or "pr" in item:
+            raise ProtocolError("prompt top logprobs or ranks without prompt logprobs")
         outs.append(
             RequestOutput(
                 request_id=item.get("rid"),  # type: ignore[arg-type]
@@ -315,16 +324,17 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
                 prompt_logprobs=prompt_lp,
                 prompt_top_logprobs=prompt_top,
                 num_cached_tokens=item.get("nc", 0),
+                prompt_ranks=ranks,
                 error_code=item.get("ec"),
             )
         )
     if t != n_toks or lp != len(lps) or tp != len(top_ids) or pl != len(plps) or ptp != len(ptop_ids) \
-            or len(top_ids) != len(top_lps) or len(ptop_ids) != len(ptop_lps):
+            or pr != len(pranks) or len(top_ids) != len(top_lps) or len(ptop_ids) != len(ptop_lps):
         raise ProtocolError("the arrays hold more values than the items claim")
     return StepOutputs(head["rank"], tuple(outs))
 
 
-_LOGPROB_KEYS = frozenset({"lp", "k", "plp", "pk"})
+_LOGPROB_KEYS = frozenset({"lp", "k", "plp", "pk", "pr"})
 
 
 def _refuse_plain(item: dict) -> None:

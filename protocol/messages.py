@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
@@ -378,6 +378,7 @@ class RequestOutput:
     prompt_logprobs: tuple[float, ...] | None = None
     prompt_top_logprobs: TopLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (with the first token)
+    prompt_ranks: tuple[int, ...] | None = None  # with prompt_logprobs: each token's rank (1 = most likely)
     error_code: str | None = None  # with error, what kind of failure it is (an ERR_* of protocol.constants)
 
     def __post_init__(self) -> None:
@@ -403,6 +404,11 @@ class RequestOutput:
             _check(_is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "prompt_top_logprobs k out of range")
             n = t.k * len(self.prompt_logprobs)  # type: ignore[arg-type]
             _check(len(t.token_ids) == n and len(t.logprobs) == n, "prompt_top_logprobs size mismatch")
+        if self.prompt_ranks is not None:
+            _check(self.prompt_logprobs is not None and isinstance(self.prompt_ranks, tuple)
+                   and len(self.prompt_ranks) == len(self.prompt_logprobs)
+                   and all(_is_int(r) and r >= 1 for r in self.prompt_ranks),
+                   "prompt_ranks must be one rank (at least 1) per prompt logprob")
         _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
                "error must be a short str")
         _check(self.error_code is None or (self.error is not None and isinstance(self.error_code, str)
@@ -418,7 +424,7 @@ class RequestOutput:
         obj.__dict__.update(request_id=request_id, new_token_ids=new_token_ids, finish_reason=finish_reason,
                             logprobs=None, top_logprobs=None, num_prompt_tokens=num_prompt_tokens, error=error,
                             prompt_logprobs=None, prompt_top_logprobs=None, num_cached_tokens=num_cached_tokens,
-                            error_code=None)
+                            prompt_ranks=None, error_code=None)
         return obj
 
 

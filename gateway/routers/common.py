@@ -65,6 +65,27 @@ def check_prompt_ids(state: ModelState, ids: list[int], max_tokens: int | None, 
     return max_tokens
 
 
+def truncate_prompt(state: ModelState, ids: list[int], keep: int | None, side: str | None,
+                    max_tokens: int | None, max_tokens_param: str = "max_tokens") -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``keep`` prompt ids (the first ones with ``truncation_side``
+    "right"); -1 keeps as many as the context holds beside ``max_tokens`` (beside one token when it is not given).
+    A ``keep`` past that room is a 400, as in vLLM: the prompt would be cut and still refused. ``ids`` itself comes
+    back when nothing is cut."""
+    if keep is None:
+        return ids
+    reserved = max_tokens or 1
+    room = state.max_model_len - reserved
+    if keep == -1:
+        keep = max(room, 0)
+    elif keep > room:
+        raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than the model's maximum context length "
+                          f"minus {max_tokens_param}: {state.max_model_len} - {reserved} = {room}. Please request a "
+                          "smaller truncation size.", param="truncate_prompt_tokens")
+    if keep >= len(ids):
+        return ids
+    return ids[:keep] if side == "right" else ids[len(ids) - keep:]
+
+
 def build_sampling(state: ModelState, req: SamplingFields, max_tokens: int, logprobs: int | None,
                    choice: int, prompt_logprobs: int | None = None, where: str = "",
                    structured: tuple[str, str] | None = None) -> SamplingParams:
@@ -261,6 +282,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_str: str | None = None
+    stop_token: int | None = None
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
@@ -273,7 +295,12 @@ class Choice:
         self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
-            self.stop_str = d.stop_str
+            self.stop_str, self.stop_token = d.stop_str, d.stop_token
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice (None: EOS, length)."""
+        return self.stop_str if self.stop_str is not None else self.stop_token
 
     def piece(self, d: Delta) -> MessagePiece:
         """Streamed: what this delta adds to the message (at the end, with what the parsers held back)."""

@@ -26,7 +26,8 @@ from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import JSON, SSE, request_body, response
 from ..sse import EventWriter, open_stream
 from ..state import STATE, GatewayState, ModelState, ServedModel
-from ..text.token_text import TokenText
+from ..text.chat_template import ChatTemplateError, content_text
+from ..text.token_text import TextOffsets, TokenText, finite
 from ..text.tool_parsers import ToolCall, ToolCallDelta
 from .common import (
     ENGINE_ERRORS,
@@ -45,6 +46,7 @@ from .common import (
     message_parser,
     text_options,
     tool_use,
+    truncate_prompt,
     wants_generation_prompt,
 )
 
@@ -63,14 +65,12 @@ def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
 
 
 def chat_logprobs(tt: TokenText, lps: list[TokenLogprob]) -> dict:
-    content = []
-    for lp in lps:
-        text, raw = tt(lp.token_id)
-        content.append({
-            "token": text, "logprob": lp.logprob, "bytes": raw,
-            "top_logprobs": [{"token": tt(t)[0], "logprob": v, "bytes": tt(t)[1]} for t, v in lp.top or ()],
-        })
-    return {"content": content, "refusal": None}
+    return {"content": tt.entries(lps), "refusal": None}
+
+
+def prompt_logprobs(tt: TokenText, c: Choice) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a choice's prompt, when the engine scored it."""
+    return None if c.prompt_logprobs is None else tt.prompt_logprobs(c.prompt_logprobs)
 
 
 def echo_entries(c: Choice) -> list[TokenLogprob]:
@@ -78,15 +78,12 @@ def echo_entries(c: Choice) -> list[TokenLogprob]:
     return [TokenLogprob(c.prompt_ids[0], None, None), *(c.prompt_logprobs or [])]
 
 
-def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
+def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offsets: list[int]) -> dict:
+    tokens, token_lps, tops = [], [], []
     for lp in lps:
-        text = tt(lp.token_id)[0]
-        tokens.append(text)
-        token_lps.append(lp.logprob)
-        tops.append({tt(t)[0]: v for t, v in lp.top} if lp.top else None)  # None for an unscored token
-        offsets.append(offset)
-        offset += len(text)
+        tokens.append(tt(lp.token_id)[0])
+        token_lps.append(None if lp.logprob is None else finite(lp.logprob))
+        tops.append({tt(t)[0]: finite(v) for t, v in lp.top} if lp.top else None)  # None for an unscored token
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -169,36 +166,54 @@ class Shape:
 
 
 class CompletionShape(Shape):
+    """Completions' choices: ``text`` (after the echoed prompt), ``logprobs`` in the legacy shape whose
+    ``text_offset`` comes from ``TextOffsets`` (streamed, one per choice across its chunks: the same offsets as a
+    whole answer), vLLM's ``stop_reason`` and, not streamed, ``prompt_logprobs``."""
+
     object_full = object_chunk = "text_completion"
 
-    def __init__(self, tt: TokenText, want_logprobs: bool):
+    def __init__(self, tt: TokenText, want_logprobs: bool, skipped: frozenset[int] = frozenset()):
         super().__init__(tt, want_logprobs)
-        self.offsets: dict[int, int] = {}
+        self.skipped = skipped  # special tokens the text leaves out (skip_special_tokens)
+        self.offsets: dict[int, TextOffsets] = {}
+
+    def logprobs(self, c: Choice, at: TextOffsets, lps: list[TokenLogprob], echo: bool) -> dict | None:
+        """The legacy logprobs of ``lps`` (after the prompt's, echoed), their offsets continuing ``at``."""
+        entries: list[TokenLogprob] = []
+        offsets: list[int] = []
+        if echo:
+            entries = echo_entries(c)
+            offsets = at.starts([e.token_id for e in entries], frozenset())  # the prompt's text keeps them all
+            at.restart_at(len(c.prefix))
+        entries += lps
+        offsets += at.starts(lp.token_id for lp in lps)
+        return completion_logprobs(self.tt, entries, offsets) if entries else None
 
     def delta(self, c: Choice, d: Delta) -> dict | None:
         if not (d.text or d.finish_reason or d.logprobs or c.prefix):
             return None
-        text = d.text
-        entries = list(d.logprobs or [])
-        if c.prefix:
-            text, c.prefix = c.prefix + text, ""
-            if self.want_logprobs:
-                entries = echo_entries(c) + entries
+        text = c.prefix + d.text
         lp = None
-        if self.want_logprobs and entries:
-            lp = completion_logprobs(self.tt, entries, self.offsets.get(c.index, 0))
-        self.offsets[c.index] = self.offsets.get(c.index, 0) + len(text)
-        return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
+        if self.want_logprobs:
+            at = self.offsets.get(c.index)
+            if at is None:
+                at = self.offsets[c.index] = TextOffsets(self.tt, self.skipped)
+            lp = self.logprobs(c, at, d.logprobs or [], bool(c.prefix))
+        c.prefix = ""  # echoed once, in the choice's first chunk
+        entry = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:
+            entry["stop_reason"] = c.stop_reason
+        return entry
 
     def full(self, rid, created, model, choices, usage_):
         out = []
         for c in choices:
             lp = None
             if self.want_logprobs:
-                entries = (echo_entries(c) if c.prefix else []) + c.logprobs
-                lp = completion_logprobs(self.tt, entries, 0)
+                lp = self.logprobs(c, TextOffsets(self.tt, self.skipped), c.logprobs, bool(c.prefix))
             out.append({"index": c.index, "text": c.prefix + "".join(c.text), "logprobs": lp,
-                        "finish_reason": c.finish_reason})
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        "prompt_logprobs": prompt_logprobs(self.tt, c)})
         return {"id": rid, "object": self.object_full, "created": created, "model": model, "choices": out,
                 "usage": usage_}
 
@@ -236,7 +251,8 @@ class ChatShape(Shape):
         self.use = use
 
     def first_chunk(self, c: Choice) -> dict:
-        return {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        # With echo, the echoed message's text comes first (vLLM sends it in a chunk of its own, right after).
+        return {"index": c.index, "delta": {"role": "assistant", "content": c.prefix}, "logprobs": None,
                 "finish_reason": None}
 
     def delta(self, c: Choice, d: Delta) -> dict | None:
@@ -245,8 +261,11 @@ class ChatShape(Shape):
             text = d.text
             if not (text or finish):
                 return None
-            return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": None,
-                    "finish_reason": finish}
+            entry = {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": None,
+                     "finish_reason": finish}
+            if finish is not None:
+                entry["stop_reason"] = c.stop_reason
+            return entry
         lp = chat_logprobs(self.tt, d.logprobs) if self.want_logprobs and d.logprobs else None
         piece = c.piece(d)
         if c.msg is not None and finish is not None:
@@ -261,16 +280,21 @@ class ChatShape(Shape):
             delta["content"] = piece.content
         if piece.tool_calls:
             delta["tool_calls"] = chat_tool_deltas(piece.tool_calls)
-        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        entry = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
+            entry["stop_reason"] = c.stop_reason
+        return entry
 
     def message(self, c: Choice) -> tuple[dict, str | None]:
         """The whole assistant message of a non-streamed choice, and its finish reason."""
         if c.msg is None:
-            return {"role": "assistant", "content": "".join(c.text), "refusal": None, "tool_calls": []}, c.finish_reason
+            return {"role": "assistant", "content": c.prefix + "".join(c.text), "refusal": None,
+                    "tool_calls": []}, c.finish_reason
         calls = final_tool_calls(self.use, c.msg.tool_calls)
         content = c.msg.text()
         if calls:
             content = content.strip()
+        content = c.prefix + content  # echo: the last message's text first, as vLLM prepends it
         msg = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None,
                "tool_calls": [chat_tool_call(t) for t in calls]}
         reasoning = c.msg.reasoning_text()
@@ -283,9 +307,11 @@ class ChatShape(Shape):
         for c in choices:
             lp = chat_logprobs(self.tt, c.logprobs) if self.want_logprobs else None
             msg, finish = self.message(c)
-            out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish})
+            out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish,
+                        "stop_reason": c.stop_reason})
+        # vLLM's: the prompt's scores once per response (every choice has the same prompt).
         return {"id": rid, "object": self.object_full, "created": created, "model": model, "choices": out,
-                "usage": usage_, "system_fingerprint": None}
+                "usage": usage_, "system_fingerprint": None, "prompt_logprobs": prompt_logprobs(self.tt, choices[0])}
 
 
 # -- routes -----------------------------------------------------------------------------------
@@ -338,13 +364,37 @@ class Plan:
         return sum(len(ids) for _, ids in self.prompts)
 
 
+def check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The request's ``prompt_logprobs``: a streamed answer has no place for them (vLLM refuses them too)."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    return req.prompt_logprobs
+
+
+def chat_echo(req: ChatCompletionRequest, messages: list[dict], add_generation_prompt: bool) -> str:
+    """vLLM's chat ``echo``: the last message's text, when its role is the answer's (the assistant's with a
+    generation prompt, else the last message's own), starts the answer."""
+    if not req.echo:
+        return ""
+    role = "assistant" if add_generation_prompt else messages[-1]["role"]
+    if messages[-1]["role"] != role:
+        return ""
+    try:
+        return content_text(messages[-1].get("content")) or ""
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from None
+
+
 async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
     state = state.for_model(req.model, "generate")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
-    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    # vLLM's: echo with logprobs scores the prompt too (its entries lead the choice's logprobs).
+    prompt_logprobs = check_prompt_logprobs(req)
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
     p = req.prompt
     if isinstance(p, str):
         prompts = [p]
@@ -358,12 +408,17 @@ async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
     choices: list[Choice] = []
     rendered: list[tuple[str | None, list[int]]] = []
     for i, pr in enumerate(prompts):
-        ids = state.tokenizer.encode(pr) if isinstance(pr, str) else list(pr)
+        given = state.tokenizer.encode(pr) if isinstance(pr, str) else list(pr)
+        ids = truncate_prompt(state, given, req.truncate_prompt_tokens, req.truncation_side, req.max_tokens or None)
         max_tokens = check_prompt_ids(state, ids, req.max_tokens if req.max_tokens else None)
         if req.max_tokens == 0:
             raise bad_request("max_tokens must be at least 1", param="max_tokens")
-        rendered.append((pr if isinstance(pr, str) else None, ids))
-        prefix = (pr if isinstance(pr, str) else state.tokenizer.decode(ids)) if req.echo else ""
+        text = pr if isinstance(pr, str) and ids is given else None  # the text of what the engine gets, if given
+        rendered.append((text, ids))
+        # The echoed prompt is what the engine got: the text as given, or its ids' text (special tokens kept, as
+        # their logprob entries are).
+        prefix = (text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False)) \
+            if req.echo else ""
         for j in range(req.n):
             sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs, structured=constraint)
             choices.append(Choice(i * req.n + j, ids, sp, prefix))
@@ -377,7 +432,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = parse(CompletionRequest, await request.read())
     plan = await plan_completion(request.app[STATE], req)
     include, continuous = _stream_usage(req)
-    shape = CompletionShape(plan.state.token_text, req.logprobs is not None)
+    skipped = plan.state.tokenizer.all_special_ids if req.skip_special_tokens else frozenset()
+    shape = CompletionShape(plan.state.token_text, req.logprobs is not None, skipped)
     return await respond(request, plan.state, request_id=plan.request_id, model=plan.model, choices=plan.choices,
                          opts=plan.opts, prompt_tokens=plan.prompt_tokens, stream=req.stream, shape=shape,
                          include_usage=include, continuous_usage=continuous)
@@ -407,16 +463,22 @@ async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
                                                     req.model_fields_set)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt = chat_prompt(state, messages, tools=tools, use=use, add_generation_prompt=add_generation_prompt,
-                         continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
-    max_tokens = check_prompt_ids(state, prompt.ids, req.max_completion_tokens or req.max_tokens, param="messages")
+                         continue_final_message=req.continue_final_message, template_kwargs=req.template_kwargs())
+    asked = req.max_completion_tokens or req.max_tokens
+    ids = truncate_prompt(state, prompt.ids, req.truncate_prompt_tokens, req.truncation_side, asked,
+                          "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+    max_tokens = check_prompt_ids(state, ids, asked, param="messages")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    prompt_logprobs = check_prompt_logprobs(req)
+    echo = chat_echo(req, messages, add_generation_prompt)
     constraint = await structured.check(structured.with_forced_call(requested, prompt.forced), state.tokenizer)
-    choices = [Choice(j, prompt.ids, build_sampling(state, req, max_tokens, logprobs, j, structured=constraint),
-                      msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
-    return Plan(state, f"chatcmpl-{random_hex()}", state.name, [(prompt.text, prompt.ids)], req.n, choices,
-                text_options(req), use)
+    choices = [Choice(j, ids, build_sampling(state, req, max_tokens, logprobs, j, prompt_logprobs,
+                                             structured=constraint),
+                      echo, msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
+    return Plan(state, f"chatcmpl-{random_hex()}", state.name, [(prompt.text if ids is prompt.ids else None, ids)],
+                req.n, choices, text_options(req), use)
 
 
 @routes.post("/v1/chat/completions")

@@ -22,13 +22,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from .. import structured
 from ..errors import APIError, bad_request
+from ..generation import TokenLogprob
 from ..ids import random_hex
 from ..openai_schemas import MAX_TOOLS, SamplingFields, parse, parse_query
 from ..openapi import JSON, SSE, query, request_body, response
@@ -116,8 +117,15 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value this server can honour
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # OpenAI's fields this server does not implement (``openai_schemas.validate`` refuses them): the Conversations
+    # API and stored prompts are not served, and input is never cut to fit (truncation "auto").
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"conversation": (None,), "prompt": (None,),
+                                              "truncation": (None, "disabled")}
 
     model: str | None = None
     input: str | list[InputItem]
@@ -135,6 +143,24 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     text: dict[str, Any] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort", "summary"}: the effort reaches the chat template (vLLM's)
+
+    def wants_logprobs(self) -> bool:
+        """Whether the output text's logprobs were asked for (``include``); any other ``include`` is a 400."""
+        for value in self.include or ():
+            if value != OUTPUT_LOGPROBS:
+                raise bad_request(f"include {value!r} is not supported: the only value this server serves is "
+                                  f"{OUTPUT_LOGPROBS!r}", param="include")
+        wants = OUTPUT_LOGPROBS in (self.include or ())
+        if self.top_logprobs and not wants:
+            raise bad_request(f"top_logprobs needs include [{OUTPUT_LOGPROBS!r}]", param="top_logprobs")
+        return wants
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        effort = (self.reasoning or {}).get("effort")
+        return None if effort is None else {"reasoning_effort": effort}
 
 
 class InputItemsQuery(BaseModel):
@@ -241,7 +267,7 @@ def response_object(rid: str, model: str, req: ResponsesRequest, status: str, cr
         "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
         "metadata": req.metadata or {}, "text": text_config(req), "truncation": "disabled",
-        "user": req.user, "usage": None,
+        "top_logprobs": req.top_logprobs, "user": req.user, "usage": None,
     }
 
 
@@ -251,12 +277,18 @@ class OutputBuilder:
     An item opens when its kind of output starts (reasoning, message text, a function call) and is
     done when another begins or the output ends; non-streamed responses use the same builder with
     no listener, so both paths build the same items.
+
+    Logprobs (``include`` of the output text's) go with the text their tokens wrote: a delta's go out with its
+    output text; the tokens of reasoning or of a call have none (nor do those that write nothing while one is
+    open: ``</think>``); those of held-back text (a parser waiting to see what it is) go with the text when it
+    comes, and the end's (the EOS token) close the message.
     """
 
     def __init__(self, emit: Callable[[str, dict], Awaitable[None]] | None):
         self.emit = emit
         self.items: list[dict] = []
         self.open: dict | None = None
+        self.pending: list[dict] = []  # logprobs of tokens whose text has not come out yet
 
     async def _event(self, kind: str, **fields: Any) -> None:
         if self.emit is not None:
@@ -271,8 +303,13 @@ class OutputBuilder:
             await self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})
 
-    async def push(self, piece: MessagePiece) -> None:
+    async def push(self, piece: MessagePiece, logprobs: list[dict] | None = None) -> None:
         idx = lambda: len(self.items) - 1  # noqa: E731
+        if logprobs:
+            self.pending.extend(logprobs)
+        if not piece.content and (piece.reasoning or piece.tool_calls
+                                  or (self.open is not None and self.open["type"] != "message")):
+            self.pending = []  # those tokens wrote reasoning or a call, not output text
         if piece.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
                 await self._start({"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [],
@@ -282,11 +319,12 @@ class OutputBuilder:
                               content_index=0, delta=piece.reasoning)
         if piece.content:
             if self.open is None or self.open["type"] != "message":
-                await self._start({"type": "message", "id": _new_id("msg"), "status": "in_progress",
-                                   "role": "assistant", "content": [], "_text": ""})
+                await self._start(_message_item())
             self.open["_text"] += piece.content
+            lps, self.pending = self.pending, []
+            self.open["_logprobs"].extend(lps)
             await self._event("response.output_text.delta", item_id=self.open["id"], output_index=idx(),
-                              content_index=0, delta=piece.content, logprobs=[])
+                              content_index=0, delta=piece.content, logprobs=lps)
         for t in piece.tool_calls:
             if t.id is not None:
                 await self._start({"type": "function_call", "id": _new_id("fc"), "call_id": t.id, "name": t.name,
@@ -303,11 +341,16 @@ class OutputBuilder:
         i = self.items.index(item)
         item["status"] = status
         if item["type"] == "message":
+            if self.pending:  # the last tokens' (the EOS token's): they wrote nothing, but were generated here
+                lps, self.pending = self.pending, []
+                item["_logprobs"].extend(lps)
+                await self._event("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0,
+                                  delta="", logprobs=lps)
             text = item.pop("_text")
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": item.pop("_logprobs")}
             item["content"] = [part]
             await self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                              text=text, logprobs=[])
+                              text=text, logprobs=part["logprobs"])
             await self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                               part=part)
         elif item["type"] == "reasoning":
@@ -323,10 +366,15 @@ class OutputBuilder:
     async def finish(self, status: str) -> list[dict]:
         if not self.items or (self.open is None and all(i["type"] == "reasoning" for i in self.items)):
             if self.open is None or self.open["type"] != "message":
-                await self._start({"type": "message", "id": _new_id("msg"), "status": "in_progress",
-                                   "role": "assistant", "content": [], "_text": ""})
+                await self._start(_message_item())
         await self.close(status)
         return self.items
+
+
+def _message_item() -> dict:
+    """A new output message; the builder's accumulators are its ``_`` keys (never sent: ``_public``)."""
+    return {"type": "message", "id": _new_id("msg"), "status": "in_progress", "role": "assistant", "content": [],
+            "_text": "", "_logprobs": []}
 
 
 def assistant_turn(items: list[dict]) -> dict:
@@ -374,7 +422,9 @@ class Turn:
                  for t in req.tools or []] or None
         self.use = _tool_use(state, req, tools)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        prompt = chat_prompt(state, system + self.messages, tools=tools, use=self.use, param="input")
+        self.logprobs = (req.top_logprobs or 0) if req.wants_logprobs() else None
+        prompt = chat_prompt(state, system + self.messages, tools=tools, use=self.use, param="input",
+                             template_kwargs=req.template_kwargs())
         max_tokens = check_prompt_ids(state, prompt.ids, req.max_output_tokens, param="input",
                                       max_tokens_param="max_output_tokens")
         fields = SamplingFields.model_construct(temperature=req.temperature, top_p=req.top_p)
@@ -382,11 +432,15 @@ class Turn:
         # Checked (compiled) by the caller before the turn runs: ``structured.check`` may await.
         self.constraint = structured.with_forced_call(structured.from_text_format((req.text or {}).get("format")),
                                                       prompt.forced)
-        self.choice = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0,
+        self.choice = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, self.logprobs, 0,
                                                            structured=None if self.constraint is None
                                                            else self.constraint.pair),
                              msg=message_parser(state, self.use, prompt.prefill))
         self.obj = response_object(self.rid, model, req, "in_progress", self.created)
+
+    def output_logprobs(self, lps: list[TokenLogprob] | None) -> list[dict] | None:
+        """OpenAI's logprob entries of a delta's tokens, when the request includes them."""
+        return self.state.token_text.entries(lps) if lps and self.logprobs is not None else None
 
     @property
     def announced(self) -> bool:
@@ -408,9 +462,8 @@ class Turn:
         try:
             async for _, d in run_choices(self.state, self.rid, [c], self.opts):
                 c.take(d)
-                await builder.push(c.piece(d))
-            if c.msg is not None:
-                final_tool_calls(self.use, c.msg.tool_calls)
+                await builder.push(c.piece(d), self.output_logprobs(d.logprobs))
+            final_tool_calls(self.use, c)  # raises if a forced call is missing
         except (*ENGINE_ERRORS, APIError) as e:
             err = e if isinstance(e, APIError) else engine_error(e)
             status, error = "failed", {"code": "server_error", "message": err.message}
@@ -538,7 +591,7 @@ def _public(fields: dict) -> dict:
     """Event payloads without the builder's private accumulators."""
     item = fields.get("item")
     if isinstance(item, dict) and "_text" in item:
-        fields = {**fields, "item": {k: v for k, v in item.items() if k != "_text"}}
+        fields = {**fields, "item": {k: v for k, v in item.items() if not k.startswith("_")}}
     return fields
 
 

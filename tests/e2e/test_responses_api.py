@@ -174,6 +174,45 @@ def test_streamed_reasoning_events(client, model) -> None:
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
 
 
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def logprob_bytes(lps) -> str:
+    return b"".join(bytes(lp.bytes) for lp in lps).decode()
+
+
+def test_output_text_logprobs_are_included(client, model) -> None:
+    kw = dict(model=model, input="Tell me a story. " + sm.STORY_TRIGGER, include=LOGPROBS, top_logprobs=2)
+    r = client.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    # Every generated token, EOS included (the message text itself is stripped by the reasoning parser).
+    assert logprob_bytes(lps) == sm.EXPECTED_STORY + sm.EOS_TOKEN and len(lps) == r.usage.output_tokens
+    assert r.top_logprobs == 2
+    for lp in lps:
+        assert lp.token == bytes(lp.bytes).decode() and lp.logprob <= 0 and len(lp.top_logprobs) == 2
+        assert lp.top_logprobs[0].token == lp.token  # the scripted model writes its most likely token
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == lps
+    # Streamed: the deltas carry them; the done event and the final response carry them all.
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0].logprobs
+    for got in (streamed, done.logprobs, final):
+        assert [(lp.token, lp.logprob) for lp in got] == [(lp.token, lp.logprob) for lp in lps]
+    assert client.responses.create(model=model, input=kw["input"]).output[0].content[0].logprobs == []
+
+
+def test_output_text_logprobs_leave_out_reasoning_tokens(client, model) -> None:
+    kw = dict(model=model, input="Capital? " + sm.THINK_TRIGGER, include=LOGPROBS)
+    r = client.responses.create(**kw)
+    message = r.output[-1]
+    assert logprob_bytes(message.content[0].logprobs) == sm.ANSWER + sm.EOS_TOKEN
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in message.content[0].logprobs]
+
+
 def test_max_output_tokens_makes_it_incomplete(client, model) -> None:
     kw = dict(model=model, input="Tell me a story. " + sm.STORY_TRIGGER, max_output_tokens=3)
     expected = "".join(sm.STORY_TOKENS[:3]).strip()
@@ -481,6 +520,13 @@ BAD = [
     ({"input": "x", "tools": [{"type": "function"}]}, 400, None),
     ({"input": "x", "tools": [WEATHER_FUNCTION], "tool_choice": {"type": "function", "name": "other"}},
      400, "tool_choice"),
+    # What this server does not implement is refused, never ignored.
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"input": "x", "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"input": "x", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, 400, "top_logprobs"),
+    ({"input": "x", "conversation": "conv_123"}, 400, "conversation"),
+    ({"input": "x", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "x", "prompt": {"id": "pmpt_123"}}, 400, "prompt"),
 ]
 
 

@@ -154,15 +154,15 @@ def test_oversized_frame_is_rejected_before_parsing():
 
 def test_outputs_whose_arrays_disagree_with_items_are_rejected():
     frames = encode(StepOutputs(0, (RequestOutput("a", (1, 2)),)))
-    assert len(frames) == 2 and len(frames[1]) == 8  # all seven arrays in one frame: here two int32 tokens
+    assert len(frames) == 2 and len(frames[1]) == 8  # all eight arrays in one frame: here two int32 tokens
     head = orjson.loads(frames[0])
     with pytest.raises(ProtocolError, match="length does not match"):
         decode([frames[0], frames[1][:4]])
     with pytest.raises(ProtocolError, match="length does not match"):
         decode([frames[0], frames[1] + frames[1]])
     with pytest.raises(ProtocolError, match="more values"):  # lens and the frame agree, the items do not
-        decode([orjson.dumps({**head, "lens": [4, 0, 0, 0, 0, 0, 0]}), frames[1] + frames[1]])
-    for lens in ([2, 0, 0], [2, 0, 0, 0, 0, 0, -1], [2.0, 0, 0, 0, 0, 0, 0], "2"):
+        decode([orjson.dumps({**head, "lens": [4, 0, 0, 0, 0, 0, 0, 0]}), frames[1] + frames[1]])
+    for lens in ([2, 0, 0], [2, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0, -1], [2.0, 0, 0, 0, 0, 0, 0, 0], "2"):
         with pytest.raises(ProtocolError, match="lens"):
             decode([orjson.dumps({**head, "lens": lens}), frames[1]])
     with pytest.raises(ProtocolError):
@@ -203,18 +203,18 @@ def test_prompt_logprobs_frames_that_disagree_with_items_are_rejected():
                                         prompt_top_logprobs=TopLogprobs(1, (3, 4), (-0.5, -0.25))),))
     frames = encode(msg)
     head = orjson.loads(frames[0])
-    assert len(frames) == 2 and head["lens"] == [1, 0, 0, 0, 2, 2, 2]  # two prompt logprobs, top-1 of each
+    assert len(frames) == 2 and head["lens"] == [1, 0, 0, 0, 2, 2, 2, 0]  # two prompt logprobs, top-1 of each
     data = frames[1]
 
     def with_lens(lens: list[int], frame: bytes) -> list[bytes]:
         return [orjson.dumps({**head, "lens": lens}), frame]
 
     with pytest.raises(ProtocolError):  # one prompt logprob short
-        decode(with_lens([1, 0, 0, 0, 1, 2, 2], data[:8] + data[12:]))
+        decode(with_lens([1, 0, 0, 0, 1, 2, 2, 0], data[:8] + data[12:]))
     with pytest.raises(ProtocolError, match="more values"):
-        decode(with_lens([1, 0, 0, 0, 4, 2, 2], data[:12] + data[4:12] + data[12:]))
+        decode(with_lens([1, 0, 0, 0, 4, 2, 2, 0], data[:12] + data[4:12] + data[12:]))
     with pytest.raises(ProtocolError):  # top-k arrays too short for k * n
-        decode(with_lens([1, 0, 0, 0, 2, 1, 1], data[:16] + data[20:24]))
+        decode(with_lens([1, 0, 0, 0, 2, 1, 1, 0], data[:16] + data[20:24]))
     bad = dict(head)
     bad["items"] = [dict(head["items"][0], pk="two")]
     with pytest.raises(ProtocolError):
@@ -223,6 +223,24 @@ def test_prompt_logprobs_frames_that_disagree_with_items_are_rejected():
     del item["plp"]
     with pytest.raises(ProtocolError, match="without prompt logprobs"):
         decode([orjson.dumps({**head, "items": [item]}), data])
+
+
+def test_prompt_ranks_travel_with_prompt_logprobs_and_must_match_them():
+    msg = StepOutputs(0, (RequestOutput("a", (1,), prompt_logprobs=(-1.0, -2.0), prompt_ranks=(1, 7)),
+                          RequestOutput("b", (2,))))
+    frames = encode(msg)
+    assert decode(frames) == msg
+    head = orjson.loads(frames[0])
+    assert head["lens"] == [2, 0, 0, 0, 2, 0, 0, 2]
+    with pytest.raises(ProtocolError):  # a rank short
+        decode([orjson.dumps({**head, "lens": [2, 0, 0, 0, 2, 0, 0, 1]}), frames[1][:-4]])
+    item = dict(head["items"][0])
+    del item["plp"]
+    with pytest.raises(ProtocolError, match="without prompt logprobs"):
+        decode([orjson.dumps({**head, "items": [item, head["items"][1]]}), frames[1]])
+    for ranks in ((1,), (0, 1), (1.5, 2)):
+        with pytest.raises(ProtocolError, match="prompt_ranks"):
+            RequestOutput("r", (1,), prompt_logprobs=(-1.0, -2.0), prompt_ranks=ranks)
 
 
 def test_prompt_top_logprobs_need_matching_sizes():

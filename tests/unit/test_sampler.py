@@ -225,6 +225,10 @@ def test_prompt_logprobs_score_each_prompt_token_under_the_raw_distribution():
     ref = torch.log_softmax(logits, -1)
     assert out.logprobs == pytest.approx([float(ref[0, 4]), float(ref[1, 0]), float(ref[2, 11])], abs=1e-6)
     assert out.top_ids == ref.topk(3).indices.tolist()
+    # Each token's rank: how many tokens are at least as likely (itself included), as vLLM counts it.
+    assert out.ranks == [int((ref[i] >= ref[i, t]).sum()) for i, t in enumerate([4, 0, 11])]
+    top1 = ref[0].argmax().item()
+    assert make_sampler().prompt_logprobs(logits.clone(), [top1, 2, 3], k=0).ranks[0] == 1
     assert make_sampler().prompt_logprobs(logits, [1, 2, 3], k=0).top_ids == [[], [], []]
 
 
