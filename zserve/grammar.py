@@ -141,7 +141,11 @@ def every_byte_vocabulary(tokenizer_json: str, first_free_id: int) -> tuple[str,
     a character it has no token for: SmolLM2 encodes "\\U0006AA2B" (F1 AA A8 AB) as the tokens of AA A8 AB, so
     llguidance forced the token of AA and then refused it. With every byte spelled its tokenization is exact.
     The placeholders lie past the model's logits, so the engine never samples one: a grammar that needs one
-    leaves no real token allowed, a dead end. Other tokenizers are returned as they are."""
+    leaves no real token allowed, a dead end. Other tokenizers are returned as they are.
+
+    ``tokenizers`` numbers an added token that its model's vocabulary lacks from the vocabulary's size on,
+    whatever id the JSON gives it; so that placeholders shift no such token (the scripted test model's
+    ``\\n</tool_call>``), each one is entered in the vocabulary under its own id first."""
     data = orjson.loads(tokenizer_json)
     model = data.get("model") or {}
     vocab = model.get("vocab")
@@ -149,8 +153,10 @@ def every_byte_vocabulary(tokenizer_json: str, first_free_id: int) -> tuple[str,
         return tokenizer_json, first_free_id
     from zserve.tokenizer import _bytes_to_unicode  # GPT-2's byte -> character table, as the vocabulary spells bytes
 
-    next_id = max(first_free_id, max(vocab.values(), default=-1) + 1,
-                  max((t.get("id", -1) for t in data.get("added_tokens") or ()), default=-1) + 1)
+    added = [t for t in data.get("added_tokens") or () if isinstance(t.get("id"), int)]
+    for token in added:
+        vocab.setdefault(token["content"], token["id"])
+    next_id = max(first_free_id, max(vocab.values(), default=-1) + 1)
     for byte, char in _bytes_to_unicode().items():
         if char not in vocab and byte != 0xFF:  # 0xFF, never in UTF-8, is llguidance's mark of a special token
             vocab[char] = next_id

@@ -22,7 +22,7 @@ from engine_worker.sequence import Sequence
 from protocol.constants import ERR_STRUCTURED_OUTPUT
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve
-from zserve.grammar import choice_grammar
+from zserve.grammar import choice_grammar, every_byte_vocabulary
 
 CPU = torch.device("cpu")
 
@@ -196,6 +196,25 @@ def test_the_grammar_engine_sees_every_token_as_the_tokenizer_decodes_it(grammar
     # (0xFF, never in UTF-8, is llguidance's mark of a special token: no grammar can ask for it.)
     assert sorted(placeholders) == sorted(bytes([b]) for b in range(255) if bytes([b]) not in own)
     assert bytes([0xF1]) in placeholders and bytes([0xF0]) not in placeholders
+
+
+def test_placeholders_shift_no_added_token_past_the_vocabulary(smollm2_tokenizer):
+    """``tokenizers`` numbers an added token its model's vocabulary lacks from the vocabulary's size on: placeholders
+    appended to the vocabulary shifted them (a forced call's closing text became another token)."""
+    import llguidance
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(smollm2_tokenizer.backend.to_str())
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("\n</call>", "[story]", "It is.")])
+    size = backend.get_vocab_size(with_added_tokens=True)
+    plain = llguidance.LLTokenizer(backend.to_str(), n_vocab=size, eos_token=[2])
+    tokenizer_json, grown = every_byte_vocabulary(backend.to_str(), size)
+    spelled = llguidance.LLTokenizer(tokenizer_json, n_vocab=grown, eos_token=[2])
+    assert grown > size and all(plain.decode_bytes([i]) == spelled.decode_bytes([i]) for i in range(size))
+    for text in (b"\n</call>", b"a [story] It is.", "\U0006AA2B[story]".encode()):
+        assert spelled.decode_bytes(spelled.tokenize_bytes(text)) == text
+    assert spelled.tokenize_bytes(b"\n</call>") == [backend.token_to_id("\n</call>")]
 
 
 @pytest.mark.parametrize("text", [bytes([b]) for b in range(255)] + [
