@@ -410,7 +410,9 @@ class ChoiceRun:
             self.done.set_result(None)
 
     def _failed(self, sink: _ChoiceSink, error: BaseException) -> None:
-        sink.live = False
+        # Every live choice is aborted, the failing one included: when ``on_delta`` failed (a write to a client
+        # that went away) its engine is still generating, and only this abort stops it. (One the engine ended
+        # is forgotten by the engine client already; cancelling it again does nothing.)
         self.cancel()
         if not self.done.done():
             self.done.set_exception(error)

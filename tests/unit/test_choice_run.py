@@ -1,0 +1,52 @@
+"""``routers.common.ChoiceRun`` against an engine client whose socket is a list: what reaches the engine when a
+request's choices fail."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.engine_client import EngineClient, EngineConnection, ModelEngines
+from gateway.generation import TextOptions
+from gateway.routers.common import Choice, ChoiceRun
+from protocol import AbortRequest, EngineHello, RequestOutput, SamplingParams, StepOutputs, decode, encode
+
+
+def _client() -> tuple[EngineClient, EngineConnection, list]:
+    client = EngineClient([])
+    eng = EngineConnection("fake", None, None)  # type: ignore[arg-type]
+    eng.hello = EngineHello(0, "m", 8, 64, 100, (2,), 1, "cpu", "float32")
+    client.engines["fake"] = eng
+    client._update_ready()
+    sent: list = []
+    client._send_now = lambda e, frames: sent.append(decode(frames))  # type: ignore[method-assign]
+    return client, eng, sent
+
+
+def _aborted(sent: list) -> set[str]:
+    return {rid for m in sent if isinstance(m, AbortRequest) for rid in m.request_ids}
+
+
+def test_a_choice_whose_delta_cannot_be_written_is_aborted_in_its_engine():
+    """The client went away and the engine reader found out first, writing a delta: every choice, the one whose
+    write failed included, is aborted in the engine (that one was left generating to max_tokens before)."""
+    async def main():
+        client, eng, sent = _client()
+        state = SimpleNamespace(engines=ModelEngines(client, None), eos_token_ids=frozenset(), stream_interval=1)
+
+        def on_delta(choice: Choice, delta) -> None:
+            raise ConnectionResetError("the client closed the connection")
+
+        choices = [Choice(j, [1, 2], SamplingParams(max_tokens=4000)) for j in range(2)]
+        run = ChoiceRun(state, "cmpl-x", choices, TextOptions(stop=[], detokenize=False), on_delta)  # type: ignore[arg-type]
+        run.start()
+        client._dispatch(eng, encode(StepOutputs(0, (RequestOutput("cmpl-x-0", (5,)),))))
+        with pytest.raises(ConnectionResetError):
+            await run.wait()
+        return client, sent
+
+    client, sent = asyncio.run(main())
+    assert _aborted(sent) == {"cmpl-x-0", "cmpl-x-1"}
+    assert client.in_flight == 0
