@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -61,7 +62,7 @@ class EngineServer:
         self.max_waiting = max_waiting  # a full queue hands new requests back (429 once every engine is full)
         self.runner = runner
         self.scheduler = scheduler
-        self.hello = hello
+        self.hello = replace(hello, max_waiting=max_waiting)  # announced as enforced: gateways check requests by it
         self.stats_interval = stats_interval
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)

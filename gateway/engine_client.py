@@ -277,6 +277,10 @@ class EngineClient:
         sock.setsockopt(zmq.IDENTITY, self.client_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for an engine that is not connected
+        # No high-water mark: a send that cannot go now (``zmq.Again``) then means the engine is not connected, never
+        # that a burst outran a busy engine (ZeroMQ's default of 1,000 queued messages failed a request of 2,049
+        # pooled inputs with a 503). What waits here is bounded by the gateway's own limits on requests and parts.
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
@@ -492,6 +496,11 @@ class EngineClient:
                     self._hand_back(st, eng, busy=msg.code == ERR_ENGINE_BUSY)  # type: ignore[union-attr]
                 else:
                     self._end(st, EngineRequestError(msg.message))  # type: ignore[union-attr]
+            elif msg.request_id and msg.code in (DRAINING, ERR_ENGINE_BUSY):  # type: ignore[union-attr]
+                # A refusal of a request that ended meanwhile: another part of it was refused by every engine
+                # and the whole request with it (one 429), or its client left. Nothing to act on.
+                log.debug("engine %s refused %s, which had ended: %s", eng.endpoint, msg.request_id,  # type: ignore[union-attr]
+                          msg.message)  # type: ignore[union-attr]
             else:
                 log.warning("engine %s reports %s: %s", eng.endpoint, msg.code, msg.message)  # type: ignore[union-attr]
 
@@ -680,6 +689,7 @@ class ModelEngines:
         self._primary: str | None = None
         self._max_model_len: int | None = None
         self._eos: frozenset[int] = frozenset()
+        self._max_waiting: int | None = None
 
     def _view(self) -> None:
         if self._version == self.client.version:
@@ -691,6 +701,7 @@ class ModelEngines:
         self._primary = next((h.tasks[0] for h in hellos if h.tasks), None)
         self._max_model_len = min((h.max_model_len for h in hellos), default=None)
         self._eos = frozenset(t for h in hellos for t in h.eos_token_ids)
+        self._max_waiting = min((h.max_waiting for h in hellos if h.max_waiting is not None), default=None)
         self._version = self.client.version
 
     @property
@@ -731,6 +742,14 @@ class ModelEngines:
         """The EOS ids the model's ready engines announce."""
         self._view()
         return self._eos
+
+    @property
+    def max_waiting(self) -> int | None:
+        """The most parts (choices, pooled inputs) one request may have: the smallest queue a ready engine of the
+        model announces (``--max-waiting``; None: unbounded). Each part waits in an engine's queue as a request
+        of its own, and a request is admitted whole, so one with more parts could never be served."""
+        self._view()
+        return self._max_waiting
 
     @property
     def in_flight(self) -> int:

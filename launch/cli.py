@@ -149,7 +149,8 @@ engine_options = _options(
                  help="CPU threads per engine (default: the cores divided among the engines)."),
     click.option("--max-waiting", type=int, default=_ENGINE.max_waiting, show_default=True,
                  help="Requests an engine queues; past it the engine refuses more, and once every engine of the model "
-                      "is full requests get 429."),
+                      "is full requests get 429. Each choice or pooled input of a request queues as one: a request "
+                      "with more is a 400."),
     click.option("--expert-parallel", is_flag=True, default=_ENGINE.expert_parallel,
                  help="Mixture-of-experts models: the model's ENGINES engines form one expert-parallel group, each "
                       "holding a share of the experts (attention stays data parallel); resize it while serving with "

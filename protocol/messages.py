@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
@@ -241,6 +241,9 @@ class EngineHello(Message):
     embed_size: int = 0  # length of an "embed" vector (0: the model does not embed)
     matryoshka: bool = False  # trained so that the first n of its embedding's values embed too
     labels: tuple[str, ...] = ()  # a "classify" head's labels, by index
+    # Requests it queues before refusing more (None: unbounded): a gateway refuses a request with more parts
+    # than that (each choice or pooled input waits as one) before sending any of them.
+    max_waiting: int | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
@@ -259,6 +262,8 @@ class EngineHello(Message):
         _check(isinstance(self.matryoshka, bool), "matryoshka must be a bool")
         _check(isinstance(self.labels, tuple) and len(self.labels) <= MAX_LABELS
                and all(isinstance(x, str) and len(x) <= 256 for x in self.labels), "labels must be short strs")
+        _check(self.max_waiting is None or (_is_int(self.max_waiting) and 0 < self.max_waiting < 1 << 31),
+               "max_waiting out of range")
 
 
 @dataclass(frozen=True)

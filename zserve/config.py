@@ -44,7 +44,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     threads: int | None = None  # CPU threads per engine; None: the supervisor divides the cores
     seed: int | None = None  # unseeded requests' generator: seed + rank; None: from the OS (engines differ)
-    max_waiting: int | None = 1024  # queued requests beyond which an engine refuses more (429); None: unbounded
+    # Queued requests beyond which an engine refuses more (429); None: unbounded. Each choice or pooled input of a
+    # request queues as one, and a request with more than this is a 400: 4096 holds the largest pooling request
+    # (a score of 2,048 distinct texts against 2,048 others).
+    max_waiting: int | None = 4096
     # A mixture-of-experts model's engines form one expert-parallel group: each holds a share of the experts,
     # attention stays data parallel (engine_worker.expert_parallel); resized with /scale_elastic_ep.
     expert_parallel: bool = False

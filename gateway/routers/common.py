@@ -327,14 +327,19 @@ RENDER_ONLY = ("this is a render-only server (launch render): it has no engine t
                "engine would get")
 
 
-def admit(state: ModelState, task: str = "generate") -> None:
+def admit(state: ModelState, task: str = "generate", parts: int = 1, param: str = "n", what: str = "choices") -> None:
     """Refuse new work before any byte is sent: a render-only server, paused cluster (by a resize: held by the
-    middleware, ``admission.ScalingPaused``), no engine, or a model that does not do ``task`` (generate, embed,
-    classify).
+    middleware, ``admission.ScalingPaused``), no engine, a model that does not do ``task`` (generate, embed,
+    classify), or a request of more ``parts`` than an engine queues (a 400 naming ``param``).
 
     Every generation and pooling route comes through here after validating its body, so a render
     server answers a valid request with this clear 400 in the route's own error shape (not retried by
-    SDKs: retrying cannot help), and an invalid one with the same 400 the api-server gives."""
+    SDKs: retrying cannot help), and an invalid one with the same 400 the api-server gives.
+
+    Each part of a request (a choice, a pooled input) waits in an engine's queue as a request of its own, and a
+    request is served whole or refused whole (``ChoiceRun``, ``pooling``: the first part every engine refuses
+    ends it, and its other parts are aborted, so it is one 429). One with more parts than an engine queues
+    (``--max-waiting``, which engines announce) could only ever be refused, so it is a 400 that says the limit."""
     if state.render_only:
         raise bad_request(RENDER_ONLY, code="render_only")
     if state.paused:
@@ -345,6 +350,11 @@ def admit(state: ModelState, task: str = "generate") -> None:
     if not state.engines.has_ready:
         raise engine_error(NoEngineAvailable("no engine is ready"))
     state.check_task(task)
+    limit = state.engines.max_waiting
+    if limit is not None and parts > limit:
+        raise bad_request(f"this request makes {parts} {what}, each of which waits in an engine's queue; the engines "
+                          f"of this model queue at most {limit} (--max-waiting) and a request is admitted whole, so "
+                          f"it may make at most {limit}", param=param)
 
 
 def engine_error(e: Exception) -> APIError:

@@ -166,7 +166,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     # as already running (a 500). Nor is it part of it: the wire caps ids at 128 characters.
     engine_rid = f"gen-{random_hex()}" if req.request_id else rid
     opts = TextOptions(stop=[], detokenize=False)
-    admit(state)
+    admit(state, parts=len(choices), param="sampling_params.n", what="choices (n)")
     if not req.stream:
         await collect(state, engine_rid, choices, opts)
         outs = [_choice(c, c.token_ids, c.logprobs if sp.logprobs is not None else None, c.finish_reason)

@@ -90,7 +90,9 @@ def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offsets: list[in
 async def respond(request: web.Request, state: ModelState, *, request_id: str, model: str, choices: list[Choice],
                   opts: TextOptions, prompt_tokens: int, stream: bool, shape: Shape, include_usage: bool = False,
                   continuous_usage: bool = False) -> web.StreamResponse:
-    admit(state)
+    several_prompts = any(c.prompt_ids is not choices[0].prompt_ids for c in choices)  # prompt i's n share its ids
+    admit(state, parts=len(choices), param="prompt" if several_prompts else "n",
+          what="choices (one per prompt and n)" if several_prompts else "choices (n)")
     created = int(time.time())
     if not stream:
         await collect(state, request_id, choices, opts)

@@ -100,9 +100,10 @@ SCORE_TASKS = ("embed", "classify")  # score and rerank: cosine of embeddings, o
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def _hello(state: ModelState, task: str) -> EngineHello:
-    """A ready engine's announcement, from one that serves ``task`` (``admit`` refuses otherwise)."""
-    admit(state, task)
+def _hello(state: ModelState, task: str, parts: int, param: str) -> EngineHello:
+    """A ready engine's announcement, from one that serves ``task``, for a request of ``parts`` inputs to the engines
+    (``admit`` refuses otherwise, naming ``param``)."""
+    admit(state, task, parts, param, "inputs")
     return next(e.hello for e in state.engines.ready_engines if e.hello is not None and task in e.hello.tasks)
 
 
@@ -148,21 +149,27 @@ def _encode_with_types(state: ModelState, item: str | list[int], limit: int, tru
 
 async def _pool(state: ModelState, rid: str, inputs: list[list[int]], task: str, normalize: bool | None = None,
                 dimensions: int | None = None, pair_starts: list[int] | None = None) -> list[PoolOutput]:
+    """Every input's output, or the first failure: the request is served whole, so when one input fails (every
+    engine's queue was full: one 429) the others are aborted rather than left to fill the queues."""
     starts = pair_starts or [0] * len(inputs)
+    parts = [asyncio.ensure_future(state.engines.pool(f"{rid}-{i}", ids, task, normalize, dimensions, start))
+             for i, (ids, start) in enumerate(zip(inputs, starts))]
     try:
-        return list(await asyncio.gather(*(state.engines.pool(f"{rid}-{i}", ids, task, normalize, dimensions, start)
-                                           for i, (ids, start) in enumerate(zip(inputs, starts)))))
+        return list(await asyncio.gather(*parts))
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None
+    finally:
+        for part in parts:
+            part.cancel()  # (a no-op for one that ended; a cancelled one aborts its input in the engine)
 
 
 def _inputs(state: GatewayState, req: EmbeddingRequest | ClassifyRequest, task: str
             ) -> tuple[ModelState, EngineHello, list[list[int]]]:
     """The request's model, an engine's announcement for ``task`` and the token ids of every input."""
     view = state.for_model(req.model, task)
-    hello = _hello(view, task)
     items = _items(req.input)
     _check_count(len(items), "input")
+    hello = _hello(view, task, len(items), "input")
     return view, hello, [_encode(view, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
 
 
@@ -207,17 +214,17 @@ async def _scores(state: ModelState, rid: str, model: str, queries: list[str], d
     elif len(queries) != len(docs):
         raise bad_request(f"text_1 has {len(queries)} texts and text_2 {len(docs)}: give one text_1, or as many as "
                           "text_2", param="text_2")
-    _check_count(len(docs) * 2, param)
+    _check_count(len(docs), param)  # (each text is one input, however often it is paired)
     hellos = [e.hello for e in state.engines.ready_engines if e.hello is not None]
     cross = next((h for h in hellos if "classify" in h.tasks and len(h.labels) <= 1), None)
     if cross is not None:  # a cross-encoder reads each pair together
-        admit(state, "classify")
+        admit(state, "classify", len(docs), param, "inputs (query and document pairs)")
         pairs = [_encode_with_types(state, q, cross.max_model_len, truncate, param, pair=d)
                  for q, d in zip(queries, docs)]
         outs = await _pool(state, rid, [p[0] for p in pairs], "classify", pair_starts=[p[1] for p in pairs])
         return [_sigmoid(o.data[0]) for o in outs], _usage(outs)
-    hello = _hello(state, "embed")
     uniq = list(dict.fromkeys(queries + docs))  # embed each distinct text once
+    hello = _hello(state, "embed", len(uniq), param)
     ids = [_encode(state, t, hello.max_model_len, truncate, param) for t in uniq]
     outs = await _pool(state, rid, ids, "embed")
     vec = {t: o.data for t, o in zip(uniq, outs)}

@@ -97,6 +97,16 @@ def test_a_batch_of_64_and_16_concurrent_requests_give_the_vectors_of_one_at_a_t
         assert close(batch[i].embedding, alone[i], 1e-5) and close(concurrent[i], alone[i], 1e-5)
 
 
+def test_the_largest_documented_batches_are_served_on_an_idle_server(embed_server, client):
+    # Each input waits in the engine's queue as a request: 2,048 inputs (the documented limit) fit the default
+    # --max-waiting, and so do 2,048 documents beside their query (each counted once).
+    texts = [f"text number {i}" for i in range(2048)]
+    got = client.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in got.data] == list(range(2048))
+    r = post(embed_server, "/v1/rerank", {"model": MODEL, "query": "text number 7", "documents": texts, "top_n": 1})
+    assert r.status_code == 200 and r.json()["results"][0]["index"] == 7
+
+
 def test_token_id_inputs_limits_and_truncation(embed_server, client):
     ids = post(embed_server, "/tokenize", {"model": MODEL, "prompt": TEXTS[0]}).json()["tokens"]
     by_ids = client.embeddings.create(model=MODEL, input=[ids]).data[0].embedding
