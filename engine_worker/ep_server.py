@@ -105,8 +105,10 @@ class GroupedEngineServer(EngineServer):
         while not (self.draining and not self.scheduler.has_work and not self.active):
             self.loop_tick = time.monotonic()
             if self.commands:
-                self.regroup(self.commands.pop())  # only the newest matters
-                self.commands.clear()
+                # Only the newest matters; taken before carrying it out, so that a newer one that arrives
+                # meanwhile (it abandons this rendezvous) is carried out next rather than dropped.
+                newest, self.commands = self.commands[-1], []
+                self.regroup(newest)
                 continue
             if self.group is None:
                 if self.draining and self.scheduler.has_work:

@@ -18,6 +18,7 @@ py=".venv/bin/python"
 busy=()
 stop_load() { for pid in "${busy[@]}"; do kill "$pid" 2>/dev/null; done; }
 trap stop_load EXIT
+trap 'exit 130' INT TERM
 for _ in $(seq 1 "$load"); do
     "$py" -c 'while True: pass' &
     busy+=("$!")
