@@ -68,7 +68,8 @@ class Server:
         raise RuntimeError(f"server not ready in {timeout}s: {self.tail()}")
 
     def tail(self, n: int = 3000) -> str:
-        self.log.flush()
+        if not self.log.closed:  # (closed by stop(): a server that never got ready is stopped before its tail is read)
+            self.log.flush()
         return self.log_path.read_text(errors="replace")[-n:]
 
     @property
