@@ -256,7 +256,7 @@ def full_message(rid: str, model: str, c: Choice, use: ToolUse, prompt_tokens: i
     content: list[dict] = []
     calls: list[ToolCall] = []
     if c.msg is not None:
-        calls = final_tool_calls(use, c.msg.tool_calls)
+        calls = final_tool_calls(use, c)
         reasoning = c.msg.reasoning_text()
         if reasoning:
             content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -343,7 +343,7 @@ async def stream_message(request: web.Request, state: ModelState, rid: str, mode
                                                                                "output_tokens": 0}}
                 await send_event(resp, {"type": "message_start", "message": start}, "message_start")
             await blocks.push(c.piece(d))
-        calls = final_tool_calls(use, c.msg.tool_calls) if c.msg is not None else []
+        calls = final_tool_calls(use, c)
         if "text" not in blocks.opened and not calls:
             await blocks.empty_text()
         await blocks.close()

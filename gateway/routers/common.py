@@ -172,6 +172,20 @@ def tool_use(state: ModelState, tools: list[dict] | None, mode: str, function: s
     return ToolUse(mode, function, parallel)
 
 
+def chat_tool_use(state: ModelState, tools: list[dict] | None, choice: Any, parallel: bool = True) -> ToolUse:
+    """OpenAI chat's tool_choice: "none" | "auto" (None) | "required" | {"type": "function", "function":
+    {"name"}}; the chat route and /tokenize read it alike."""
+    if choice is None:
+        return tool_use(state, tools, "auto", parallel=parallel)
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
+        return tool_use(state, tools, choice, parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        return tool_use(state, tools, "function", choice["function"]["name"], parallel)
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                      '{"name": ...}}', param="tool_choice")
+
+
 def wants_generation_prompt(add_generation_prompt: bool, continue_final_message: bool, fields_set: set[str]) -> bool:
     """vLLM's rule: continue_final_message turns the generation prompt off unless it was asked for
     explicitly (then ``chat_prompt`` refuses the pair)."""
@@ -245,13 +259,15 @@ def message_parser(state: ModelState, use: ToolUse, prefill: str = "") -> Messag
     return parser if parser.active else None
 
 
-def final_tool_calls(use: ToolUse, calls: list[ToolCall]) -> list[ToolCall]:
-    """The calls a response carries; a forced call that the model did not produce is a server error.
+def final_tool_calls(use: ToolUse, c: Choice) -> list[ToolCall]:
+    """The calls a finished choice carries; a forced call that the model did not produce is a server error.
 
-    The forced call's grammar (``ChatPrompt.forced``) makes the model write a valid call, so this is
-    a safety net: it still fires when generation stops before the call is complete (max_tokens, a
-    stop string) or an engine did not apply the grammar."""
-    if use.forced:
+    The forced call's grammar (``ChatPrompt.forced``) lets the model end its turn only after a valid
+    call, so a choice that the model ended without one had no grammar applied: a server error. A
+    choice the request's limits cut (``Choice.cut``: max_tokens, a stop string) is no error: it
+    carries the calls it completed, maybe none (finish_reason "length" says why)."""
+    calls = c.msg.tool_calls if c.msg is not None else []
+    if use.forced and not c.cut:
         if not calls:
             raise APIError(500, "the model did not produce a valid tool call although tool_choice requires one",
                            code="invalid_tool_call")
@@ -302,12 +318,19 @@ class Choice:
         """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice (None: EOS, length)."""
         return self.stop_str if self.stop_str is not None else self.stop_token
 
+    @property
+    def cut(self) -> bool:
+        """Whether the request's own limits ended the output (max_tokens, a stop string or stop token)
+        rather than the model: a tool call it ends in is cut, dropped rather than shown as text."""
+        return self.finish_reason == "length" or self.stop_reason is not None
+
     def piece(self, d: Delta) -> MessagePiece:
-        """Streamed: what this delta adds to the message (at the end, with what the parsers held back)."""
+        """Streamed, after ``take(d)``: what this delta adds to the message (at the end, with what the
+        parsers held back)."""
         if self.msg is None:
             return MessagePiece(content=d.text)
         piece = self.msg.push(d.text)
-        return piece + self.msg.finish() if d.finish_reason is not None else piece
+        return piece + self.msg.finish(self.cut) if d.finish_reason is not None else piece
 
     def collect(self, d: Delta) -> None:
         """Non-streamed: keep the whole output."""
@@ -319,7 +342,7 @@ class Choice:
         if self.msg is not None:
             self.msg.push(d.text)
             if d.finish_reason is not None:
-                self.msg.finish()
+                self.msg.finish(self.cut)
 
 
 RENDER_ONLY = ("this is a render-only server (launch render): it has no engine to run requests on; "

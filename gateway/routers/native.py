@@ -1,7 +1,8 @@
 """Native token routes, in vLLM's shapes: ``/tokenize``, ``/detokenize`` and ``/inference/v1/generate``.
 
 ``/tokenize`` with ``messages`` renders the chat template exactly as ``/v1/chat/completions`` does
-(``common.chat_prompt``), so its ids are the ones the chat route would feed the engine.
+(``common.chat_prompt``), so its ids are the ones the chat route would feed the engine: with a
+forced ``tool_choice``, the opening of the call too.
 ``/inference/v1/generate`` is token ids in, token ids out: the shared pipeline runs without
 detokenizing, for clients (RL trainers, disaggregated front-ends) that do their own text work; its
 ``sampling_params`` take vLLM's ``structured_outputs`` (and ``response_format``, ``guided_*``) as
@@ -27,10 +28,12 @@ from ..sse import open_stream, send_done, send_event
 from ..state import STATE, ModelState
 from .common import (
     ENGINE_ERRORS,
+    NO_TOOLS,
     Choice,
     admit,
     build_sampling,
     chat_prompt,
+    chat_tool_use,
     check_prompt_ids,
     collect,
     engine_error,
@@ -52,6 +55,8 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # as the chat route's: a forced call's opening is fed too
+    parallel_tool_calls: bool = True
     add_special_tokens: bool | None = None  # vLLM: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -104,7 +109,10 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad_request("messages must not be empty", param="messages")
         add_gp = wants_generation_prompt(req.add_generation_prompt, req.continue_final_message, req.model_fields_set)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt = chat_prompt(state, [m.model_dump(exclude_none=True) for m in req.messages], tools=tools,
+        # Without a tool-call parser the tools are still rendered (counting needs none); the chat route refuses them.
+        use = NO_TOOLS if state.tool_parser is None else chat_tool_use(state, tools, req.tool_choice,
+                                                                       req.parallel_tool_calls)
+        prompt = chat_prompt(state, [m.model_dump(exclude_none=True) for m in req.messages], tools=tools, use=use,
                              add_generation_prompt=add_gp, continue_final_message=req.continue_final_message,
                              template_kwargs=req.chat_template_kwargs)
         ids = prompt.ids

@@ -38,6 +38,7 @@ from .common import (
     admit,
     build_sampling,
     chat_prompt,
+    chat_tool_use,
     check_prompt_ids,
     collect,
     engine_error,
@@ -45,7 +46,6 @@ from .common import (
     json_body,
     message_parser,
     text_options,
-    tool_use,
     truncate_prompt,
     wants_generation_prompt,
 )
@@ -271,7 +271,7 @@ class ChatShape(Shape):
         lp = chat_logprobs(self.tt, d.logprobs) if self.want_logprobs and d.logprobs else None
         piece = c.piece(d)
         if c.msg is not None and finish is not None:
-            calls = final_tool_calls(self.use, c.msg.tool_calls)  # raises if a forced call is missing
+            calls = final_tool_calls(self.use, c)  # raises if a forced call is missing
             finish = chat_finish_reason(finish, calls)
         if not (piece or finish or lp):
             return None
@@ -292,7 +292,7 @@ class ChatShape(Shape):
         if c.msg is None:
             return {"role": "assistant", "content": c.prefix + "".join(c.text), "refusal": None,
                     "tool_calls": []}, c.finish_reason
-        calls = final_tool_calls(self.use, c.msg.tool_calls)
+        calls = final_tool_calls(self.use, c)
         content = c.msg.text()
         if calls:
             content = content.strip()
@@ -441,29 +441,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
                          include_usage=include, continuous_usage=continuous)
 
 
-def chat_tool_use(state: ModelState, req: ChatCompletionRequest) -> ToolUse:
-    """OpenAI's tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}."""
-    choice = req.tool_choice
-    tools = [t.model_dump() for t in req.tools] if req.tools else None
-    if choice is None:
-        return tool_use(state, tools, "auto", parallel=req.parallel_tool_calls)
-    if isinstance(choice, str) and choice in ("none", "auto", "required"):
-        return tool_use(state, tools, choice, parallel=req.parallel_tool_calls)
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
-            and isinstance(choice["function"].get("name"), str):
-        return tool_use(state, tools, "function", choice["function"]["name"], req.parallel_tool_calls)
-    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                      '{"name": ...}}', param="tool_choice")
-
-
 async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
     state = state.for_model(req.model, "generate")
     requested = structured.from_request(req)
-    use = chat_tool_use(state, req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    use = chat_tool_use(state, tools, req.tool_choice, req.parallel_tool_calls)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     add_generation_prompt = wants_generation_prompt(req.add_generation_prompt, req.continue_final_message,
                                                     req.model_fields_set)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt = chat_prompt(state, messages, tools=tools, use=use, add_generation_prompt=add_generation_prompt,
                          continue_final_message=req.continue_final_message, template_kwargs=req.template_kwargs())
     asked = req.max_completion_tokens or req.max_tokens

@@ -57,10 +57,12 @@ class MessageParser:
     def push(self, text: str) -> MessagePiece:
         return self._step(text, final=False)
 
-    def finish(self) -> MessagePiece:
-        return self._step("", final=True)
+    def finish(self, cut: bool = False) -> MessagePiece:
+        """The end of the message; ``cut``: the request's limits (max_tokens, a stop string) ended it,
+        so a tool call it ends in is dropped (``ToolStream.finish``)."""
+        return self._step("", final=True, cut=cut)
 
-    def _step(self, text: str, final: bool) -> MessagePiece:
+    def _step(self, text: str, final: bool, cut: bool = False) -> MessagePiece:
         reasoning, content = "", text
         if self._reasoning is not None:
             r1, c1 = self._reasoning.push(text) if text else ("", "")
@@ -72,7 +74,7 @@ class MessageParser:
         if self._tools is not None:
             content, calls = self._tools.push(content) if content else ("", [])
             if final:
-                more, more_calls = self._tools.finish()
+                more, more_calls = self._tools.finish(cut)
                 content += more
                 calls = calls + more_calls
         if self.single_call:

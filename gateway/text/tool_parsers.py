@@ -20,6 +20,10 @@ so fragments sent earlier could not be guaranteed to add up to the final argumen
 A forced call (tool_choice "required" or a named function) is opened in the prompt by the parser's
 ``forced_prefill`` and constrained by its ``forced_grammar``: a Lark grammar (llguidance's dialect)
 for the rest of the call, with the arguments held to the tool's ``parameters`` schema.
+
+Output cut by the request's own limits (max_tokens, a stop string: ``parse(cut=True)``,
+``finish(cut=True)``) may end inside a call: the calls before it are calls, the cut one is dropped,
+never returned as content (the client sees finish_reason "length" and the complete calls).
 """
 
 from __future__ import annotations
@@ -108,8 +112,9 @@ class ToolStream:
         """Add generated text; return (content to emit now, call fragments to emit now)."""
         raise NotImplementedError
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """At the end of generation: settle and emit whatever was held back."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """At the end of generation: settle and emit whatever was held back (``cut``: the output was cut
+        by max_tokens or a stop string, so an unfinished call is dropped, as ``parse(cut=True)`` does)."""
         raise NotImplementedError
 
     def _add_call(self, call: ToolCall) -> list[ToolCallDelta]:
@@ -126,11 +131,47 @@ _ARGUMENTS_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key
 
 def arguments_schema(parameters: Any) -> dict:
     """The JSON schema a forced call's arguments follow: the tool's ``parameters``, always an object
-    (a tool without parameters takes any object)."""
-    schema = dict(parameters) if isinstance(parameters, dict) and parameters else {"type": "object"}
+    (a tool without parameters takes any object), its objects closed (``closed_objects``)."""
+    schema = closed_objects(parameters) if isinstance(parameters, dict) and parameters else {"type": "object"}
     schema.setdefault("type", "object")
     schema["x-guidance"] = _ARGUMENTS_OPTIONS
     return schema
+
+
+# Where a schema holds the schemas of the values inside it: a dict of them, a list of them, or one.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` (a copy) with every object that lists its ``properties`` closed to others
+    (``additionalProperties: false``) where it does not say, as OpenAI's strict mode requires.
+
+    Why: JSON schema lets an object hold any property it does not list, and a model held to the
+    schema uses that: SmolLM2 asked for the weather in Paris writes ``{"city": "Paris", "description":
+    "The weather in Paris is...`` until max_tokens. The properties a tool lists are those its code
+    reads. An object that names ``allOf`` or ``$ref`` beside its properties is left open (its other
+    properties are listed elsewhere, and closing it would refuse them), and so is what ``allOf`` and
+    ``not`` hold.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if key in out:
+            out[key] = [closed_objects(sub) for sub in out[key]] if isinstance(out[key], list) \
+                else closed_objects(out[key])
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "unevaluatedProperties", "allOf", "$ref")):
+        out["additionalProperties"] = False
+    return out
 
 
 def function_tools(tools: list[dict] | None) -> list[tuple[str, Any]]:
@@ -149,8 +190,11 @@ class ToolParser:
     name: ClassVar[str]
     # What ends a call after its arguments object (the call object's own closing brace included).
     call_close: ClassVar[str]
-    # What stands between one call's close and the next call's prefill, for formats that write
-    # several calls in a row; None: a message holds one call.
+    # What stands between one call's close and the next call's prefill in a forced call's grammar, for
+    # formats that write several calls in a row; None: a message holds one call. It must not start with
+    # whitespace: the first token after a call decides between ending the turn and another call, and
+    # models write a newline after a closing tag when they mean to go on with text (SmolLM2 does, 81%),
+    # which a separator "\n" would turn into another call, and the next, until max_tokens.
     call_separator: ClassVar[str | None] = None
 
     def prefill(self, function: str | None) -> str:
@@ -177,8 +221,10 @@ class ToolParser:
     def forced_grammar(self, tools: list[dict], function: str | None, parallel: bool = True) -> str:
         """A Lark grammar for the output that follows ``forced_prefill(tools, function)``: the rest
         of a call to ``function`` (None: to any of ``tools``) whose arguments follow that tool's
-        ``parameters``, then the call's closing text. With ``function`` None and ``parallel``, more
-        calls (each to any tool) may follow where the format allows several (``call_separator``).
+        ``parameters`` (``arguments_schema``), then the call's closing text. With ``function`` None and
+        ``parallel``, more calls (each to any tool) may follow where the format allows several
+        (``call_separator``). The turn may end after every complete call: the model's end-of-sequence
+        token is allowed there, and is what models write after a call.
 
         A call to NAME reads ``prefill(NAME)``, arguments, ``call_close``; ``prefill(None)`` is the
         start of every such opening, so the grammar covers the rest of the opening too.
@@ -206,8 +252,9 @@ class ToolParser:
             rules.append("call: " + "\n    | ".join(calls))
         return "\n".join(rules) + "\n"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Whole output -> (content outside calls, stripped of surrounding whitespace; the calls)."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """Whole output -> (content outside calls, stripped of surrounding whitespace; the calls).
+        ``cut``: the output was cut by max_tokens or a stop string; a call it ends in is dropped."""
         raise NotImplementedError
 
     def stream(self) -> ToolStream:
@@ -231,35 +278,41 @@ _OPEN = "<tool_call>"
 _CLOSE = "</tool_call>"
 
 
+def _unclosed_call(body: str) -> ToolCall | None:
+    """The call an unclosed body at the end of the output holds (its closing tag maybe begun), if any."""
+    return _call_from_text(body[: len(body) - partial_tail(body, _CLOSE)])
+
+
 @_register
 class HermesToolParser(ToolParser):
     name = "hermes"
     call_close = "}\n" + _CLOSE
-    call_separator = "\n"
+    call_separator = ""  # <tool_call>…</tool_call><tool_call>…: see ToolParser.call_separator
 
     def prefill(self, function: str | None) -> str:
         if function is None:
             return _OPEN + "\n"
         return _OPEN + '\n{"name": ' + json.dumps(function, ensure_ascii=False) + ', "arguments": '
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
         content: list[str] = []
         calls: list[ToolCall] = []
         pos = 0
         while True:
             start = text.find(_OPEN, pos)
             if start < 0:
-                content.append(text[pos:])
+                rest = text[pos:]
+                # Cut in the middle of an opening tag: a cut call too.
+                content.append(rest[: len(rest) - partial_tail(rest, _OPEN)] if cut else rest)
                 break
             content.append(text[pos:start])
             body_start = start + len(_OPEN)
             end = text.find(_CLOSE, body_start)
             # An unclosed call at the end is still tried: models often stop (EOS) before the tag.
-            body = text[body_start:] if end < 0 else text[body_start:end]
-            call = _call_from_text(body)
+            call = _unclosed_call(text[body_start:]) if end < 0 else _call_from_text(text[body_start:end])
             if call is not None:
                 calls.append(call)
-            else:
+            elif not (cut and end < 0):
                 content.append(text[start:] if end < 0 else text[start : end + len(_CLOSE)])
             if end < 0:
                 break
@@ -314,15 +367,15 @@ class _HermesStream(ToolStream):
                     content.append(self._content.add(_OPEN + body + _CLOSE))
         return "".join(content), deltas
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         if self._body is None:
-            held, self._held = self._held, ""
-            return self._content.add(held), []
+            held, self._held = self._held, ""  # at most the start of an opening tag
+            return self._content.add("" if cut else held), []
         body, self._body, self._tail = "".join(self._body), None, ""
-        call = _call_from_text(body)
+        call = _unclosed_call(body)
         if call is not None:
             return "", self._add_call(call)
-        return self._content.add(_OPEN + body), []
+        return self._content.add("" if cut else _OPEN + body), []
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -330,6 +383,26 @@ class _HermesStream(ToolStream):
 
 _FENCE = "```"
 _FENCED = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
+_CALL_KEYS = ('"name"', '"arguments"', '"parameters"')
+
+
+def _starts_a_call(text: str) -> bool:
+    """Whether cut text is the start of a call: an object (maybe in an array, maybe fenced) whose
+    first key is, or begins, one that calls have. Any other cut text stays content."""
+    head = text[:64]
+    if head.startswith(_FENCE):
+        head = head[len(_FENCE):].removeprefix("json")
+    head = head.lstrip()
+    if head.startswith("["):
+        head = head[1:].lstrip()
+    if not head.startswith("{"):
+        return False
+    head = head[1:].lstrip()
+    if not head:
+        return True
+    end = head.find('"', 1)
+    key = head if end < 0 else head[: end + 1]
+    return key.startswith('"') and any(k.startswith(key) for k in _CALL_KEYS)
 
 
 @_register
@@ -342,18 +415,18 @@ class JsonToolParser(ToolParser):
             return '{"name": "'
         return '{"name": ' + json.dumps(function, ensure_ascii=False) + ', "arguments": '
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
         stripped = text.strip()
         body = stripped
         fenced = _FENCED.match(stripped)
         if fenced is not None:
             body = fenced.group(1)
-        if not body.startswith(("{", "[")):
-            return stripped, []
         try:
-            value = json.loads(body)
+            value = json.loads(body) if body.startswith(("{", "[")) else None
         except ValueError:
-            return stripped, []
+            value = None
+        if value is None:  # not one JSON value: a cut call is dropped, anything else is content
+            return ("" if cut and _starts_a_call(stripped) else stripped), []
         items = value if isinstance(value, list) else [value]
         calls = [_make_call(item) for item in items]
         # The output is one JSON value: either all of it is calls, or none of it is.
@@ -396,11 +469,11 @@ class _JsonStream(ToolStream):
         held, self._held = "".join(self._held), []
         return self._content.add(held), []
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         if self._mode == "content":
             return "", []  # only trailing whitespace can be left, and it is stripped
         held, self._held = "".join(self._held), []
-        content, calls = self._parser.parse(held)
+        content, calls = self._parser.parse(held, cut)
         deltas: list[ToolCallDelta] = []
         for call in calls:
             deltas.extend(self._add_call(call))
@@ -416,6 +489,7 @@ __all__ = [
     "ToolParser",
     "ToolStream",
     "arguments_schema",
+    "closed_objects",
     "function_tools",
     "get_tool_parser",
 ]

@@ -15,7 +15,9 @@ from tests.helpers import Server
 
 @pytest.fixture(scope="session")
 def smollm_server():
-    s = Server("--count", "2", "--dtype", "float32", "--max-model-len", "2048", log_name="smollm")
+    """SmolLM2 as a user serves it for tools (``--tool-call-parser hermes``): forced calls depend on what it writes."""
+    s = Server("--count", "2", "--dtype", "float32", "--max-model-len", "2048", "--tool-call-parser", "hermes",
+               log_name="smollm")
     yield s
     s.stop()
 

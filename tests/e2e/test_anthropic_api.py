@@ -1,6 +1,6 @@
 """The official anthropic SDK against `launch api-server`: POST /v1/messages and /v1/messages/count_tokens.
 
-SmolLM2 (``smollm_server``, no parsers) checks text generation, usage, stop sequences, max_tokens
+SmolLM2 (``smollm_server``) checks text generation, usage, stop sequences, max_tokens
 and streaming; the scripted model (``scripted_server``: hermes tool calls, think reasoning) checks
 tool_use / tool_result, tool_choice, thinking blocks and assistant prefill exactly.
 """
@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import pytest
 
-from zserve.catalog import DEFAULT_CHAT_MODEL
+from zserve.catalog import DEFAULT_CHAT_MODEL, TINY_RANDOM
 
 from . import scripted_model as sm
 
@@ -165,18 +165,18 @@ def test_stream_sends_every_event_in_order_and_matches_the_message(smol):
     assert final.usage.output_tokens == full.usage.output_tokens
 
 
-@slow
-def test_tools_without_a_tool_call_parser_are_refused(smol, smollm_server):
+def test_tools_without_a_tool_call_parser_are_refused(tiny_server):
+    client = _client(tiny_server)  # tiny-random is served without a tool-call parser
     with pytest.raises(anthropic.BadRequestError) as ei:
-        smol.messages.create(model=DEFAULT_CHAT_MODEL, max_tokens=8, tools=[WEATHER_TOOL],
-                             messages=[{"role": "user", "content": QUESTION}])
+        client.messages.create(model=TINY_RANDOM, max_tokens=8, tools=[WEATHER_TOOL],
+                               messages=[{"role": "user", "content": QUESTION}])
     assert ei.value.body["type"] == "error"
     assert ei.value.body["error"]["type"] == "invalid_request_error"
     assert "--tool-call-parser" in ei.value.body["error"]["message"]
     # Counting needs no parser: the prompt is rendered with the tools, as /tokenize renders it.
-    counted = smol.messages.count_tokens(model=DEFAULT_CHAT_MODEL, tools=[WEATHER_TOOL],
-                                         messages=[{"role": "user", "content": QUESTION}]).input_tokens
-    tokenized = httpx.post(smollm_server.url + "/tokenize", timeout=30, json={
+    counted = client.messages.count_tokens(model=TINY_RANDOM, tools=[WEATHER_TOOL],
+                                           messages=[{"role": "user", "content": QUESTION}]).input_tokens
+    tokenized = httpx.post(tiny_server.url + "/tokenize", timeout=30, json={
         "messages": [{"role": "user", "content": QUESTION}], "tools": [sm.WEATHER_TOOL]}).json()
     assert counted == tokenized["count"]
 

@@ -25,7 +25,8 @@ def pieces(text: str, size: int) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
 
 
-def run_stream(parser: ToolParser, text: str, size: int) -> tuple[str, list[ToolCallDelta], ToolStream]:
+def run_stream(parser: ToolParser, text: str, size: int, cut: bool = False
+               ) -> tuple[str, list[ToolCallDelta], ToolStream]:
     stream = parser.stream()
     content: list[str] = []
     deltas: list[ToolCallDelta] = []
@@ -33,7 +34,7 @@ def run_stream(parser: ToolParser, text: str, size: int) -> tuple[str, list[Tool
         c, d = stream.push(piece)
         content.append(c)
         deltas.extend(d)
-    c, d = stream.finish()
+    c, d = stream.finish(cut)
     content.append(c)
     deltas.extend(d)
     return "".join(content), deltas, stream
@@ -53,16 +54,16 @@ def assemble(deltas: list[ToolCallDelta]) -> list[dict[str, str]]:
     return calls
 
 
-def check(parser_name: str, text: str) -> tuple[str, list[ToolCall]]:
-    """parse(text), after checking that every way of streaming text gives the same answer."""
+def check(parser_name: str, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """parse(text, cut), after checking that every way of streaming text gives the same answer."""
     parser = get_tool_parser(parser_name)
-    content, calls = parser.parse(text)
+    content, calls = parser.parse(text, cut)
     assert content == content.strip()
     for call in calls:
         assert ID.fullmatch(call.id)
         assert isinstance(json.loads(call.arguments), dict)
     for size in CHUNK_SIZES + [len(text) or 1]:
-        streamed, deltas, stream = run_stream(parser, text, size)
+        streamed, deltas, stream = run_stream(parser, text, size, cut)
         assert streamed == content, f"chunk size {size}"
         got = assemble(deltas)
         assert [(c["name"], c["arguments"]) for c in got] == [(c.name, c.arguments) for c in calls], size
@@ -168,6 +169,23 @@ def test_hermes_unclosed_malformed_call_stays_content() -> None:
     assert content == text
 
 
+@pytest.mark.parametrize("text, content, cities", [
+    ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci', "Checking.", []),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><tool_call>\n{"name": "ge',
+     "", ["Oslo"]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n<tool_call>', "", ["Oslo"]),
+    ("Checking. <tool_ca", "Checking.", []),
+    ("Checking. <", "Checking.", []),
+    # Whole JSON whose closing tag was cut is a whole call.
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool', "", ["Oslo"]),
+    ("Just text, cut mid-wo", "Just text, cut mid-wo", []),
+])  # fmt: skip
+def test_hermes_call_cut_by_the_request_is_dropped_not_content(text: str, content: str, cities: list[str]) -> None:
+    # max_tokens or a stop string ended the output: the cut call is neither a call nor text.
+    got, calls = check("hermes", text, cut=True)
+    assert (got, [json.loads(c.arguments)["city"] for c in calls]) == (content, cities)
+
+
 def test_hermes_partial_tags_and_look_alikes() -> None:
     # Text that starts like a tag but is not one must come out as content, wherever the cut falls.
     prefix = "a < b and <tool_ and <tool_call without the bracket "
@@ -258,6 +276,20 @@ def test_json_anything_else_is_content(text: str) -> None:
     assert check("json", text) == (text.strip(), [])
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ('{"name": "get_weather", "arguments": {"ci', "", 0),
+    ('```json\n{"na', "", 0),
+    ('[{"name": "f", "arguments": {}}, {"name": "g", "argu', "", 0),
+    ("{", "", 0),
+    ('{"name": "f", "arguments": {"a": 1}}', "", 1),  # whole: a call
+    ('{"answer": "a long JSON answer that is no ca', '{"answer": "a long JSON answer that is no ca', 0),
+    ("Plain text, cut", "Plain text, cut", 0),
+])  # fmt: skip
+def test_json_call_cut_by_the_request_is_dropped_not_content(text: str, content: str, calls: int) -> None:
+    got, parsed = check("json", text, cut=True)
+    assert (got, len(parsed)) == (content, calls)
+
+
 def test_json_stream_holds_json_and_streams_text() -> None:
     parser = get_tool_parser("json")
     stream = parser.stream()
@@ -296,11 +328,12 @@ def matcher(smollm2_tokenizer):
     llguidance = pytest.importorskip("llguidance")
     ll = llguidance.LLTokenizer(smollm2_tokenizer.backend.to_str())
 
-    def accepts(grammar: str, text: str) -> bool:
+    def accepts(grammar: str, text: str, prefix: bool = False) -> bool:
+        """``prefix``: whether ``text`` may start an output (not necessarily a whole one)."""
         assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
         m = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
         assert not m.is_error(), m.get_error()
-        return m.consume_tokens(smollm2_tokenizer.encode(text)) and m.is_accepting()
+        return m.consume_tokens(smollm2_tokenizer.encode(text)) and (prefix or m.is_accepting())
 
     return accepts
 
@@ -344,15 +377,29 @@ def test_forced_required_grammar_accepts_any_tool_and_no_other_name(matcher, par
 def test_forced_required_hermes_grammar_allows_parallel_calls_unless_told_not_to(matcher) -> None:
     parser = get_tool_parser("hermes")
     prefill = parser.prefill(None)
-    two = (call_text(parser, "get_weather", {"city": "Oslo"}) + "\n" + call_text(parser, "now", {}))[len(prefill):]
-    assert matcher(parser.forced_grammar(FORCED_TOOLS, None), two)
+    one = call_text(parser, "get_weather", {"city": "Oslo"})[len(prefill):]
+    two = one + call_text(parser, "now", {})
+    grammar = parser.forced_grammar(FORCED_TOOLS, None)
+    assert matcher(grammar, one) and matcher(grammar, two)  # the turn may end after each call
     assert not matcher(parser.forced_grammar(FORCED_TOOLS, None, parallel=False), two)
     _, calls = check("hermes", prefill + two)
     assert [c.name for c in calls] == ["get_weather", "now"]
     # A named function is one call, whatever parallel says.
     named = parser.prefill("now")
-    again = (call_text(parser, "now", {}) + "\n" + call_text(parser, "now", {}))[len(named):]
+    again = (call_text(parser, "now", {}) + call_text(parser, "now", {}))[len(named):]
     assert not matcher(parser.forced_grammar(FORCED_TOOLS, "now"), again)
+
+
+def test_forced_hermes_grammar_does_not_turn_a_newline_after_a_call_into_another_call(matcher) -> None:
+    # SmolLM2 writes "\n" after </tool_call> when it means to go on with text: with "\n" as the start of the
+    # next call it wrote calls until max_tokens. Only the next call's own tag (or the end) may follow a call.
+    parser = get_tool_parser("hermes")
+    prefill = parser.forced_prefill([WEATHER], None)
+    one = call_text(parser, "get_weather", {"city": "Oslo"})[len(prefill):]
+    grammar = parser.forced_grammar([WEATHER], None)
+    assert matcher(grammar, one)
+    assert not matcher(grammar, one + "\n" + call_text(parser, "get_weather", {"city": "Rome"}), prefix=True)
+    assert not matcher(grammar, one + "\n", prefix=True)
 
 
 @pytest.mark.parametrize("parser_name", ["hermes", "json"])
@@ -401,6 +448,39 @@ def test_arguments_schema_is_always_an_object_in_compact_json() -> None:
     assert original == {"type": "object"}  # the request's tool is left as it was
 
 
+def test_arguments_schema_closes_objects_the_schema_leaves_open() -> None:
+    from gateway.text.tool_parsers import arguments_schema
+
+    place = {"type": "object", "properties": {"lat": {"type": "number"}}}
+    tool = {"type": "object", "properties": {
+        "city": {"type": "string"}, "place": place, "stops": {"type": "array", "items": place},
+        "either": {"anyOf": [place, {"type": "string"}]}, "open": {"type": "object", "additionalProperties": True},
+        "any": {"type": "object"}, "parts": {"allOf": [place, {"properties": {"lon": {"type": "number"}}}]},
+        "ref": {"$ref": "#/$defs/p"}}, "$defs": {"p": place}}
+    schema = arguments_schema(tool)
+    props = schema["properties"]
+    assert schema["additionalProperties"] is False
+    assert props["place"]["additionalProperties"] is False and props["stops"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert schema["$defs"]["p"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True  # said by the schema: kept
+    assert "additionalProperties" not in props["any"]  # no properties listed: any object
+    assert props["parts"] == tool["properties"]["parts"]  # allOf splits one object's properties: left open
+    assert "additionalProperties" not in tool and "additionalProperties" not in place  # the request's own: untouched
+
+
+def test_forced_call_has_no_properties_the_tool_does_not_list(matcher) -> None:
+    # SmolLM2 asked for the weather in Paris wrote {"city": "Paris", "description": "The weather in Paris is ...
+    # until max_tokens: a tool's parameters that do not say additionalProperties take none.
+    parser = get_tool_parser("hermes")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}}
+    prefill = parser.prefill("get_weather")
+    grammar = parser.forced_grammar([tool], "get_weather")
+    assert matcher(grammar, call_text(parser, "get_weather", {"city": "Paris", "unit": "c"})[len(prefill):])
+    assert not matcher(grammar, '{"city": "Paris", "description', prefix=True)
+
+
 # --- registry ---------------------------------------------------------------------------------------
 
 
@@ -437,7 +517,8 @@ def test_random_outputs_stream_like_they_parse(parser_name: str) -> None:
     parser = get_tool_parser(parser_name)
     for _ in range(2000):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 8)))
-        content, calls = parser.parse(text)
+        cut = rng.random() < 0.5  # ended by max_tokens or a stop string
+        content, calls = parser.parse(text, cut)
         stream = parser.stream()
         streamed: list[str] = []
         deltas: list[ToolCallDelta] = []
@@ -448,7 +529,7 @@ def test_random_outputs_stream_like_they_parse(parser_name: str) -> None:
             streamed.append(c)
             deltas.extend(d)
             i += size
-        c, d = stream.finish()
+        c, d = stream.finish(cut)
         assert "".join(streamed) + c == content, text
         got = assemble(deltas + d)
         assert [(g["name"], g["arguments"]) for g in got] == [(c.name, c.arguments) for c in calls], text
