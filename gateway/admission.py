@@ -6,7 +6,8 @@
   names it (``gateway.logs``), on the gateway and, carried in the engine request, on the engine. CORS
   preflights (``OPTIONS``) are answered there, before any key is asked for.
 - then, counted in the request metrics and with errors in the route family's shape (so a refusal is
-  counted, shaped and carries the request id): API keys (``gateway.security``), then
+  counted, shaped and carries the request id; a request whose client left before its answer ended is counted
+  as 499, nginx's status for it, never as a server error): API keys (``gateway.security``), then
   ``--max-concurrent-requests`` (past it a request is refused at once with 429 and ``Retry-After``
   rather than queued without bound), then the body's read deadline (``gateway.body_timeout``), so no
   stranger's body is read.
@@ -30,7 +31,7 @@ from .body_timeout import read_body
 from .errors import APIError, handler_error
 from .ids import random_hex
 from .logs import REQUEST_ID
-from .metrics import record_request
+from .metrics import CLIENT_CLOSED_REQUEST, client_left, record_request
 from .security import CorsPolicy, Keys, authorize
 from .state import STATE
 
@@ -105,11 +106,18 @@ async def gateway_middleware(request: web.Request, handler):
                     if counted:
                         guard.active -= 1
             except Exception as e:
-                resp = handler_error(request, e)
+                # A write to a client that left (a stream's) raises ConnectionResetError: nothing can be sent, and
+                # the answer aiohttp tries to send of this status goes nowhere, quietly.
+                resp = web.Response(status=CLIENT_CLOSED_REQUEST) if isinstance(e, ConnectionError) and \
+                    client_left(request) else handler_error(request, e)
             status = resp.status
             return resp
         except web.HTTPException as e:  # a redirect, which aiohttp sends
             status = e.status
+            raise
+        except asyncio.CancelledError:  # aiohttp cancels the handler of a client that left (handler_cancellation)
+            if client_left(request):
+                status = CLIENT_CLOSED_REQUEST
             raise
         finally:
             record_request(request, status, start)

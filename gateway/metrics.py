@@ -38,6 +38,7 @@ from .state import STATE
 log = logging.getLogger("zserve.gateway")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CLIENT_CLOSED_REQUEST = 499  # the status a request is counted with when its client left first (nginx's convention)
 FLUSH_INTERVAL = 0.5  # seconds: how far another gateway's request metrics may lag in a scrape
 
 Labels = tuple[object, ...]  # label values in the metric's label order; str() is applied when flushed
@@ -227,6 +228,13 @@ async def _flush_every(interval: float) -> None:
                           "trying again in %.1fs", interval)
 
 
+def client_left(request: web.Request) -> bool:
+    """Whether the request's client closed its connection (aiohttp drops the transport when it sees that): its
+    request is counted as ``CLIENT_CLOSED_REQUEST``, a cancellation rather than a server error."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def record_request(request: web.Request, status: int, start: float) -> None:
     """Count an answered request by its route's pattern (not its path: ids would make a label per request)."""
     resource = request.match_info.route.resource
@@ -247,6 +255,10 @@ async def metrics_middleware(request: web.Request, handler):
         return resp
     except web.HTTPException as e:
         status = e.status
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        if client_left(request):
+            status = CLIENT_CLOSED_REQUEST
         raise
     finally:
         record_request(request, status, start)
