@@ -4,16 +4,18 @@ pydantic turns a malformed body into a list of located errors; ``parse`` reports
 OpenAI does (a 400 naming the offending ``param``). Unknown fields are ignored, like OpenAI and vLLM, except
 the fields of OpenAI's and vLLM's own requests that would change the answer and that this server does not
 implement (a model's ``UNSUPPORTED``): a request that sets one is a 400 naming it, never served as if it
-were absent.
+were absent. Every request schema, of every route family, is a ``RequestBody``: an explicit null means a
+field's default.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocol.constants import MAX_LOGIT_BIAS
 from protocol.messages import MAX_TOP_LOGPROBS
@@ -29,12 +31,48 @@ MAX_TOP_K = 1 << 20
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64
 
 
-class StreamOptions(BaseModel):
+def _takes_null(annotation: Any) -> bool:
+    """Whether a field's type admits None (``X | None``, ``Any``)."""
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _takes_null(get_args(annotation)[0])
+    return origin in (Union, types.UnionType) and any(_takes_null(a) for a in get_args(annotation))
+
+
+class RequestBody(BaseModel):
+    """The base of every request schema: unknown fields are ignored, and an explicit null in a field that has a
+    default and takes no null means that default, as OpenAI's spec and vLLM read it (``"n": null`` is n 1,
+    ``"stream": null`` no stream). A required field still refuses null, and a field whose type takes null keeps
+    it, since there null is a value of its own (completions' ``max_tokens``: as many as fit)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    _null_is_default: ClassVar[frozenset[str]] = frozenset()  # the keys (names and aliases) null stands for
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._null_is_default = frozenset(key for name, f in cls.model_fields.items()
+                                         if not f.is_required() and not _takes_null(f.annotation)
+                                         for key in (name, f.alias) if key)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():  # the common case costs this one check
+            nulls = cls._null_is_default
+            data = {k: v for k, v in data.items() if v is not None or k not in nulls}
+        return data
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """Fields both completions and chat completions accept."""
 
     model_config = ConfigDict(extra="ignore")
@@ -130,7 +168,7 @@ class CompletionRequest(PromptFields):
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -138,14 +176,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestBody):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(RequestBody):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 

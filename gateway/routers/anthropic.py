@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .. import structured
 from ..errors import APIError, bad_request, error_shape
 from ..ids import random_hex
-from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, MAX_TOP_K, SamplingFields, parse
+from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, MAX_TOP_K, RequestBody, SamplingFields, parse
 from ..openapi import JSON, SSE, error_schema, request_body, response
 from ..sse import open_stream, send_event
 from ..state import STATE, ModelState
@@ -76,7 +76,7 @@ error_schema(anthropic_error, AnthropicError)
 
 # -- request schema -------------------------------------------------------------------------------
 
-class _Block(BaseModel):
+class _Block(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
 
@@ -106,14 +106,14 @@ class ThinkingBlock(_Block):
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
-class Message(BaseModel):
+class Message(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(BaseModel):
+class Tool(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     name: Annotated[str, Field(min_length=1, max_length=256)]
@@ -121,13 +121,13 @@ class Tool(BaseModel):
     input_schema: dict[str, Any]
 
 
-class ToolChoice(BaseModel):
+class ToolChoice(RequestBody):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str

@@ -14,7 +14,7 @@ import os
 from typing import Annotated, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from protocol import ProtocolError
 from protocol.control import (
@@ -33,7 +33,7 @@ from zserve import control
 from zserve.cluster import ELASTIC_PHASES
 
 from ..errors import APIError
-from ..openai_schemas import parse
+from ..openai_schemas import RequestBody, parse
 from ..openapi import request_body
 from ..security import admin_route
 from ..state import STATE, GatewayState
@@ -85,7 +85,7 @@ async def is_paused(request: web.Request) -> web.Response:
     return web.json_response({"is_paused": request.app[STATE].paused})
 
 
-class ScaleElasticRequest(BaseModel):
+class ScaleElasticRequest(RequestBody):
     """vLLM's body of ``/scale_elastic_ep`` (strict numbers: ``true`` or ``"4"`` is no size)."""
 
     model_config = ConfigDict(extra="ignore")

@@ -16,13 +16,13 @@ import logging
 from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import TextOptions, TokenLogprob
 from ..ids import random_hex
-from ..openai_schemas import ChatMessage, ChatTool, SamplingFields, parse
+from ..openai_schemas import ChatMessage, ChatTool, RequestBody, SamplingFields, parse
 from ..openapi import JSON, SSE, request_body, response
 from ..sse import open_stream, send_done, send_event
 from ..state import STATE, ModelState
@@ -48,7 +48,7 @@ routes = web.RouteTableDef()
 MAX_IDS = 1 << 20  # ids in one /detokenize or /inference/v1/generate body
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -64,7 +64,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -79,7 +79,7 @@ class GenerateSampling(SamplingFields):
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None

@@ -28,13 +28,13 @@ from array import array
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from protocol import EngineHello, PoolOutput
 
 from ..errors import APIError, bad_request
 from ..ids import random_hex
-from ..openai_schemas import parse
+from ..openai_schemas import RequestBody, parse
 from ..openapi import request_body
 from ..state import STATE, GatewayState, ModelState
 from .common import ENGINE_ERRORS, admit, engine_error, json_body
@@ -49,7 +49,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Truncate = Annotated[int, Field(ge=1)] | None
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -61,7 +61,7 @@ class EmbeddingRequest(BaseModel):
     normalize: bool | None = None  # vLLM: None = the model's default
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -70,13 +70,13 @@ class ScoreRequest(BaseModel):
     truncate_prompt_tokens: Truncate = None
 
 
-class RerankDocument(BaseModel):
+class RerankDocument(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     text: Text
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -87,7 +87,7 @@ class RerankRequest(BaseModel):
     truncate_prompt_tokens: Truncate = None
 
 
-class ClassifyRequest(BaseModel):
+class ClassifyRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None

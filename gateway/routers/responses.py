@@ -25,13 +25,13 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from .. import structured
 from ..errors import APIError, bad_request
 from ..generation import TokenLogprob
 from ..ids import random_hex
-from ..openai_schemas import MAX_TOOLS, SamplingFields, parse, parse_query
+from ..openai_schemas import MAX_TOOLS, RequestBody, SamplingFields, parse, parse_query
 from ..openapi import JSON, SSE, query, request_body, response
 from ..sse import encode_event, open_stream
 from ..state import STATE, GatewayState, ModelState
@@ -64,7 +64,7 @@ _background_tasks: set[asyncio.Task] = set()
 
 # -- request schema -------------------------------------------------------------------------------
 
-class MessageItem(BaseModel):
+class MessageItem(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["message"] = "message"
@@ -72,7 +72,7 @@ class MessageItem(BaseModel):
     content: str | list[dict[str, Any]]
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function_call"]
@@ -81,7 +81,7 @@ class FunctionCallItem(BaseModel):
     arguments: str
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function_call_output"]
@@ -89,7 +89,7 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[dict[str, Any]]
 
 
-class ReasoningItem(BaseModel):
+class ReasoningItem(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["reasoning"]
@@ -107,7 +107,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                       | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
@@ -120,7 +120,7 @@ class FunctionTool(BaseModel):
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value this server can honour
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
     # OpenAI's fields this server does not implement (``openai_schemas.validate`` refuses them): the Conversations
     # API and stored prompts are not served, and input is never cut to fit (truncation "auto").
@@ -163,7 +163,7 @@ class ResponsesRequest(BaseModel):
         return None if effort is None else {"reasoning_effort": effort}
 
 
-class InputItemsQuery(BaseModel):
+class InputItemsQuery(RequestBody):
     """The query of ``GET /v1/responses/{id}/input_items``: OpenAI's paging of input items."""
 
     model_config = ConfigDict(extra="ignore")
