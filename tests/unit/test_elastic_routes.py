@@ -63,7 +63,8 @@ def _app(state: GatewayState, max_concurrent: int | None = None) -> web.Applicat
     """The gateway's app plus ``POST /held``: a generation route in miniature (``admit``, then 200), its model
     always ready, counting how often it ran."""
     app = build_app(state, guard=Guard(Keys(), metrics_auth=False, max_concurrent=max_concurrent))
-    ready = ModelState(state, SimpleNamespace(engines=SimpleNamespace(has_ready=True, tasks=frozenset())),  # type: ignore[arg-type]
+    ready = ModelState(state, SimpleNamespace(engines=SimpleNamespace(has_ready=True, tasks=frozenset(),
+                                                                    max_waiting=None)),  # type: ignore[arg-type]
                        "stub")
     calls = []
 
