@@ -512,7 +512,8 @@ class Turn:
                     break
             if cancelled:
                 await asyncio.gather(gen, return_exceptions=True)
-                log.info("response %s was cancelled through the store; generation stopped", self.rid)
+                log.info("response %s was %s through the store; generation stopped", self.rid,
+                         "deleted" if current is None else "cancelled")
                 return {**self.obj, "status": "cancelled", "usage": self.usage()}
             obj = await gen
         except BaseException as e:
