@@ -5,6 +5,11 @@
 #   tests/soak/loop_test.sh 'tests/e2e/test_expert_parallel.py::test_a_member_killed_while_serving_fails_its_requests_at_once_and_the_group_comes_back' 20
 #
 # LOAD: busy loops in the background, one per core by default (LOAD=0: none). OUT: where logs go.
+# A test that shares a session server runs after the files before it, in the suite's order, through pytest's own
+# PYTEST_ADDOPTS (those paths come first on its command line):
+#
+#   PYTEST_ADDOPTS='tests/e2e/test_supervisor.py tests/e2e/test_engine_wire.py' \
+#       tests/soak/loop_test.sh tests/e2e/test_concurrency.py::test_aborted_stream_frees_its_slot 20
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 node="${1:?usage: $0 PYTEST_NODE [N]}"
