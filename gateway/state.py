@@ -28,7 +28,6 @@ from .text.reasoning import ReasoningParser
 from .text.token_text import TokenText
 from .text.tool_parsers import ToolParser
 
-
 # The context of a render server's model whose files do not say (none of the catalog's models).
 FALLBACK_MAX_MODEL_LEN = 4096
 
