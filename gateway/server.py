@@ -23,7 +23,7 @@ import uvloop
 from aiohttp import web
 
 from protocol import ProtocolError
-from protocol.constants import EXIT_CUT_OFF
+from protocol.constants import EXIT_CUT_OFF, LISTEN_BACKLOG
 from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready
 from zserve.catalog import ModelSource
 from zserve.cluster import ClusterState
@@ -144,7 +144,7 @@ async def serve(a: argparse.Namespace) -> int:
         await runner.setup()
     sock = socket.socket(fileno=a.fd)
     sock.setblocking(False)
-    site = web.SockSite(runner, sock)
+    site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)  # aiohttp listens again on the inherited socket
     await site.start()
     log.info("gateway %d serving on %s", a.index, sock.getsockname())
     status.send(Ready(index=a.index))

@@ -8,6 +8,8 @@ import os
 import socket
 import stat
 
+from protocol.constants import LISTEN_BACKLOG
+
 
 class ListenError(RuntimeError):
     pass
@@ -17,7 +19,7 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def create_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
+def create_listener(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> socket.socket:
     """Bind ``host:port`` with SO_REUSEADDR + SO_REUSEPORT and listen; the fd is inheritable.
 
     SO_REUSEPORT would silently let a second server share a port that is already serving, so the
@@ -47,7 +49,7 @@ def create_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
-def create_unix_listener(path: str, backlog: int = 2048) -> socket.socket:
+def create_unix_listener(path: str, backlog: int = LISTEN_BACKLOG) -> socket.socket:
     """Bind a Unix socket at ``path``, mode 0660 (its owner and group: a proxy on the same host, such as nginx,
     joins the group), and listen; the fd is inheritable, so every gateway serves it as they serve a port. A
     stale socket file (nobody accepts on it) is replaced; one a live server holds is refused."""

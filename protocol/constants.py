@@ -11,6 +11,10 @@ EXIT_BOOT_ERROR = 4
 """A child's exit code for a configuration that can never work (a KV cache too small for one request):
 restarting it would only fail again, so the supervisor stops at once instead of backing off."""
 
+LISTEN_BACKLOG = 2048
+"""Connections the shared listening socket queues before any process accepts them: the supervisor's listen() and
+every gateway's (aiohttp calls listen() again on the inherited socket, with its own default of 128 otherwise)."""
+
 # -- error codes in ErrorMessage.code ------------------------------------------------------------
 ERR_ENGINE_DRAINING = "engine_draining"
 """An engine refused a request because it is draining; the gateway hands it to another engine."""

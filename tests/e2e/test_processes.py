@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 
 import httpx
 import psutil
+import pytest
 
+from protocol.constants import LISTEN_BACKLOG
 from tests.helpers import LAUNCH, ROOT, Server, wait_until
 
 
@@ -40,6 +43,15 @@ def test_gateways_do_not_load_torch(tiny_server):
     for g in gateways:
         maps = open(f"/proc/{g.pid}/maps").read()
         assert "libtorch" not in maps, f"gateway {g.pid} loaded torch"
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="ss (iproute2) is not installed")
+def test_the_listening_socket_keeps_the_supervisors_backlog_once_gateways_serve(tiny_server):
+    """aiohttp calls listen() again on the inherited socket; with its default (128) a burst of connections waits
+    for SYN retries. The socket every gateway serves keeps the supervisor's backlog."""
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{tiny_server.port}"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[:3] == ["LISTEN", "0", str(LISTEN_BACKLOG)], out
 
 
 def test_sigterm_stops_everything_with_exit_0():
