@@ -8,21 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.engine_client import EngineClient, EngineConnection, ModelEngines
+from gateway.engine_client import ModelEngines
 from gateway.generation import TextOptions
 from gateway.routers.common import Choice, ChoiceRun
-from protocol import AbortRequest, EngineHello, RequestOutput, SamplingParams, StepOutputs, decode, encode
+from protocol import AbortRequest, RequestOutput, SamplingParams, StepOutputs, encode
 
-
-def _client() -> tuple[EngineClient, EngineConnection, list]:
-    client = EngineClient([])
-    eng = EngineConnection("fake", None, None)  # type: ignore[arg-type]
-    eng.hello = EngineHello(0, "m", 8, 64, 100, (2,), 1, "cpu", "float32")
-    client.engines["fake"] = eng
-    client._update_ready()
-    sent: list = []
-    client._send_now = lambda e, frames: sent.append(decode(frames))  # type: ignore[method-assign]
-    return client, eng, sent
+from .fake_engine import fake_engine_client
 
 
 def _aborted(sent: list) -> set[str]:
@@ -33,7 +24,7 @@ def test_a_choice_whose_delta_cannot_be_written_is_aborted_in_its_engine():
     """The client went away and the engine reader found out first, writing a delta: every choice, the one whose
     write failed included, is aborted in the engine (that one was left generating to max_tokens before)."""
     async def main():
-        client, eng, sent = _client()
+        client, eng, sent = fake_engine_client()
         state = SimpleNamespace(engines=ModelEngines(client, None), eos_token_ids=frozenset(), stream_interval=1)
 
         def on_delta(choice: Choice, delta) -> None:

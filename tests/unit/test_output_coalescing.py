@@ -74,8 +74,9 @@ def test_get_waits_for_the_reader():
 def test_a_sink_that_fails_still_ends_its_request_and_aborts_it_in_the_engine():
     """A bug handling one output must not leave the request hanging: its sink hears a failure, the engine an
     abort, and the reader goes on with the other requests."""
-    from gateway.engine_client import EngineClient, EngineConnection
-    from protocol import AbortRequest, EngineHello, SamplingParams, StepOutputs, decode, encode
+    from protocol import AbortRequest, SamplingParams, StepOutputs, encode
+
+    from .fake_engine import fake_engine_client
 
     class Broken:
         def __init__(self):
@@ -92,13 +93,7 @@ def test_a_sink_that_fails_still_ends_its_request_and_aborts_it_in_the_engine():
             self.got = out
 
     async def main():
-        client = EngineClient([])
-        eng = EngineConnection("fake", None, None)  # type: ignore[arg-type]
-        eng.hello = EngineHello(0, "m", 8, 64, 100, (2,), 1, "cpu", "float32")
-        client.engines["fake"] = eng
-        client._update_ready()
-        sent: list = []
-        client._send_now = lambda e, frames: sent.append(decode(frames))  # type: ignore[method-assign]
+        client, eng, sent = fake_engine_client()
         broken, fine = Broken(), Fine()
         client.submit("r1", [1, 2], SamplingParams(), broken)
         client.submit("r2", [1, 2], SamplingParams(), fine)
