@@ -182,6 +182,7 @@ class StreamResult:
         self.finish: str | None = None
         self.ended_at: float | None = None
         self.done = False
+        self.leave = threading.Event()  # set: the client closes the stream at its next chunk of tokens
 
 
 def run_stream(url: str, body: dict, res: StreamResult) -> None:
@@ -208,6 +209,8 @@ def _read_stream(url: str, body: dict, res: StreamResult) -> None:
             else:
                 res.chunks += 1
                 res.finish = msg["choices"][0]["finish_reason"] or res.finish
+                if res.leave.is_set():
+                    break
 
 
 class Traffic:
