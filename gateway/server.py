@@ -152,7 +152,7 @@ async def serve(a: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
-    code = await drain(state, site, a.shutdown_timeout)
+    code = await drain(state, site, runner.server, a.shutdown_timeout)
     await runner.cleanup()
     for t in tasks:
         t.cancel()
@@ -161,15 +161,30 @@ async def serve(a: argparse.Namespace) -> int:
     return code
 
 
-async def drain(state: GatewayState, site: web.SockSite, timeout: float) -> int:
-    """Stop accepting, let in-flight requests finish for up to ``timeout`` s, then fail the rest."""
+# How long a connection this gateway accepted before it stopped listening may take to send its first request (a client
+# sends it at once; one silent this long is no client about to).
+FIRST_REQUEST_GRACE_S = 5.0
+
+
+def _awaiting_first_request(server: web.Server | None) -> bool:
+    """Whether a connection this gateway accepted has not sent its first request yet. Closing it would lose that
+    request: its client connected to the shared socket before this gateway stopped listening, and sees a reset
+    (aiohttp counts a connection's parsed requests in ``_request_count``; without it, none is waited for)."""
+    return server is not None and any(getattr(c, "_request_count", 1) == 0 for c in server.connections)
+
+
+async def drain(state: GatewayState, site: web.SockSite, server: web.Server | None, timeout: float) -> int:
+    """Stop accepting, serve the connections already accepted, let in-flight requests finish for up to ``timeout``
+    s, then fail the rest."""
     state.draining = True
     await site.stop()  # closes only this process's copy of the shared listening socket
     engines = state.engines
     log.info("gateway %d draining %d in-flight request(s) (up to %.0fs)", state.index, engines.in_flight, timeout)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while engines.in_flight and loop.time() < deadline:
+    first_requests_by = loop.time() + min(FIRST_REQUEST_GRACE_S, timeout)
+    while (engines.in_flight or (loop.time() < first_requests_by and _awaiting_first_request(server))) \
+            and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if not engines.in_flight:
         log.info("gateway %d drained", state.index)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -266,6 +267,33 @@ def test_sigterm_drains_in_flight_requests(timeout, code):
     else:
         assert all(r.error and "shutting down" in r.error["message"] and r.done for r in results)
     s.stop()
+
+
+def test_a_connection_accepted_before_its_gateway_drains_is_answered_not_reset():
+    """A client that connected just before its gateway stopped listening (a rolling restart, SIGTERM) sends its
+    request while the gateway drains: it gets an answer. The drain used to end at once with no request in flight
+    and close the connection, so the client saw a reset (a rolling-restart test's "Connection error")."""
+    s = Server("--count", "1", *TINY, log_name="drain-accepted")
+    try:
+        (gateway_pid,) = ready_pids(s, "gateway")
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+            mine = sock.getsockname()
+
+            def accepted() -> bool:
+                conns = psutil.Process(gateway_pid).net_connections("tcp")
+                return any(c.raddr and (c.raddr.ip, c.raddr.port) == mine for c in conns)
+
+            wait_until(accepted, 10, what="the gateway to accept the connection")
+            s.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "gateway 0 draining" in s.tail(1 << 20), 10, what="the gateway to drain")
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: zserve\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
 
 
 def test_pause_through_one_gateway_is_seen_by_every_gateway(tiny_server):
