@@ -76,9 +76,10 @@ server_options = _options(
                  help="Model id from the catalog, 'tiny-random', a .gguf file or an HF directory; repeat it to serve "
                       "several models behind one endpoint, each with its own engines and options: "
                       "ID:engines=2,max_num_seqs=64,name=NAME (keys: engines, name and the engine options' names)."),
-    click.option("--host", default="127.0.0.1", show_default=True),
+    click.option("--host", default="127.0.0.1", show_default=True,
+                 help="Address the gateways listen on; an IPv6 address works too (::1; :: for every interface)."),
     click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
-                 help="0 picks a free port."),
+                 help="Port the gateways listen on; 0 picks a free port (the ready line says which)."),
     click.option("--uds", default=None, metavar="PATH",
                  help="Serve on a Unix socket at PATH instead of --host/--port (mode 0660, removed on exit; every "
                       "gateway serves it), for a proxy on the same host such as nginx or HAProxy."),
@@ -89,7 +90,7 @@ server_options = _options(
     click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
                  help="A process silent for this long is hung and gets replaced."),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-                 show_default=True),
+                 show_default=True, help="Log level of the supervisor and of every process it starts (on stderr)."),
     click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
                  help="Context length (prompt + output) per sequence. Default: the model's own, lowered to what "
                       "the KV cache holds (the engine's start-up line says which); a given value is capped to the "
@@ -133,14 +134,17 @@ server_options = _options(
 # What every command that runs engines takes: each option is a field of zserve.config.EngineConfig (named
 # after it).
 engine_options = _options(
-    click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True),
+    click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True,
+                 help="Precision of weights and activations; auto: bfloat16 on CUDA and on CPUs with native bfloat16, "
+                      "else float32."),
     click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
                  help="Sequences an engine runs at once."),
     click.option("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens, show_default=True,
                  help="Token budget of one engine step (chunked prefill)."),
     click.option("--block-size", type=int, default=_ENGINE.block_size, show_default=True, help="Tokens per KV block."),
     click.option("--kv-cache-memory", default=_ENGINE.kv_cache_memory,
-                 help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3)."),
+                 help="KV cache per engine: bytes (2GiB, 512MB) or a fraction of free device memory (0.3). Default: "
+                      "room for --max-num-seqs sequences of the full context, at most 25% of free device memory."),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=_ENGINE.enable_prefix_caching,
                  show_default=True, help="Reuse KV blocks of shared prompt prefixes across requests."),
     click.option("--enforce-eager", is_flag=True, default=_ENGINE.enforce_eager,
@@ -193,8 +197,9 @@ across_hosts_options = _options(
 @click.option("--responses-max-items", type=int, default=_GATEWAY.responses_max_items, show_default=True,
               help="Most stored responses kept; the oldest go first.")
 @click.option("--scaling-wait", type=float, default=_GATEWAY.scaling_wait, show_default=True,
-              help="Seconds a new request is held while an expert-parallel resize pauses admission; past it, 503 "
-                   "with Retry-After (0: refused at once, as during /pause).")
+              help="Seconds a request is held, then served, while a model's engines are briefly unavailable: an "
+                   "expert-parallel resize or recovery, or a rolling restart (launch reload, SIGHUP) replacing a "
+                   "model's only engine. Past it, 503 with Retry-After (0: refused at once, as during /pause).")
 def api_server(**options) -> None:
     """Serve MODEL(s) over HTTP with COUNT gateways in front of each model's ENGINES engine workers."""
     serve(**options)
@@ -228,7 +233,7 @@ def render(**options) -> None:
               help="An engine silent for this long is hung and gets replaced; a gateway host silent for this long "
                    "gets no more registry updates.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True)
+              show_default=True, help="Log level of the supervisor and of every engine it starts (on stderr).")
 @click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
               help="Context length (prompt + output) per sequence. Default: the model's own, lowered to what the "
                    "KV cache holds; a given value is capped to the model's own.")
@@ -484,7 +489,8 @@ def port_option(f):
 @port_option
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the tier has COUNT ready processes.")
-@click.option("--timeout", type=float, default=600, show_default=True)
+@click.option("--timeout", type=float, default=600, show_default=True,
+              help="Seconds to wait for the supervisor's answer and, with --wait, for the tier to be ready.")
 @click.option("--model", default=None,
               help="engine: the model whose engines to scale (its id or a served name); needed when several are "
                    "served.")
@@ -612,7 +618,8 @@ def _concurrencies(value: str | None) -> tuple[int, ...]:
               help="Run one load point per concurrency, e.g. 1,4,16.")
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Stream (SSE): needed for TTFT and inter-token latency.")
-@click.option("--temperature", type=click.FloatRange(0), default=1.0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="Sampling temperature of every request.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the workload: prompt words and lengths, arrival times.")
 @click.option("--ignore-eos", is_flag=True, help="Send vLLM's ignore_eos so every request generates max_tokens.")
