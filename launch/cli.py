@@ -86,7 +86,8 @@ server_options = _options(
     click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
                  help="Seconds a process may take to become ready."),
     click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
-                 help="Seconds in-flight requests may take to finish on SIGTERM or scale-down."),
+                 help="Seconds in-flight requests may take to finish when a process drains: on SIGTERM, "
+                      "scale-down or a rolling restart."),
     click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
                  help="A process silent for this long is hung and gets replaced."),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
@@ -228,7 +229,8 @@ def render(**options) -> None:
 @click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
               help="Seconds an engine may take to become ready.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=30, show_default=True,
-              help="Seconds in-flight requests may take to finish on SIGTERM or scale-down.")
+              help="Seconds in-flight requests may take to finish when an engine drains: on SIGTERM, "
+                   "scale-down or a rolling restart.")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
               help="An engine silent for this long is hung and gets replaced; a gateway host silent for this long "
                    "gets no more registry updates.")
