@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -251,17 +252,27 @@ def engine(**options) -> None:
 @main.command("keys")
 @click.option("--dir", "directory", required=True, type=click.Path(file_okay=False),
               help="Where to write the keys (created mode 0700; every file 0600; nothing is overwritten).")
+@click.option("--name", default=None, metavar="NAME",
+              help="The gateway host the client key is for: its public key is written as authorized/NAME.key, the "
+                   "file the engine host's authorized/ holds for that host (default: client; needed with "
+                   "--client-only, so a second host's key never replaces the first's).")
 @click.option("--client-only", is_flag=True,
-              help="Write only a new client keypair (another gateway host's): copy its client.key into the engine "
-                   "host's authorized/ directory to let it in.")
-def keys(directory: str, client_only: bool) -> None:
+              help="Write only another gateway host's client keypair and authorized/NAME.key: copy that file into "
+                   "the engine host's authorized/ directory to let the host in.")
+def keys(directory: str, name: str | None, client_only: bool) -> None:
     """Write CURVE keys for engines on other hosts: server.key[_secret] (the engine host's), client.key[_secret]
-    (gateway hosts') and authorized/client.key (what the engine host accepts). Give the directory as --keys to
+    (a gateway host's) and authorized/NAME.key (what the engine host accepts). Give the directory as --keys to
     `launch engine` and `launch api-server --engine`; a gateway host needs server.key and client.key_secret only."""
-    from zserve.curve import write_keys
+    from zserve.curve import CLIENT, write_keys
 
+    if client_only and name is None:
+        raise click.UsageError("--client-only needs --name NAME (e.g. the gateway host's name): the engine host "
+                               "keeps one authorized/NAME.key per gateway host, and a copied authorized/client.key "
+                               "would replace the first host's")
     try:
-        written = write_keys(directory, client_only=client_only)
+        written = write_keys(directory, client_only=client_only, name=name or CLIENT)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--name") from None
     except (FileExistsError, OSError) as e:
         raise click.ClickException(str(e)) from None
     for path in written:
@@ -460,6 +471,8 @@ def _ask(port: int | str, cmd: ControlMessage, expect: type[R], timeout: float =
     reply of type ``expect`` or fail with its error."""
     try:
         reply = control.request(control.find_control_socket(port), cmd, timeout)
+    except control.NotPermitted as e:
+        raise click.ClickException(f"{e}; run: sudo {_this_command()}") from None
     except (ConnectionError, OSError, ProtocolError) as e:
         raise click.ClickException(str(e)) from None
     if isinstance(reply, ErrorReply):
@@ -467,6 +480,13 @@ def _ask(port: int | str, cmd: ControlMessage, expect: type[R], timeout: float =
     if not isinstance(reply, expect):
         raise click.ClickException(f"the supervisor answered {reply.TYPE} to {cmd.TYPE}")
     return reply
+
+
+def _this_command() -> str:
+    """The command line this process was started with, to repeat in a hint (as root, say)."""
+    argv0 = sys.argv[0]
+    head = [sys.executable, "-m", "launch"] if argv0.endswith(".py") else [os.path.abspath(argv0)]
+    return shlex.join(head + sys.argv[1:])
 
 
 def _status(port: int | str) -> StatusReply:

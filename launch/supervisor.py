@@ -75,7 +75,7 @@ from zserve.cluster import PAUSING_PHASES, ClusterStore, EngineInfo, EngineState
 from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
 from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
-from zserve.paths import user_cache_dir
+from zserve.paths import no_cache_warning, user_cache_dir
 
 from . import systemd
 from .children import CRASH_LOOP_WINDOW, Child, Slot, spawn
@@ -775,6 +775,8 @@ class Supervisor:
     def start(self) -> str:
         t0 = time.monotonic()
         self._make_run_dir()
+        if warning := no_cache_warning():  # a unit with ProtectSystem=strict and no CacheDirectory=, say
+            log.warning("%s", warning)
         self.control_path = os.path.join(self.run_dir, "control.sock")
         self.control = ControlServer(self.control_path, self.sel, self.command)
         self.sel.register(self._signal_r, selectors.EVENT_READ, self._read_signals)

@@ -6,7 +6,11 @@ One command line in, one reply line out: the typed messages of ``protocol.contro
 operations. The supervisor's side is ``launch.control_server``.
 
 Only the owner: the socket lives in a 0700 directory, is itself 0600, and every connection's
-peer uid (SO_PEERCRED) must be the supervisor's.
+peer uid (SO_PEERCRED) must be the supervisor's, or root's (who could become that user anyway).
+
+A server is found by its port (or ``--uds`` path) through a pointer file in the caller's runtime
+directory, then in the one deploy/systemd's units give their service user (``/run/zserve``): so
+``sudo launch status --port 8000`` on a host that runs zserve under systemd finds the unit's server.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import pwd
 import socket
 import struct
 import tempfile
@@ -23,31 +28,84 @@ from protocol.control import REPLIES, ControlMessage, decode_line, encode_line
 MAX_LINE = 1 << 16  # a command; replies may be longer
 
 
+# The XDG_RUNTIME_DIR of deploy/systemd's units (RuntimeDirectory=zserve): where a system service's server
+# records its control socket, looked at when the caller's own runtime directory has no pointer.
+SYSTEM_RUNTIME_DIR = "/run/zserve"
+
+
+class NotPermitted(ConnectionError):
+    """The server (or the directory that would name it) belongs to another user: only that user and root may
+    control it. ``user`` is that user's name."""
+
+    def __init__(self, message: str, user: str):
+        super().__init__(message)
+        self.user = user
+
+
+def _base_in(runtime_dir: str | None) -> str:
+    if runtime_dir:
+        return os.path.join(runtime_dir, "zserve")
+    return os.path.join(tempfile.gettempdir(), f"zserve-{os.getuid()}")
+
+
 def runtime_base() -> str:
-    """Per-user directory that holds every server's run directory and control-socket pointer."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = os.path.join(base, "zserve") if base else os.path.join(tempfile.gettempdir(), f"zserve-{os.getuid()}")
+    """Per-user directory that holds every server's run directory and control-socket pointer (created)."""
+    path = _base_in(os.environ.get("XDG_RUNTIME_DIR"))
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
     return path
 
 
+def _pointer_name(where: int | str) -> str:
+    if isinstance(where, str):
+        return f"uds-{hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:16]}.ctl"
+    return f"port-{where}.ctl"
+
+
 def pointer_path(where: int | str) -> str:
     """Where the supervisor serving TCP port ``where`` (or the Unix socket at path ``where``) records its
     control socket's path."""
-    if isinstance(where, str):
-        digest = hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:16]
-        return os.path.join(runtime_base(), f"uds-{digest}.ctl")
-    return os.path.join(runtime_base(), f"port-{where}.ctl")
+    return os.path.join(runtime_base(), _pointer_name(where))
+
+
+def _user_of(path: str) -> str:
+    try:
+        uid = os.stat(path).st_uid
+    except OSError:
+        return "another user"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def find_control_socket(where: int | str) -> str:
-    try:
-        with open(pointer_path(where)) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        what = f"on the Unix socket {where}" if isinstance(where, str) else f"on port {where}"
-        raise ConnectionError(f"no zserve server is running {what} (no {pointer_path(where)})") from None
+    """The control socket of the server on ``where``: the caller's own server, else a system service's.
+    Raises NotPermitted for a server the caller may not control, ConnectionError when there is none."""
+    what = f"on the Unix socket {where}" if isinstance(where, str) else f"on port {where}"
+    mine = pointer_path(where)
+    system = os.path.join(_base_in(SYSTEM_RUNTIME_DIR), _pointer_name(where))
+    for pointer in dict.fromkeys((mine, system)):
+        try:
+            with open(pointer) as f:
+                path = f.read().strip()
+        except FileNotFoundError:
+            continue
+        except PermissionError:  # a system service's runtime directory, searchable by its user and root only
+            user = _user_of(SYSTEM_RUNTIME_DIR)
+            raise NotPermitted(f"{SYSTEM_RUNTIME_DIR}, where a zserve system service records its servers, belongs "
+                               f"to user {user}: only {user} and root may control a server {what}", user) from None
+        try:
+            owner = os.stat(path).st_uid
+        except OSError:
+            return path  # gone or unreadable: connecting says which
+        if os.geteuid() not in (owner, 0):
+            user = _user_of(path)
+            raise NotPermitted(f"the zserve server {what} runs as user {user}: only {user} and root may control "
+                               "it", user)
+        return path
+    raise ConnectionError(f"no zserve server is running {what} (no {mine}"
+                          + (f" nor {system})" if system != mine else ")"))
 
 
 def listen(path: str) -> socket.socket:
@@ -66,9 +124,11 @@ def listen(path: str) -> socket.socket:
 
 
 def peer_is_owner(conn: socket.socket) -> bool:
+    """The peer runs as this process's user, or as root: root can become any user, so refusing it would only
+    make an operator type `sudo -u zserve` (a system unit's server answers `sudo launch status` this way)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
+    return uid in (os.getuid(), 0)
 
 
 def request(path: str, cmd: ControlMessage, timeout: float = 30.0) -> ControlMessage:

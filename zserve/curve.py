@@ -8,8 +8,10 @@ format (``zmq.auth``), every file mode 0600:
 - ``server.key`` / ``server.key_secret``: the engine host's keypair. Gateway hosts need only the public
   ``server.key`` (they check that the engines they reach hold its secret); the engine host needs the secret.
 - ``client.key`` / ``client.key_secret``: a gateway host's keypair.
-- ``authorized/*.key``: the client public keys the engine host accepts. A key copied there is accepted
-  from the next connection on (the list is read again when an unknown key knocks, at most once a second).
+- ``authorized/NAME.key``: the client public keys the engine host accepts, one file per gateway host
+  (``launch keys --name NAME``), so authorizing another host never replaces a key already there. A key
+  copied there is accepted from the next connection on (the list is read again when an unknown key knocks,
+  at most once a second).
 
 The engine host's own processes (expert-parallel members waking each other) connect with the server
 keypair, which is always accepted. A refused key is logged (once a minute per key), never its secret.
@@ -20,6 +22,8 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import pwd
+import re
 import shutil
 import threading
 import time
@@ -39,29 +43,32 @@ class KeyFileError(ValueError):
     """A key directory that lacks what this side needs (the message says which file and how to make it)."""
 
 
-def write_keys(directory: str, client_only: bool = False) -> list[str]:
-    """Write a new server keypair, a client keypair and ``authorized/client.key`` (or, ``client_only``, a
-    client keypair alone, to authorize on the engine host by copying ``client.key`` into its ``authorized/``);
-    return the paths written. Existing keys are never overwritten."""
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def write_keys(directory: str, client_only: bool = False, name: str = CLIENT) -> list[str]:
+    """Write a new server keypair, a client keypair and ``authorized/NAME.key`` (the client's public key,
+    named for the gateway host that holds it); or, ``client_only``, another gateway host's client keypair
+    and its ``authorized/NAME.key``, to copy into the engine host's ``authorized/`` beside the keys already
+    there. Return the paths written. Existing keys are never overwritten."""
     import zmq.auth
 
+    if not NAME_RE.fullmatch(name):
+        raise ValueError(f"{name!r} is not a key name: letters, digits, '.', '_' and '-', not starting with '.'")
     names = [CLIENT] if client_only else [SERVER, CLIENT]
-    for name in names:
-        for path in (os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret")):
-            if os.path.exists(path):
-                raise FileExistsError(f"{path} exists; keys are never overwritten (choose another --dir)")
+    accepted = os.path.join(directory, AUTHORIZED, f"{name}.key")
+    for path in [accepted] + [os.path.join(directory, f"{n}.key{s}") for n in names for s in ("", "_secret")]:
+        if os.path.lexists(path):
+            raise FileExistsError(f"{path} exists; keys are never overwritten (choose another --dir)")
     old = os.umask(0o077)  # every file 0600, the directories 0700, from the moment they exist
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(directory, AUTHORIZED), mode=0o700, exist_ok=True)
         written = []
-        for name in names:
-            public, secret = zmq.auth.create_certificates(directory, name)
+        for n in names:
+            public, secret = zmq.auth.create_certificates(directory, n)
             written += [public, secret]
-        if not client_only:
-            os.makedirs(os.path.join(directory, AUTHORIZED), mode=0o700, exist_ok=True)
-            accepted = os.path.join(directory, AUTHORIZED, f"{CLIENT}.key")
-            shutil.copyfile(os.path.join(directory, f"{CLIENT}.key"), accepted)
-            written.append(accepted)
+        shutil.copyfile(os.path.join(directory, f"{CLIENT}.key"), accepted)
+        written.append(accepted)
     finally:
         os.umask(old)
     for path in written:
@@ -69,11 +76,34 @@ def write_keys(directory: str, client_only: bool = False) -> list[str]:
     return written
 
 
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+def _unreadable(path: str, directory: str) -> KeyFileError:
+    """A key this process may not read: say as whom it runs, not that the file is missing (os.path.exists
+    is False for a file in a directory this user cannot search)."""
+    user = _user()
+    return KeyFileError(f"{path} is not readable by user {user}, whom this server runs as: give that user the "
+                        f"keys (as root: chown -R {user}: {directory})")
+
+
 def _load(path: str, secret: bool) -> tuple[bytes, bytes | None]:
     import zmq.auth
 
-    if not os.path.exists(path):
-        raise KeyFileError(f"{path} is missing (launch keys --dir {os.path.dirname(path) or '.'} writes it)")
+    directory = os.path.dirname(path) or "."
+    try:
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        raise KeyFileError(f"{path} is missing (launch keys --dir {directory} writes it)") from None
+    except PermissionError:  # the file's mode, or a directory on its way this user may not search
+        raise _unreadable(path, directory) from None
+    except OSError as e:
+        raise KeyFileError(f"{path} cannot be read: {e}") from None
     try:
         public, private = zmq.auth.load_certificate(path)
     except (ValueError, OSError) as e:
@@ -99,10 +129,13 @@ class CurveKeys:
     def for_server(cls, directory: str) -> CurveKeys:
         public, secret = _load(os.path.join(directory, f"{SERVER}.key_secret"), secret=True)
         keys = cls(directory, public, secret)
+        accepted = os.path.join(directory, AUTHORIZED)
+        if os.path.isdir(accepted) and not os.access(accepted, os.R_OK | os.X_OK):
+            raise _unreadable(accepted, directory)  # else it would read as empty: "no client key"
         keys.rescan()
         if not keys.authorized:
             raise KeyFileError(f"{os.path.join(directory, AUTHORIZED)} holds no client key: no gateway could connect "
-                            "(launch keys writes authorized/client.key)")
+                            "(launch keys writes authorized/NAME.key, one per gateway host)")
         return keys
 
     @classmethod
@@ -129,6 +162,9 @@ class CurveKeys:
         for path in glob.glob(os.path.join(self.directory, AUTHORIZED, "*.key")):
             try:
                 public, _ = zmq.auth.load_certificate(path)
+            except PermissionError:
+                log.warning("ignoring %s: not readable by user %s (chown it to that user)", path, _user())
+                continue
             except (ValueError, OSError) as e:
                 log.warning("ignoring %s: not a CURVE public key (%s)", path, e)
                 continue

@@ -93,7 +93,9 @@ def test_the_shipped_units_pass_systemd_analyze_verify(tmp_path):
         unit = (deploy / name).read_text()
         for line in ("Type=notify", "WatchdogSec=", "KillMode=mixed", "ExecReload=/bin/kill -HUP $MAINPID",
                      "NoNewPrivileges=true", "ProtectSystem=strict", "PrivateTmp=true", "RuntimeDirectory=zserve",
-                     "EnvironmentFile=", "User=zserve", command):
+                     "EnvironmentFile=", "User=zserve", command,
+                     # a cache that survives restarts, where ProtectSystem=strict lets it be written
+                     "CacheDirectory=zserve", "Environment=XDG_CACHE_HOME=/var/cache"):
             assert line in unit, (name, line)
         stop = int(unit.split("TimeoutStopSec=")[1].split()[0])
         drain = float(unit.split("--shutdown-timeout ")[1].split()[0])

@@ -96,3 +96,69 @@ def test_engine_ports_follow_the_registry_and_wildcards_become_the_registry_host
         assert v6._reachable("tcp://[::]:7102") == "tcp://[fd00::1]:7102"
     finally:
         v6.close()
+
+
+# -- a key per gateway host (launch keys --name) and keys another user cannot read ----------------------------
+def test_a_second_hosts_named_key_goes_beside_the_first(tmp_path):
+    first, second = str(tmp_path / "k"), str(tmp_path / "gw-2")
+    write_keys(first, name="gw-1")
+    written = write_keys(second, client_only=True, name="gw-2")
+    assert sorted(os.path.relpath(p, second) for p in written) == ["authorized/gw-2.key", "client.key",
+                                                                    "client.key_secret"]
+    shutil.copy(os.path.join(second, "authorized", "gw-2.key"), os.path.join(first, "authorized"))
+    server = CurveKeys.for_server(first)
+    gw1 = zmq.auth.load_certificate(os.path.join(first, "client.key_secret"))[0]
+    gw2 = zmq.auth.load_certificate(os.path.join(second, "client.key_secret"))[0]
+    assert {gw1, gw2} == server.authorized and gw1 != gw2
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        write_keys(first, client_only=True, name="gw-3")  # client.key is there
+    with pytest.raises(ValueError, match="not a key name"):
+        write_keys(str(tmp_path / "x"), name="../gw")
+
+
+def test_launch_keys_client_only_needs_a_name_and_never_overwrites(tmp_path):
+    from click.testing import CliRunner
+
+    from launch.cli import main
+
+    d = str(tmp_path / "gw-2")
+    r = CliRunner().invoke(main, ["keys", "--dir", d, "--client-only"])
+    assert r.exit_code == 2 and "--client-only needs --name" in r.output and not os.path.exists(d)
+    r = CliRunner().invoke(main, ["keys", "--dir", d, "--client-only", "--name", "gw-2"])
+    assert r.exit_code == 0 and os.path.join(d, "authorized", "gw-2.key") in r.output
+    before = open(os.path.join(d, "client.key_secret"), "rb").read()
+    r = CliRunner().invoke(main, ["keys", "--dir", d, "--client-only", "--name", "gw-2"])
+    assert r.exit_code == 1 and "never overwritten" in r.output
+    assert open(os.path.join(d, "client.key_secret"), "rb").read() == before
+
+
+def test_a_key_this_user_cannot_read_is_not_reported_missing(tmp_path):
+    """A key directory of another user (copied there as root, no chown) says who cannot read it, not "missing"
+    (os.path.exists is False behind a directory this user may not search)."""
+    import tempfile
+
+    from tests.unit.as_user import FailedAs, can_switch_user, run_as
+
+    if not can_switch_user():
+        d = str(tmp_path / "k")
+        write_keys(d)
+        os.chmod(d, 0)
+        try:
+            with pytest.raises(KeyFileError, match="server.key is not readable by user .*chown -R"):
+                CurveKeys.for_client(d)
+        finally:
+            os.chmod(d, 0o700)
+        return
+    base = tempfile.mkdtemp()  # tmp_path's parents are root's 0700 directories: nobody could not reach any key
+    try:
+        os.chmod(base, 0o755)
+        d = os.path.join(base, "k")
+        write_keys(d)  # 0700, owned by root
+        with pytest.raises(FailedAs, match=r"server.key is not readable by user nobody\b.*chown -R nobody: "):
+            run_as("nobody", lambda: CurveKeys.for_client(d) and None)
+        os.chmod(d, 0o755)
+        os.chmod(os.path.join(d, "server.key_secret"), 0o644)
+        with pytest.raises(FailedAs, match="authorized is not readable by user nobody"):
+            run_as("nobody", lambda: CurveKeys.for_server(d) and None)  # not "holds no client key"
+    finally:
+        shutil.rmtree(base)

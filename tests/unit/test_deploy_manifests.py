@@ -144,6 +144,16 @@ def test_the_engine_gets_a_gpu_and_tcp_probes_on_its_registry(docs):
     assert probe_window(c["startupProbe"]) > params["ready_timeout"]
 
 
+def test_the_kustomization_moves_every_image_to_the_registry(docs):
+    """kustomization.yaml's images: override names every workload's image (docs/deploy.md pushes them there);
+    tests/unit/test_deploy_recipes.py checks the names against the recipe's docker build and push."""
+    overrides = {i["name"] for i in _load(K8S / "kustomization.yaml")[0]["images"]}
+    for kind in WORKLOADS:
+        for w in of_kind(docs, kind):
+            for c in containers(w):
+                assert c["image"].partition(":")[0] in overrides, (w["metadata"]["name"], c["image"])
+
+
 def test_the_grace_period_outlasts_the_drain_and_the_pre_stop_sleep(docs):
     for kind in WORKLOADS:
         for w in of_kind(docs, kind):
