@@ -33,7 +33,8 @@ class GatewayConfig:
     render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
     max_concurrent_requests: int | None = 1024  # per gateway; past it: 429 at once; None: unbounded
     stream_interval: int = 1  # output tokens per stream chunk after the first (vLLM's --stream-interval)
-    # Seconds a new request waits while an expert-parallel resize pauses admission, before a 503 (0: refused at once)
+    # Seconds a new request is held while its model has no engine to take it (an expert-parallel resize or
+    # recovery, a rolling restart replacing the model's only engine), before a 503 (0: refused at once)
     scaling_wait: float = 30.0
     metrics_auth: bool = False  # with API keys: /metrics needs one too (else it stays open for scrapers)
     # CORS (vLLM's options): origins allowed to call the API from a browser; () = none, "*" = any

@@ -68,7 +68,7 @@ class GatewayState:
     # tokenizer files give it (else FALLBACK_MAX_MODEL_LEN).
     default_max_model_len: int | None = None
     stream_interval: int = 1  # --stream-interval: output tokens per stream chunk after the first
-    scaling_wait: float = 30.0  # --scaling-wait: seconds a request is held while a resize pauses admission
+    scaling_wait: float = 30.0  # --scaling-wait: seconds held while admission pauses (resize, rolling restart)
     # Set while no resize pauses admission (``apply_cluster`` keeps it so): held requests wait on it.
     _unheld: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
