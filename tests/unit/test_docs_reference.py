@@ -1,0 +1,70 @@
+"""The reference pages name what the code serves: every Prometheus metric a gateway exports (the gateways' own and
+the engine metrics it exports from EngineStats) has its row in docs/operations.md with its exact label names, and
+every route family the app mounts has its row in docs/api.md. A metric or family added without its row fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from gateway.app import ROUTE_FAMILIES
+from gateway.metrics import EngineCollector, Recorder
+from gateway.state import STATE
+from protocol.messages import EngineStats
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([a-z]+)\s*\|")
+
+
+def exported(registry: CollectorRegistry) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """{name as scraped: (kind, label names)} of every metric ``registry`` collects."""
+    labels_of = {c._name: tuple(c._labelnames) for c in registry._collector_to_names if hasattr(c, "_labelnames")}
+    out = {}
+    for fam in registry.collect():
+        labels = labels_of.get(fam.name)
+        if labels is None:  # a custom collector's family: its samples carry the labels
+            labels = tuple(dict.fromkeys(k for s in fam.samples for k in s.labels if k != "le"))
+        out[fam.name + ("_total" if fam.type == "counter" else "")] = (fam.type, labels)
+    return out
+
+
+def every_metric() -> dict[str, tuple[str, tuple[str, ...]]]:
+    gateways = CollectorRegistry()
+    Recorder(gateways)
+    engine = SimpleNamespace(hello=SimpleNamespace(rank=0, model_id="m"), routable=True,
+                             stats=EngineStats(rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=5, steps=5,
+                                               timestamp=time.time()))
+    engines = CollectorRegistry()
+    engines.register(EngineCollector({STATE: SimpleNamespace(engines=SimpleNamespace(engines={0: engine}))}))
+    return {**exported(gateways), **exported(engines)}
+
+
+def documented_metrics() -> dict[str, str]:
+    """{`name{labels}` as the first cell of a table row of docs/operations.md: the kind in its second cell}."""
+    rows = (ROW.match(line) for line in (ROOT / "docs" / "operations.md").read_text().splitlines())
+    return {m.group(1): m.group(2) for m in rows if m and m.group(1).startswith("zserve_")}
+
+
+def test_every_exported_metric_has_a_row_with_its_kind_and_exact_labels():
+    docs = documented_metrics()
+    metrics = every_metric()
+    assert len(metrics) >= 20  # (the gateway's 7, EngineStats' 12, zserve_engine_up)
+    missing = []
+    for name, (kind, labels) in sorted(metrics.items()):
+        cell = f"{name}{{{','.join(labels)}}}" if labels else name
+        if docs.get(cell) != kind:
+            missing.append(f"| `{cell}` | {kind} | ... |")
+    assert not missing, "docs/operations.md#metrics lacks these rows (or gives another kind):\n" + "\n".join(missing)
+    stale = sorted(set(docs) - {f"{n}{{{','.join(ls)}}}" if ls else n for n, (_, ls) in metrics.items()})
+    assert not stale, f"docs/operations.md documents metrics no code exports: {stale}"
+
+
+def test_every_route_family_has_a_row_in_the_api_reference():
+    text = (ROOT / "docs" / "api.md").read_text()
+    rows = {m.group(1) for m in re.finditer(r"^\|\s*(\w+)\s*\|\s*`\w+\.py`", text, re.M)}
+    assert set(ROUTE_FAMILIES) <= rows, f"docs/api.md's family table lacks {sorted(set(ROUTE_FAMILIES) - rows)}"
