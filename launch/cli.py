@@ -654,7 +654,7 @@ def _concurrencies(value: str | None) -> tuple[int, ...]:
 @click.option("--save-detailed", is_flag=True, help="With --result-file: add every request's record.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw latency percentiles against load, and throughput against latency, as a PNG "
-                   "(needs matplotlib: pip install zserve[bench]).")
+                   "(needs matplotlib, the bench extra: .venv/bin/pip install -e '.[bench]' in the checkout).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress on stderr.")
 @click.argument("more_slos", nargs=-1, metavar="[KEY:MS]...")
 def bench(slos: tuple[str, ...], more_slos: tuple[str, ...], **options) -> None:
@@ -677,5 +677,7 @@ def bench(slos: tuple[str, ...], more_slos: tuple[str, ...], **options) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise click.UsageError("--plot needs matplotlib: pip install 'zserve[bench]'") from None
+            pip = Path(sys.executable).with_name("pip")
+            raise click.UsageError(f"--plot needs matplotlib, the bench extra: {pip} install -e '.[bench]' "
+                                   "in the zserve checkout (make test installs it too)") from None
     sys.exit(bench_run.run(bench_run.BenchConfig(goodput=goodput, **options)))

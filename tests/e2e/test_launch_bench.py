@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -126,3 +128,16 @@ def test_lengths_stay_in_the_range_ratio_and_infinity_is_written_as_a_string():
     assert min(lengths) >= 75 and max(lengths) <= 125 and len(set(lengths)) > 10
     assert sample_lengths(random.Random(1), 5, 7, 0.0) == [7] * 5
     assert _jsonable({"r": [math.inf, 1.0]}) == {"r": ["inf", 1.0]}
+
+
+def test_plot_without_matplotlib_names_the_install_command_of_this_checkout(monkeypatch):
+    """Without matplotlib, --plot is a usage error that names this venv's pip and the bench extra (zserve is not on
+    PyPI: 'pip install zserve[bench]' installed nothing)."""
+    from click.testing import CliRunner
+
+    from launch.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    result = CliRunner().invoke(main, ["bench", "--base-url", "http://127.0.0.1:9", "--plot", "p.png"])
+    assert result.exit_code == 2, result.output
+    assert f"{Path(sys.executable).with_name('pip')} install -e '.[bench]'" in result.output
