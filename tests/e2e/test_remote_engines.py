@@ -187,7 +187,7 @@ def test_unauthenticated_clients_reach_nothing_and_are_logged(engine_host, gatew
 
 def test_a_gateway_host_with_an_unlisted_key_gets_no_engine(engine_host, keys, tmp_path):
     other = tmp_path / "other"
-    assert launch("keys", "--dir", str(other), "--client-only").returncode == 0
+    assert launch("keys", "--dir", str(other), "--client-only", "--name", "gw-other").returncode == 0
     shutil.copy(keys / "server.key", other / "server.key")
     r = launch("api-server", *MODEL, "--port", "0", "--engine", engine_host.url, "--keys", str(other),
                "--ready-timeout", "4", timeout=60)
