@@ -55,8 +55,8 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.cluster import ClusterState
 from protocol.constants import ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING
-from zserve.cluster import ClusterState
 from zserve.curve import CurveKeys, is_tcp, secure_client
 
 from .logs import REQUEST_ID

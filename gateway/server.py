@@ -23,10 +23,10 @@ import uvloop
 from aiohttp import web
 
 from protocol import ProtocolError
+from protocol.cluster import ClusterState
 from protocol.constants import EXIT_CUT_OFF, LISTEN_BACKLOG
 from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready
 from zserve.catalog import ModelSource
-from zserve.cluster import ClusterState
 from zserve.curve import CurveKeys
 from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 

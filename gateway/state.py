@@ -16,8 +16,8 @@ from functools import cached_property
 
 from aiohttp import web
 
+from protocol.cluster import PAUSING_PHASES, ClusterState
 from zserve.catalog import ModelSource
-from zserve.cluster import PAUSING_PHASES, ClusterState
 from zserve.tokenizer import Tokenizer
 
 from .engine_client import EngineClient, ModelEngines
@@ -89,7 +89,7 @@ class GatewayState:
 
     @property
     def scaling(self) -> str:
-        """The phase of an expert-parallel resize (``zserve.cluster.SCALING_PHASES``; "" when none)."""
+        """The phase of an expert-parallel resize (``protocol.cluster.SCALING_PHASES``; "" when none)."""
         return self.cluster.scaling if self.cluster else ""
 
     @property

@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gateway.security import SECRET_ENV
+from protocol.cluster import EngineState
 from protocol.control import ControlMessage, Heartbeat, LineBuffer, encode_line
-from zserve.cluster import EngineState
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 

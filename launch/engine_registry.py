@@ -28,6 +28,7 @@ from dataclasses import replace
 import zmq
 
 from protocol import ProtocolError
+from protocol.cluster import EngineInfo
 from protocol.control import (
     REGISTRY_REPLIES,
     REGISTRY_REQUESTS,
@@ -36,7 +37,6 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
-from zserve.cluster import EngineInfo
 from zserve.curve import CurveKeys, is_tcp, secure_client, secure_server, tcp_host, tcp_port, with_port
 
 from .sockets import ListenError

@@ -43,6 +43,7 @@ import orjson
 from gateway.config import GatewayConfig
 from gateway.security import write_key_file
 from protocol import ProtocolError
+from protocol.cluster import PAUSING_PHASES, EngineInfo, EngineState
 from protocol.constants import EXIT_BOOT_ERROR, EXIT_CUT_OFF
 from protocol.control import (
     PIPE_EVENTS,
@@ -71,7 +72,7 @@ from protocol.control import (
 )
 from zserve import control
 from zserve.catalog import ModelSource
-from zserve.cluster import PAUSING_PHASES, ClusterStore, EngineInfo, EngineState
+from zserve.cluster import ClusterStore
 from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
 from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device

@@ -25,33 +25,11 @@ from typing import ClassVar
 
 import orjson
 
-from zserve.cluster import SCALING_PHASES, ClusterState, EngineInfo
-
-from .messages import ProtocolError
+from .cluster import SCALING_PHASES, ClusterState, EngineInfo
+from .validate import ProtocolError, check, is_int, is_nonneg, is_str, is_uint, optional
 
 CONTROL_VERSION = 1
 MAX_LINE = 1 << 20  # a cluster state with many engines still fits
-
-
-def _check(cond: bool, what: str) -> None:
-    if not cond:
-        raise ProtocolError(what)
-
-
-def _is_int(v: object, lo: int = 0, hi: int = 1 << 31) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
-
-
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-
-
-def _is_str(v: object, limit: int = 4096, empty: bool = False) -> bool:
-    return isinstance(v, str) and (empty or len(v) > 0) and len(v) <= limit
-
-
-def _opt(v: object, check) -> bool:
-    return v is None or check(v)
 
 
 class ControlMessage:
@@ -71,7 +49,7 @@ class ControlMessage:
     def from_wire(cls, body: dict) -> ControlMessage:
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = set(body) - names
-        _check(not unknown, f"unknown fields {sorted(unknown)} in {cls.TYPE}")
+        check(not unknown, f"unknown fields {sorted(unknown)} in {cls.TYPE}")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
 
 
@@ -87,9 +65,9 @@ class Ready(ControlMessage):
     dtype: str | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.index, 0, 1 << 16), "index out of range")
+        check(is_int(self.index, 0, 1 << 16), "index out of range")
         for name in ("endpoint", "device", "dtype"):
-            _check(_opt(getattr(self, name), lambda v: _is_str(v, 1024)), f"{name} must be a short str")
+            check(optional(getattr(self, name), lambda v: is_str(v, 1024)), f"{name} must be a short str")
 
 
 @dataclass(frozen=True)
@@ -104,10 +82,10 @@ class Heartbeat(ControlMessage):
     kv_used: float | None = None  # fraction of the KV cache in use
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.draining, bool), "draining must be a bool")
+        check(isinstance(self.draining, bool), "draining must be a bool")
         for name in ("in_flight", "running", "waiting"):
-            _check(_opt(getattr(self, name), _is_int), f"{name} out of range")
-        _check(_opt(self.kv_used, lambda v: _is_num(v) and v <= 1.0), "kv_used out of range")
+            check(optional(getattr(self, name), is_uint), f"{name} out of range")
+        check(optional(self.kv_used, lambda v: is_nonneg(v) and v <= 1.0), "kv_used out of range")
 
 
 @dataclass(frozen=True)
@@ -118,7 +96,7 @@ class Ack(ControlMessage):
     version: int
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.version, 0, 1 << 62), "version out of range")
+        check(is_int(self.version, 0, 1 << 62), "version out of range")
 
 
 @dataclass(frozen=True)
@@ -129,7 +107,7 @@ class BootFailed(ControlMessage):
     reason: str
 
     def __post_init__(self) -> None:
-        _check(_is_str(self.reason), "reason must be a str of at most 4096 chars")
+        check(is_str(self.reason), "reason must be a str of at most 4096 chars")
 
 
 GROUP_EVENTS = ("formed", "failed", "lost", "frozen")
@@ -149,17 +127,17 @@ class GroupReport(ControlMessage):
     experts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.generation, 0, 1 << 62) and self.event in GROUP_EVENTS,
-               f"ep_report needs a generation and an event in {GROUP_EVENTS}")
-        _check(_opt(self.reason, _is_str), "reason must be a str of at most 4096 chars")
-        _check(isinstance(self.experts, tuple) and len(self.experts) in (0, 2)
-               and all(_is_int(e) for e in self.experts), "experts is (first, end)")
+        check(is_int(self.generation, 0, 1 << 62) and self.event in GROUP_EVENTS,
+              f"ep_report needs a generation and an event in {GROUP_EVENTS}")
+        check(optional(self.reason, is_str), "reason must be a str of at most 4096 chars")
+        check(isinstance(self.experts, tuple) and len(self.experts) in (0, 2)
+              and all(is_uint(e) for e in self.experts), "experts is (first, end)")
 
 
 def _check_engines(engines: tuple) -> None:
     for e in engines:  # (an EngineInfo's state is an EngineState by construction)
-        _check(isinstance(e, EngineInfo) and _is_int(e.rank, 0, 1 << 16) and _is_str(e.endpoint, 1024)
-               and _is_int(e.pid) and _is_str(e.model, 1024, empty=True), f"bad engine entry {e!r}")
+        check(isinstance(e, EngineInfo) and is_int(e.rank, 0, 1 << 16) and is_str(e.endpoint, 1024)
+              and is_uint(e.pid) and is_str(e.model, 1024, empty=True), f"bad engine entry {e!r}")
 
 
 # -- supervisor → child (control pipe) -----------------------------------------------------------------
@@ -171,9 +149,9 @@ class ClusterUpdate(ControlMessage):
     state: ClusterState
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.state, ClusterState), "state must be a ClusterState")
+        check(isinstance(self.state, ClusterState), "state must be a ClusterState")
         st = self.state
-        _check(_is_int(st.version, 0, 1 << 62) and isinstance(st.paused, bool), "bad cluster version or paused flag")
+        check(is_int(st.version, 0, 1 << 62) and isinstance(st.paused, bool), "bad cluster version or paused flag")
         _check_engines(st.engines)
 
     def to_wire(self) -> dict:
@@ -181,7 +159,7 @@ class ClusterUpdate(ControlMessage):
 
     @classmethod
     def from_wire(cls, body: dict) -> ClusterUpdate:
-        _check(set(body) == {"state"} and isinstance(body["state"], dict), "cluster needs exactly a state object")
+        check(set(body) == {"state"} and isinstance(body["state"], dict), "cluster needs exactly a state object")
         return cls(ClusterState.from_json(body["state"]))
 
 
@@ -202,13 +180,13 @@ class GroupCommand(ControlMessage):
     threads: int | None = None  # CPU threads per member at this size, when the operator left them to us
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("gloo", "nccl"), "backend must be gloo or nccl")
-        _check(_opt(self.threads, lambda v: _is_int(v, 1, 1025)), "threads must be an integer in 1..1024")
-        _check(_is_int(self.generation, 0, 1 << 62) and _is_int(self.size, 1, MAX_SCALE + 1)
-               and _is_int(self.rank, 0, self.size), "ep_group needs a generation, a size and a rank below it")
-        _check(_is_str(self.store, 4096), "store must be a path")
-        _check(isinstance(self.peers, tuple) and len(self.peers) == self.size
-               and all(_is_str(p, 1024) for p in self.peers), "peers are one endpoint per member")
+        check(self.backend in ("gloo", "nccl"), "backend must be gloo or nccl")
+        check(optional(self.threads, lambda v: is_int(v, 1, 1025)), "threads must be an integer in 1..1024")
+        check(is_int(self.generation, 0, 1 << 62) and is_int(self.size, 1, MAX_SCALE + 1)
+              and is_int(self.rank, 0, self.size), "ep_group needs a generation, a size and a rank below it")
+        check(is_str(self.store, 4096), "store must be a path")
+        check(isinstance(self.peers, tuple) and len(self.peers) == self.size
+              and all(is_str(p, 1024) for p in self.peers), "peers are one endpoint per member")
 
 
 @dataclass(frozen=True)
@@ -222,8 +200,8 @@ class GroupFreeze(ControlMessage):
     frozen: bool = True
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.generation, 0, 1 << 62) and isinstance(self.frozen, bool),
-               "ep_freeze needs a generation and a frozen flag")
+        check(is_int(self.generation, 0, 1 << 62) and isinstance(self.frozen, bool),
+              "ep_freeze needs a generation and a frozen flag")
 
 
 # -- control socket: commands --------------------------------------------------------------------------
@@ -244,9 +222,9 @@ class ScaleCommand(ControlMessage):
     model: str | None = None  # engine: the model whose tier to scale (may be left out while one model is served)
 
     def __post_init__(self) -> None:
-        _check(self.tier in SCALE_TIERS and _is_int(self.count, 1, MAX_SCALE + 1),
-               f"scale needs tier (api-server|engine) and count in 1..{MAX_SCALE}")
-        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
+        check(self.tier in SCALE_TIERS and is_int(self.count, 1, MAX_SCALE + 1),
+              f"scale needs tier (api-server|engine) and count in 1..{MAX_SCALE}")
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
 
     @property
     def tier_name(self) -> str:
@@ -270,10 +248,10 @@ class ElasticScaleCommand(ControlMessage):
     model: str | None = None  # may be left out while one model is expert parallel
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.size, 1, MAX_SCALE + 1), f"size must be an integer in 1..{MAX_SCALE}")
-        _check(_is_num(self.drain_timeout) and 0 < self.drain_timeout <= 86400,
-               "drain_timeout must be a number of seconds in (0, 86400]")
-        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
+        check(is_int(self.size, 1, MAX_SCALE + 1), f"size must be an integer in 1..{MAX_SCALE}")
+        check(is_nonneg(self.drain_timeout) and 0 < self.drain_timeout <= 86400,
+              "drain_timeout must be a number of seconds in (0, 86400]")
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
 
 
 @dataclass(frozen=True)
@@ -309,7 +287,7 @@ class ErrorReply(ControlMessage):
     error: str
 
     def __post_init__(self) -> None:
-        _check(_is_str(self.error), "error must be a str of at most 4096 chars")
+        check(is_str(self.error), "error must be a str of at most 4096 chars")
 
 
 @dataclass(frozen=True)
@@ -336,18 +314,19 @@ class ProcessStatus(ControlMessage):
     endpoint: str | None = None  # an engine on another host: where (launch api-server --engine)
 
     def __post_init__(self) -> None:
-        _check(_is_str(self.tier, 32) and _is_int(self.index, 0, 1 << 16), "bad tier or index")
-        _check(_opt(self.model, lambda v: _is_str(v, 1024)) and _opt(self.endpoint, lambda v: _is_str(v, 1024)),
-               "model must be a model id, endpoint an endpoint")
-        _check(_opt(self.pid, _is_int) and _is_str(self.state, 32) and _is_int(self.restarts),
-               "bad pid, state or restarts")
-        _check(isinstance(self.crash_looping, bool) and _opt(self.draining, lambda v: isinstance(v, bool)),
-               "crash_looping and draining are bools")
-        _check(_opt(self.uptime_s, _is_num) and _opt(self.next_start_in_s, _is_num), "bad uptime or next start")
-        _check(_opt(self.last_exit, _is_str), "last_exit must be a str")
+        check(is_str(self.tier, 32) and is_int(self.index, 0, 1 << 16), "bad tier or index")
+        check(optional(self.model, lambda v: is_str(v, 1024)) and optional(self.endpoint, lambda v: is_str(v, 1024)),
+              "model must be a model id, endpoint an endpoint")
+        check(optional(self.pid, is_uint) and is_str(self.state, 32) and is_uint(self.restarts),
+              "bad pid, state or restarts")
+        check(isinstance(self.crash_looping, bool) and optional(self.draining, lambda v: isinstance(v, bool)),
+              "crash_looping and draining are bools")
+        check(optional(self.uptime_s, is_nonneg) and optional(self.next_start_in_s, is_nonneg),
+              "bad uptime or next start")
+        check(optional(self.last_exit, is_str), "last_exit must be a str")
         for name in ("in_flight", "running", "waiting"):
-            _check(_opt(getattr(self, name), _is_int), f"{name} out of range")
-        _check(_opt(self.kv_used, lambda v: _is_num(v) and v <= 1.0), "kv_used out of range")
+            check(optional(getattr(self, name), is_uint), f"{name} out of range")
+        check(optional(self.kv_used, lambda v: is_nonneg(v) and v <= 1.0), "kv_used out of range")
 
     def to_wire(self) -> dict:
         return {"pid": None, **super().to_wire()}  # null while the slot waits to restart
@@ -369,18 +348,18 @@ class StatusReply(ControlMessage):
     expert_parallel: dict | None = None
 
     def __post_init__(self) -> None:
-        _check(_opt(self.expert_parallel, lambda v: isinstance(v, dict) and all(
-            _is_str(k, 1024) and isinstance(g, dict) for k, g in v.items())), "expert_parallel maps models to groups")
-        _check(_is_str(self.url, 1024, empty=True) and _is_int(self.pid) and _is_str(self.run_dir, 4096, empty=True),
-               "bad url, pid or run_dir")
-        _check(isinstance(self.models, dict) and all(_is_str(k, 1024) and _is_int(v) for k, v in self.models.items()),
-               "models maps model ids to engine counts")
-        _check(_is_num(self.uptime_s) and isinstance(self.paused, bool) and _is_int(self.cluster_version, 0, 1 << 62),
-               "bad uptime, paused or cluster_version")
-        _check(isinstance(self.desired, dict) and all(_is_str(k, 32) and _is_int(v) for k, v in self.desired.items()),
-               "desired maps tiers to counts")
-        _check(isinstance(self.processes, tuple) and all(isinstance(p, ProcessStatus) for p in self.processes),
-               "processes must be ProcessStatus entries")
+        check(optional(self.expert_parallel, lambda v: isinstance(v, dict) and all(
+            is_str(k, 1024) and isinstance(g, dict) for k, g in v.items())), "expert_parallel maps models to groups")
+        check(is_str(self.url, 1024, empty=True) and is_uint(self.pid) and is_str(self.run_dir, 4096, empty=True),
+              "bad url, pid or run_dir")
+        check(isinstance(self.models, dict) and all(is_str(k, 1024) and is_uint(v) for k, v in self.models.items()),
+              "models maps model ids to engine counts")
+        check(is_nonneg(self.uptime_s) and isinstance(self.paused, bool) and is_int(self.cluster_version, 0, 1 << 62),
+              "bad uptime, paused or cluster_version")
+        check(isinstance(self.desired, dict) and all(is_str(k, 32) and is_uint(v) for k, v in self.desired.items()),
+              "desired maps tiers to counts")
+        check(isinstance(self.processes, tuple) and all(isinstance(p, ProcessStatus) for p in self.processes),
+              "processes must be ProcessStatus entries")
 
     def to_wire(self) -> dict:
         return {**super().to_wire(), "processes": [p.to_wire() for p in self.processes]}
@@ -388,7 +367,7 @@ class StatusReply(ControlMessage):
     @classmethod
     def from_wire(cls, body: dict) -> StatusReply:
         procs = body.get("processes", [])
-        _check(isinstance(procs, list) and all(isinstance(p, dict) for p in procs), "processes must be a list")
+        check(isinstance(procs, list) and all(isinstance(p, dict) for p in procs), "processes must be a list")
         return super().from_wire({**body, "processes": [ProcessStatus.from_wire(p) for p in procs]})  # type: ignore[return-value]
 
 
@@ -400,8 +379,8 @@ class ScaleReply(ControlMessage):
     model: str | None = None  # the engine tier's model
 
     def __post_init__(self) -> None:
-        _check(self.tier in ("gateway", "engine") and _is_int(self.desired, 1, MAX_SCALE + 1), "bad tier or desired")
-        _check(_opt(self.model, lambda v: _is_str(v, 1024)), "model must be a model id")
+        check(self.tier in ("gateway", "engine") and is_int(self.desired, 1, MAX_SCALE + 1), "bad tier or desired")
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
 
 
 ELASTIC_OUTCOMES = {"ok": 200, "invalid": 400, "drain_timeout": 408, "busy": 409, "failed": 500}
@@ -419,9 +398,9 @@ class ElasticScaleReply(ControlMessage):
     pause_s: float | None = None  # how long admission was paused
 
     def __post_init__(self) -> None:
-        _check(self.outcome in ELASTIC_OUTCOMES, f"outcome must be one of {sorted(ELASTIC_OUTCOMES)}")
-        _check(_is_str(self.message, empty=True) and _is_int(self.size), "bad message or size")
-        _check(_opt(self.pause_s, _is_num), "pause_s must be a number of seconds")
+        check(self.outcome in ELASTIC_OUTCOMES, f"outcome must be one of {sorted(ELASTIC_OUTCOMES)}")
+        check(is_str(self.message, empty=True) and is_uint(self.size), "bad message or size")
+        check(optional(self.pause_s, is_nonneg), "pause_s must be a number of seconds")
 
 
 @dataclass(frozen=True)
@@ -434,9 +413,9 @@ class PauseReply(ControlMessage):
     unacknowledged: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.paused, bool) and _is_int(self.version, 0, 1 << 62), "bad paused or version")
-        _check(isinstance(self.unacknowledged, tuple) and all(_is_str(n, 64) for n in self.unacknowledged),
-               "unacknowledged must be process names")
+        check(isinstance(self.paused, bool) and is_int(self.version, 0, 1 << 62), "bad paused or version")
+        check(isinstance(self.unacknowledged, tuple) and all(is_str(n, 64) for n in self.unacknowledged),
+              "unacknowledged must be process names")
 
 
 @dataclass(frozen=True)
@@ -446,7 +425,7 @@ class ReloadReply(ControlMessage):
     seconds: float  # how long the rolling restart took
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.replaced) and _is_num(self.seconds), "bad replaced or seconds")
+        check(is_uint(self.replaced) and is_nonneg(self.seconds), "bad replaced or seconds")
 
 
 @dataclass(frozen=True)
@@ -455,7 +434,7 @@ class StopReply(ControlMessage):
     stopping: bool = True
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.stopping, bool), "stopping must be a bool")
+        check(isinstance(self.stopping, bool), "stopping must be a bool")
 
 
 # -- engine registry (an engine host's supervisor ↔ the supervisors of gateway hosts, over TCP) -------------
@@ -469,8 +448,8 @@ class RegistryHello(ControlMessage):
     applied: int = 0  # the registry version every gateway of that host applied (sent again at once when it grows)
 
     def __post_init__(self) -> None:
-        _check(_is_str(self.host, 256) and _is_int(self.applied, 0, 1 << 62), "host must be a short str, applied a "
-               "version")
+        check(is_str(self.host, 256) and is_int(self.applied, 0, 1 << 62), "host must be a short str, applied a "
+              "version")
 
 
 @dataclass(frozen=True)
@@ -488,12 +467,12 @@ class EngineRegistry(ControlMessage):
     scaling: str = ""
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.version, 0, 1 << 62), "version out of range")
-        _check(isinstance(self.engines, tuple) and len(self.engines) <= 1 << 12, "engines must be a list")
+        check(is_int(self.version, 0, 1 << 62), "version out of range")
+        check(isinstance(self.engines, tuple) and len(self.engines) <= 1 << 12, "engines must be a list")
         _check_engines(self.engines)
-        _check(self.scaling in SCALING_PHASES, f"scaling must be one of {SCALING_PHASES}")
-        _check(_opt(self.models, lambda v: isinstance(v, dict) and all(
-            _is_str(k, 1024) and _is_int(n) for k, n in v.items())), "models maps model ids to engine counts")
+        check(self.scaling in SCALING_PHASES, f"scaling must be one of {SCALING_PHASES}")
+        check(optional(self.models, lambda v: isinstance(v, dict) and all(
+            is_str(k, 1024) and is_uint(n) for k, n in v.items())), "models maps model ids to engine counts")
 
     def to_wire(self) -> dict:
         return {"version": self.version, "engines": [asdict(e) for e in self.engines], "models": self.models or {},
@@ -501,9 +480,9 @@ class EngineRegistry(ControlMessage):
 
     @classmethod
     def from_wire(cls, body: dict) -> EngineRegistry:
-        _check(set(body) <= {"version", "engines", "models", "scaling"}, "unknown fields in engine_registry")
+        check(set(body) <= {"version", "engines", "models", "scaling"}, "unknown fields in engine_registry")
         engines = body.get("engines", [])
-        _check(isinstance(engines, list) and all(isinstance(e, dict) for e in engines), "engines must be a list")
+        check(isinstance(engines, list) and all(isinstance(e, dict) for e in engines), "engines must be a list")
         return cls(body.get("version"), tuple(EngineInfo(**e) for e in engines), body.get("models"),
                    body.get("scaling", ""))
 
@@ -530,17 +509,17 @@ def encode_line(msg: ControlMessage) -> bytes:
 
 def decode_line(line: bytes, allowed: tuple[type[ControlMessage], ...]) -> ControlMessage:
     """Parse and validate one line into one of ``allowed``; raise ProtocolError for anything else."""
-    _check(len(line) <= MAX_LINE, f"line of {len(line)} bytes exceeds the {MAX_LINE}-byte limit")
+    check(len(line) <= MAX_LINE, f"line of {len(line)} bytes exceeds the {MAX_LINE}-byte limit")
     try:
         body = orjson.loads(line)
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"not JSON: {e}") from None
-    _check(isinstance(body, dict), "a control message is a JSON object")
+    check(isinstance(body, dict), "a control message is a JSON object")
     version = body.pop("v", None)
-    _check(version == CONTROL_VERSION, f"unsupported control version {version!r} (this side speaks {CONTROL_VERSION})")
+    check(version == CONTROL_VERSION, f"unsupported control version {version!r} (this side speaks {CONTROL_VERSION})")
     kind = body.pop("t", None)
     cls = next((c for c in allowed if c.TYPE == kind), None)
-    _check(cls is not None, f"unexpected message type {kind!r} here")
+    check(cls is not None, f"unexpected message type {kind!r} here")
     try:
         return cls.from_wire(body)  # type: ignore[union-attr]
     except ProtocolError:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
+from .validate import ProtocolError, check, is_int, is_num
 
 PROTOCOL_VERSION = 8
 
@@ -50,28 +51,7 @@ def _metric(kind: str, name: str, doc: str, **default: Any) -> Any:
     return field(metadata={"metric": (kind, name, doc)}, **default)
 
 
-class ProtocolError(ValueError):
-    """A frame or field that does not follow the protocol. ``request_id`` is set when known."""
-
-    def __init__(self, message: str, request_id: str | None = None):
-        super().__init__(message)
-        self.request_id = request_id
-
-
-def _check(cond: bool, what: str) -> None:
-    if not cond:
-        raise ProtocolError(what)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 _EXACT_NUM = (int, float)
-
-
-def _is_num(v: object) -> bool:
-    return (isinstance(v, (int, float))) and not isinstance(v, bool)
 
 
 def valid_trace_id(value: object) -> bool:
@@ -81,8 +61,8 @@ def valid_trace_id(value: object) -> bool:
 
 
 def _check_request_id(rid: object) -> None:
-    _check(isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN,
-           "request_id must be a non-empty str of at most 128 chars")
+    check(isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN,
+          "request_id must be a non-empty str of at most 128 chars")
 
 
 def _check_token_ids(ids: object, what: str, vocab_limit: int = 1 << 31) -> None:
@@ -91,7 +71,7 @@ def _check_token_ids(ids: object, what: str, vocab_limit: int = 1 << 31) -> None
     if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_limit):
         return  # the common case, checked in C; below, the first bad id is named
     for t in ids:
-        if not (_is_int(t) and 0 <= t < vocab_limit):
+        if not (is_int(t) and 0 <= t < vocab_limit):
             raise ProtocolError(f"{what} holds an invalid token id {t!r}")
 
 
@@ -120,40 +100,40 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self._plain_and_valid():
             return
-        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens out of range")
-        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature out of range")
-        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p out of range")
-        _check(_is_int(self.top_k) and 0 <= self.top_k <= 1 << 20, "top_k out of range")
-        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p out of range")
-        _check(self.seed is None or (_is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64)), "seed out of range")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens out of range")
-        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "too many stop_token_ids")
+        check(is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens out of range")
+        check(is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature out of range")
+        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p out of range")
+        check(is_int(self.top_k) and 0 <= self.top_k <= 1 << 20, "top_k out of range")
+        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p out of range")
+        check(self.seed is None or (is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64)), "seed out of range")
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens out of range")
+        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "too many stop_token_ids")
         _check_token_ids(self.stop_token_ids, "stop_token_ids")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
-        _check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-               "presence_penalty out of range")
-        _check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-               "frequency_penalty out of range")
-        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-               "repetition_penalty out of range")
-        _check(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias too large")
+        check(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
+        check(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+              "presence_penalty out of range")
+        check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+              "frequency_penalty out of range")
+        check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+              "repetition_penalty out of range")
+        check(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias too large")
         for pair in self.logit_bias:
-            _check(
-                isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
-                and _is_num(pair[1]) and -100.0 <= pair[1] <= 100.0,
+            check(
+                isinstance(pair, tuple) and len(pair) == 2 and is_int(pair[0]) and pair[0] >= 0
+                and is_num(pair[1]) and -100.0 <= pair[1] <= 100.0,
                 "logit_bias entries must be (token id, bias in [-100, 100])",
             )
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-               "logprobs out of range")
-        _check(self.prompt_logprobs is None
-               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
-               "prompt_logprobs out of range")
-        _check(_is_int(self.priority) and -(1 << 31) <= self.priority < (1 << 31), "priority out of range")
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+              "logprobs out of range")
+        check(self.prompt_logprobs is None
+              or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+              "prompt_logprobs out of range")
+        check(is_int(self.priority) and -(1 << 31) <= self.priority < (1 << 31), "priority out of range")
         if self.structured is not None:
-            _check(isinstance(self.structured, tuple) and len(self.structured) == 2
-                   and self.structured[0] in STRUCTURED_KINDS and isinstance(self.structured[1], str),
-                   f"structured must be (kind, spec) with kind one of {STRUCTURED_KINDS}")
-            _check(0 < len(self.structured[1]) <= MAX_GRAMMAR_CHARS, "structured spec empty or too long")
+            check(isinstance(self.structured, tuple) and len(self.structured) == 2
+                  and self.structured[0] in STRUCTURED_KINDS and isinstance(self.structured[1], str),
+                  f"structured must be (kind, spec) with kind one of {STRUCTURED_KINDS}")
+            check(0 < len(self.structured[1]) <= MAX_GRAMMAR_CHARS, "structured spec empty or too long")
 
     def _plain_and_valid(self) -> bool:
         """The checks below in one expression, for parameters of exactly int / float / bool types and without stop
@@ -188,19 +168,19 @@ class SamplingParams:
 
     @classmethod
     def from_wire(cls, d: object) -> SamplingParams:
-        _check(isinstance(d, dict), "sampling must be an object")
+        check(isinstance(d, dict), "sampling must be an object")
         unknown = set(d) - set(cls.__dataclass_fields__)  # type: ignore[arg-type]
-        _check(not unknown, f"unknown sampling fields {sorted(unknown)}")
+        check(not unknown, f"unknown sampling fields {sorted(unknown)}")
         kw = dict(d)  # type: ignore[arg-type]
         if "stop_token_ids" in kw:
-            _check(isinstance(kw["stop_token_ids"], list), "stop_token_ids must be a list")
+            check(isinstance(kw["stop_token_ids"], list), "stop_token_ids must be a list")
             kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
         if "logit_bias" in kw:
-            _check(isinstance(kw["logit_bias"], list), "logit_bias must be a list of pairs")
-            _check(all(isinstance(p, list) for p in kw["logit_bias"]), "logit_bias must be a list of pairs")
+            check(isinstance(kw["logit_bias"], list), "logit_bias must be a list of pairs")
+            check(all(isinstance(p, list) for p in kw["logit_bias"]), "logit_bias must be a list of pairs")
             kw["logit_bias"] = tuple(tuple(p) for p in kw["logit_bias"])
         if kw.get("structured") is not None:
-            _check(isinstance(kw["structured"], list), "structured must be a [kind, spec] pair")
+            check(isinstance(kw["structured"], list), "structured must be a [kind, spec] pair")
             kw["structured"] = tuple(kw["structured"])
         return cls(**kw)
 
@@ -219,7 +199,7 @@ class ClientHello(Message):
     client_id: str
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.client_id, str) and 0 < len(self.client_id) <= 128, "client_id must be a short str")
+        check(isinstance(self.client_id, str) and 0 < len(self.client_id) <= 128, "client_id must be a short str")
 
 
 @dataclass(frozen=True)
@@ -246,24 +226,24 @@ class EngineHello(Message):
     max_waiting: int | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
-        _check(isinstance(self.model_id, str) and 0 < len(self.model_id) <= 256, "model_id must be a short str")
+        check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        check(isinstance(self.model_id, str) and 0 < len(self.model_id) <= 256, "model_id must be a short str")
         for name in ("max_num_seqs", "max_model_len", "vocab_size", "pid"):
             v = getattr(self, name)
-            _check(_is_int(v) and 0 < v < 1 << 31, f"{name} out of range")
+            check(is_int(v) and 0 < v < 1 << 31, f"{name} out of range")
         _check_token_ids(self.eos_token_ids, "eos_token_ids")
-        _check(isinstance(self.device, str) and len(self.device) <= 64, "device must be a short str")
-        _check(isinstance(self.dtype, str) and len(self.dtype) <= 32, "dtype must be a short str")
-        _check(self.protocol_version == PROTOCOL_VERSION,
-               f"protocol version {self.protocol_version} is not {PROTOCOL_VERSION}")
-        _check(isinstance(self.tasks, tuple) and 0 < len(self.tasks) <= len(MODEL_TASKS)
-               and all(t in MODEL_TASKS for t in self.tasks), f"tasks must be a tuple of {MODEL_TASKS}")
-        _check(_is_int(self.embed_size) and 0 <= self.embed_size <= MAX_POOLED_SIZE, "embed_size out of range")
-        _check(isinstance(self.matryoshka, bool), "matryoshka must be a bool")
-        _check(isinstance(self.labels, tuple) and len(self.labels) <= MAX_LABELS
-               and all(isinstance(x, str) and len(x) <= 256 for x in self.labels), "labels must be short strs")
-        _check(self.max_waiting is None or (_is_int(self.max_waiting) and 0 < self.max_waiting < 1 << 31),
-               "max_waiting out of range")
+        check(isinstance(self.device, str) and len(self.device) <= 64, "device must be a short str")
+        check(isinstance(self.dtype, str) and len(self.dtype) <= 32, "dtype must be a short str")
+        check(self.protocol_version == PROTOCOL_VERSION,
+              f"protocol version {self.protocol_version} is not {PROTOCOL_VERSION}")
+        check(isinstance(self.tasks, tuple) and 0 < len(self.tasks) <= len(MODEL_TASKS)
+              and all(t in MODEL_TASKS for t in self.tasks), f"tasks must be a tuple of {MODEL_TASKS}")
+        check(is_int(self.embed_size) and 0 <= self.embed_size <= MAX_POOLED_SIZE, "embed_size out of range")
+        check(isinstance(self.matryoshka, bool), "matryoshka must be a bool")
+        check(isinstance(self.labels, tuple) and len(self.labels) <= MAX_LABELS
+              and all(isinstance(x, str) and len(x) <= 256 for x in self.labels), "labels must be short strs")
+        check(self.max_waiting is None or (is_int(self.max_waiting) and 0 < self.max_waiting < 1 << 31),
+              "max_waiting out of range")
 
 
 @dataclass(frozen=True)
@@ -278,10 +258,10 @@ class AddRequest(Message):
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
-        _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
-               "prompt_token_ids must not be empty")
-        _check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
-        _check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
+        check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
+              "prompt_token_ids must not be empty")
+        check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
+        check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
 
 
 @dataclass(frozen=True)
@@ -302,15 +282,15 @@ class PoolRequest(Message):
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
-        _check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
-        _check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
-               "prompt_token_ids must not be empty")
-        _check(_is_int(self.pair_start) and 0 <= self.pair_start < len(self.prompt_token_ids),
-               "pair_start out of range")
-        _check(self.task in POOLING_TASKS, f"task must be one of {POOLING_TASKS}")
-        _check(self.normalize is None or isinstance(self.normalize, bool), "normalize must be a bool or null")
-        _check(self.dimensions is None or (_is_int(self.dimensions) and 0 < self.dimensions <= MAX_POOLED_SIZE),
-               "dimensions out of range")
+        check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
+        check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
+              "prompt_token_ids must not be empty")
+        check(is_int(self.pair_start) and 0 <= self.pair_start < len(self.prompt_token_ids),
+              "pair_start out of range")
+        check(self.task in POOLING_TASKS, f"task must be one of {POOLING_TASKS}")
+        check(self.normalize is None or isinstance(self.normalize, bool), "normalize must be a bool or null")
+        check(self.dimensions is None or (is_int(self.dimensions) and 0 < self.dimensions <= MAX_POOLED_SIZE),
+              "dimensions out of range")
 
 
 @dataclass(frozen=True)
@@ -324,11 +304,11 @@ class PoolOutput:
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
-        _check(isinstance(self.data, tuple) and len(self.data) <= MAX_POOLED_SIZE, "data too long")
-        _check(_is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
-        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
-               "error must be a short str")
-        _check((self.error is None) == bool(self.data), "a pool output holds data or an error")
+        check(isinstance(self.data, tuple) and len(self.data) <= MAX_POOLED_SIZE, "data too long")
+        check(is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
+        check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
+              "error must be a short str")
+        check((self.error is None) == bool(self.data), "a pool output holds data or an error")
 
 
 @dataclass(frozen=True)
@@ -340,8 +320,8 @@ class PoolOutputs(Message):
     outputs: tuple[PoolOutput, ...]
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
-        _check(isinstance(self.outputs, tuple) and len(self.outputs) <= MAX_BATCH_ITEMS, "too many outputs")
+        check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        check(isinstance(self.outputs, tuple) and len(self.outputs) <= MAX_BATCH_ITEMS, "too many outputs")
 
 
 @dataclass(frozen=True)
@@ -352,8 +332,8 @@ class AbortRequest(Message):
     request_ids: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.request_ids, tuple) and 0 < len(self.request_ids) <= MAX_BATCH_ITEMS,
-               "request_ids must be a non-empty tuple")
+        check(isinstance(self.request_ids, tuple) and 0 < len(self.request_ids) <= MAX_BATCH_ITEMS,
+              "request_ids must be a non-empty tuple")
         for rid in self.request_ids:
             _check_request_id(rid)
 
@@ -392,31 +372,31 @@ class RequestOutput:
         if not (self.finish_reason is None or self.finish_reason in FINISH_REASONS):
             raise ProtocolError(f"unknown finish_reason {self.finish_reason!r}")
         if self.logprobs is not None:
-            _check(len(self.logprobs) == len(self.new_token_ids), "one logprob per new token")
+            check(len(self.logprobs) == len(self.new_token_ids), "one logprob per new token")
         if self.top_logprobs is not None:
             t = self.top_logprobs
-            _check(_is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "top_logprobs k out of range")
+            check(is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "top_logprobs k out of range")
             n = t.k * len(self.new_token_ids)
-            _check(len(t.token_ids) == n and len(t.logprobs) == n, "top_logprobs size mismatch")
-        _check(_is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
-        _check(_is_int(self.num_cached_tokens) and self.num_cached_tokens >= 0, "num_cached_tokens out of range")
+            check(len(t.token_ids) == n and len(t.logprobs) == n, "top_logprobs size mismatch")
+        check(is_int(self.num_prompt_tokens) and self.num_prompt_tokens >= 0, "num_prompt_tokens out of range")
+        check(is_int(self.num_cached_tokens) and self.num_cached_tokens >= 0, "num_cached_tokens out of range")
         if self.prompt_logprobs is not None:
-            _check(isinstance(self.prompt_logprobs, tuple) and all(_is_num(v) for v in self.prompt_logprobs),
-                   "prompt_logprobs must be a tuple of floats")
+            check(isinstance(self.prompt_logprobs, tuple) and all(is_num(v) for v in self.prompt_logprobs),
+                  "prompt_logprobs must be a tuple of floats")
         if self.prompt_top_logprobs is not None:
             t = self.prompt_top_logprobs
-            _check(self.prompt_logprobs is not None, "prompt_top_logprobs needs prompt_logprobs")
-            _check(_is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "prompt_top_logprobs k out of range")
+            check(self.prompt_logprobs is not None, "prompt_top_logprobs needs prompt_logprobs")
+            check(is_int(t.k) and 0 <= t.k <= MAX_TOP_LOGPROBS, "prompt_top_logprobs k out of range")
             n = t.k * len(self.prompt_logprobs)  # type: ignore[arg-type]
-            _check(len(t.token_ids) == n and len(t.logprobs) == n, "prompt_top_logprobs size mismatch")
+            check(len(t.token_ids) == n and len(t.logprobs) == n, "prompt_top_logprobs size mismatch")
         if self.prompt_ranks is not None:
-            _check(self.prompt_logprobs is not None and isinstance(self.prompt_ranks, tuple)
-                   and len(self.prompt_ranks) == len(self.prompt_logprobs)
-                   and all(_is_int(r) and r >= 1 for r in self.prompt_ranks),
-                   "prompt_ranks must be one rank (at least 1) per prompt logprob")
-        _check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
-               "error must be a short str")
-        _check(self.error_code is None or (self.error is not None and isinstance(self.error_code, str)
+            check(self.prompt_logprobs is not None and isinstance(self.prompt_ranks, tuple)
+                  and len(self.prompt_ranks) == len(self.prompt_logprobs)
+                  and all(is_int(r) and r >= 1 for r in self.prompt_ranks),
+                  "prompt_ranks must be one rank (at least 1) per prompt logprob")
+        check(self.error is None or (isinstance(self.error, str) and len(self.error) <= MAX_ERROR_CHARS),
+              "error must be a short str")
+        check(self.error_code is None or (self.error is not None and isinstance(self.error_code, str)
                                            and 0 < len(self.error_code) <= 64), "error_code must be a short str")
 
     @classmethod
@@ -442,8 +422,8 @@ class StepOutputs(Message):
     outputs: tuple[RequestOutput, ...]
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
-        _check(isinstance(self.outputs, tuple) and len(self.outputs) <= MAX_BATCH_ITEMS, "too many outputs")
+        check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        check(isinstance(self.outputs, tuple) and len(self.outputs) <= MAX_BATCH_ITEMS, "too many outputs")
 
 
 @dataclass(frozen=True)
@@ -482,18 +462,18 @@ class EngineStats(Message):
                                      "Mean tokens per forward pass over recent steps.", default=0.0)
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
         for name in ("running", "waiting", "generated_tokens", "steps", "preempted", "preemptions",
                      "kv_blocks_used", "kv_blocks_total", "prefix_cache_hits", "prompt_tokens"):
             v = getattr(self, name)
-            _check(_is_int(v) and v >= 0, f"{name} out of range")
-        _check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0,
-               "kv_blocks_used exceeds the total")
-        _check(_is_num(self.kv_used) and 0.0 <= self.kv_used <= 1.0, "kv_used out of range")
-        _check(_is_num(self.prefix_cache_hit_rate) and 0.0 <= self.prefix_cache_hit_rate <= 1.0,
-               "prefix_cache_hit_rate out of range")
-        _check(_is_num(self.tokens_per_step) and 0.0 <= self.tokens_per_step < 1 << 31, "tokens_per_step out of range")
-        _check(_is_num(self.timestamp) and self.timestamp >= 0, "timestamp out of range")
+            check(is_int(v) and v >= 0, f"{name} out of range")
+        check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0,
+              "kv_blocks_used exceeds the total")
+        check(is_num(self.kv_used) and 0.0 <= self.kv_used <= 1.0, "kv_used out of range")
+        check(is_num(self.prefix_cache_hit_rate) and 0.0 <= self.prefix_cache_hit_rate <= 1.0,
+              "prefix_cache_hit_rate out of range")
+        check(is_num(self.tokens_per_step) and 0.0 <= self.tokens_per_step < 1 << 31, "tokens_per_step out of range")
+        check(is_num(self.timestamp) and self.timestamp >= 0, "timestamp out of range")
 
 
 @dataclass(frozen=True)
@@ -506,8 +486,8 @@ class ErrorMessage(Message):
     request_id: str | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.code, str) and 0 < len(self.code) <= 64, "code must be a short str")
-        _check(isinstance(self.message, str) and len(self.message) <= 4096, "message must be at most 4096 chars")
+        check(isinstance(self.code, str) and 0 < len(self.code) <= 64, "code must be a short str")
+        check(isinstance(self.message, str) and len(self.message) <= 4096, "message must be at most 4096 chars")
         if self.request_id is not None:
             _check_request_id(self.request_id)
 
@@ -523,7 +503,7 @@ class GroupWake(Message):
     epoch: int
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.generation) and _is_int(self.epoch), "generation and epoch are ints")
+        check(is_int(self.generation) and is_int(self.epoch), "generation and epoch are ints")
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

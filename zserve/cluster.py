@@ -1,85 +1,16 @@
-"""The cluster-wide control state, and the one interface every process reads it through.
+"""Where the supervisor keeps the cluster state, and the one interface it changes that state through.
 
-The supervisor owns the state; every change bumps ``version`` and is broadcast to each gateway
-over its control pipe (engines get no cluster state); the supervisor answers a control request only after every
-live gateway has acknowledged that version, so when ``POST /pause`` returns, *every* gateway
-already refuses new requests. Gateways never keep control state of their own.
-
-Only this module knows the state's shape, so a multi-host deployment can later keep it in Redis
-(``ClusterStore`` is the seam: ``get``/``update``) without touching the handlers.
+The state's shape is wire contract and lives in ``protocol.cluster`` (``ClusterState``, ``EngineInfo``, the
+phases); this module only keeps it. Every change goes through ``ClusterStore.update``, which bumps ``version``, so
+a multi-host deployment can later keep the state in Redis (``ClusterStore`` is the seam: ``get``/``update``)
+without touching the handlers.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from enum import StrEnum
+from dataclasses import dataclass, field, replace
 
-
-class EngineState(StrEnum):
-    """What gateways are told of an engine. A process that exited has no state here: it is no member any more
-    (the supervisor leaves a process it found dead out of ``engines``)."""
-
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-
-ELASTIC_PHASES = ("starting", "draining", "regrouping", "recovering")
-"""An expert-parallel group's phases: new members load (the old group serves on); admission paused while
-in-flight requests finish; the group re-forms at its new size; it re-forms after losing a member."""
-SCALING_PHASES = ("", *ELASTIC_PHASES, "reloading")
-"""What ``ClusterState.scaling`` may say: "" (serving), an elastic phase, or ``reloading`` (a rolling restart
-replaces a model's only engine)."""
-PAUSING_PHASES = ("draining", "regrouping", "recovering", "reloading")
-"""The phases that pause admission (the supervisor sets ``paused`` with them); gateways hold requests then."""
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    rank: int
-    endpoint: str
-    state: EngineState
-    pid: int = 0
-    model: str = ""  # the model id of the engine's tier (gateways route each request to its model's engines)
-
-    def __post_init__(self) -> None:
-        # The one constructor of every entry (the supervisor's, and each decoded from the wire): a state outside
-        # EngineState cannot exist in an EngineInfo (ValueError, which the control codec reports for a bad line).
-        object.__setattr__(self, "state", EngineState(self.state))
-
-
-@dataclass(frozen=True)
-class ClusterState:
-    version: int = 0
-    paused: bool = False
-    engines: tuple[EngineInfo, ...] = ()
-    gateways_desired: int = 0
-    engines_desired: int = 0  # over every model
-    models: dict[str, int] = field(default_factory=dict)  # model id → its desired engines, in serving order
-    # The phase of an expert-parallel resize or recovery ("" when none; SCALING_PHASES): while it pauses
-    # admission, gateways hold new requests (up to --scaling-wait) instead of refusing them at once.
-    scaling: str = ""
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["engines"] = [asdict(e) for e in self.engines]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> ClusterState:
-        """Raises TypeError/KeyError/ValueError for a malformed state (the control codec reports them)."""
-        engines = tuple(EngineInfo(**e) for e in d.get("engines", ()))
-        state = cls(**{**d, "engines": engines})
-        for name in ("version", "gateways_desired", "engines_desired"):
-            if not isinstance(getattr(state, name), int) or isinstance(getattr(state, name), bool):
-                raise TypeError(f"{name} must be an int")
-        if not isinstance(state.paused, bool):
-            raise TypeError("paused must be a bool")
-        if state.scaling not in SCALING_PHASES:
-            raise ValueError(f"scaling must be one of {SCALING_PHASES}")
-        if not isinstance(state.models, dict) or not all(
-                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in state.models.items()):
-            raise TypeError("models must map model ids to engine counts")
-        return state
+from protocol.cluster import ClusterState
 
 
 @dataclass

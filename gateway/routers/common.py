@@ -19,8 +19,8 @@ import orjson
 from aiohttp import web
 
 from protocol import RequestOutput, SamplingParams
+from protocol.cluster import PAUSING_PHASES
 from protocol.constants import ERR_STRUCTURED_OUTPUT
-from zserve.cluster import PAUSING_PHASES
 
 from ..admission import ScalingPaused
 from ..engine_client import EngineRequestError, EnginesBusy, NoEngineAvailable

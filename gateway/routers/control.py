@@ -17,6 +17,7 @@ from aiohttp import web
 from pydantic import ConfigDict, Field
 
 from protocol import ProtocolError
+from protocol.cluster import ELASTIC_PHASES
 from protocol.control import (
     DEFAULT_DRAIN_TIMEOUT,
     ELASTIC_OUTCOMES,
@@ -30,7 +31,6 @@ from protocol.control import (
     ResumeCommand,
 )
 from zserve import control
-from zserve.cluster import ELASTIC_PHASES
 
 from ..errors import APIError
 from ..openai_schemas import RequestBody, parse

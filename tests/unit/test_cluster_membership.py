@@ -7,9 +7,9 @@ import pytest
 
 from launch.children import Child
 from launch.supervisor import ServeConfig, Supervisor
+from protocol.cluster import ClusterState, EngineInfo, EngineState
 from protocol.control import ClusterUpdate
 from zserve.catalog import resolve
-from zserve.cluster import ClusterState, EngineInfo, EngineState
 from zserve.config import ModelSpec
 
 

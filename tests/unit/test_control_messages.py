@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from protocol import ProtocolError
+from protocol.cluster import SCALING_PHASES, ClusterState, EngineInfo
 from protocol.control import (
     COMMANDS,
     CONTROL_VERSION,
@@ -41,7 +42,6 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
-from zserve.cluster import SCALING_PHASES, ClusterState, EngineInfo
 
 STATE = ClusterState(version=7, paused=True,
                      engines=(EngineInfo(0, "ipc:///tmp/e0.sock", "ready", 123, "tiny-random"),),

@@ -10,6 +10,7 @@ import zmq.auth
 
 from launch.engine_registry import RemoteEngines, engine_endpoint
 from protocol import ProtocolError
+from protocol.cluster import EngineInfo
 from protocol.control import (
     REGISTRY_REPLIES,
     REGISTRY_REQUESTS,
@@ -18,7 +19,6 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
-from zserve.cluster import EngineInfo
 from zserve.curve import CurveKeys, KeyFileError, write_keys
 
 

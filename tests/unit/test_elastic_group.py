@@ -11,9 +11,9 @@ import pytest
 
 from launch.elastic import ElasticGroup, Later
 from launch.supervisor import ModelTier
+from protocol.cluster import PAUSING_PHASES
 from protocol.control import ElasticScaleReply, GroupCommand, GroupFreeze, GroupReport, Heartbeat
 from zserve.catalog import ModelSource
-from zserve.cluster import PAUSING_PHASES
 from zserve.config import EngineConfig, ModelSpec
 
 

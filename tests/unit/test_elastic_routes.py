@@ -24,6 +24,7 @@ from gateway.engine_client import EngineClient, ModelEngines
 from gateway.routers.common import admit
 from gateway.security import Keys
 from gateway.state import STATE, GatewayState, ModelState, ServedModel
+from protocol.cluster import ClusterState
 from protocol.control import (
     COMMANDS,
     DEFAULT_DRAIN_TIMEOUT,
@@ -36,7 +37,6 @@ from protocol.control import (
     encode_line,
 )
 from zserve.catalog import resolve
-from zserve.cluster import ClusterState
 
 SCALING = ClusterState(version=2, paused=True, scaling="draining")
 RESUMED = ClusterState(version=3)
