@@ -11,7 +11,7 @@
   ``--max-concurrent-requests`` (past it a request is refused at once with 429 and ``Retry-After``
   rather than queued without bound), then the body's read deadline (``gateway.body_timeout``), so no
   stranger's body is read.
-- last, the hold of an expert-parallel resize: ``routers.common.admit`` raises ``ScalingPaused`` while a
+- last, the hold of an expert-parallel resize: ``serving.admission.admit`` raises ``ScalingPaused`` while a
   resize pauses admission, and the request, body read and concurrency slot kept, waits up to
   ``--scaling-wait`` for the resize to end and is then served again from the top; past that, the 503.
   Only a refused request pays for this (a handler is called inside a ``try``, which costs nothing).
@@ -33,6 +33,7 @@ from .ids import random_hex
 from .logs import REQUEST_ID
 from .metrics import CLIENT_CLOSED_REQUEST, client_left, record_request
 from .security import CorsPolicy, Keys, authorize
+from .serving.admission import ScalingPaused
 from .state import STATE
 
 # Liveness and monitoring stay answerable when the gateway is full: a load balancer must see it alive.
@@ -44,15 +45,6 @@ log = logging.getLogger("zserve.gateway.access")
 RID: web.RequestKey[str] = web.RequestKey("zserve_request_id", str)
 
 CORS: web.AppKey[CorsPolicy] = web.AppKey("zserve_cors", CorsPolicy)
-
-
-class ScalingPaused(APIError):
-    """A request refused because an expert-parallel resize pauses admission (``routers.common.admit``): the
-    middleware holds it for the resize to end rather than sending this 503 at once."""
-
-    def __init__(self, phase: str):
-        super().__init__(503, f"the server is resizing its expert-parallel engine group ({phase}) and admits no "
-                              "new requests; retry shortly", code="server_scaling", headers={"Retry-After": "5"})
 
 
 class Guard:

@@ -18,7 +18,7 @@ log = logging.getLogger("zserve.gateway")
 
 # Route families, each a module with a ``routes`` table (docs/api.md describes them).
 # A render-only gateway mounts them all too: its generation routes refuse with a clear 400 in their own
-# error shape (``common.admit``) rather than a bare 404.
+# error shape (``serving.admission.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
                   "sagemaker": sagemaker, "docs": docs}

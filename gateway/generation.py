@@ -1,7 +1,7 @@
 """From prompt ids to text deltas: engine tokens → incremental detokenizing → stop strings.
 
 Every generation route (OpenAI completions and chat, Anthropic Messages, Responses) shares this
-one pipeline (``TextPipeline``, run for each choice by ``routers.common.ChoiceRun``); they only
+one pipeline (``TextPipeline``, run for each choice by ``serving.choices.ChoiceRun``); they only
 differ in how they shape its ``Delta``s into JSON.
 """
 
@@ -79,7 +79,7 @@ def _pair_logprobs(ids, lps, top, ranks=None) -> list[TokenLogprob] | None:
 
 class TextPipeline:
     """One request's engine outputs turned into text deltas, one output at a time and synchronously (so the
-    engine reader can run it: ``routers.common.ChoiceRun``): incremental detokenizing, stop strings,
+    engine reader can run it: ``serving.choices.ChoiceRun``): incremental detokenizing, stop strings,
     ``--stream-interval`` and the request's token metrics.
 
     With ``--stream-interval N`` (N > 1) the first delta comes at once and later ones at least N tokens at a

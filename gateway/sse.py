@@ -1,6 +1,6 @@
 """Server-sent events as the OpenAI API streams them: ``data: {json}\\n\\n`` ... ``data: [DONE]``.
 
-``EventWriter`` writes events from the engine reader's callbacks (``routers.common.ChoiceRun``), as each
+``EventWriter`` writes events from the engine reader's callbacks (``serving.choices.ChoiceRun``), as each
 engine output is turned into text, without waking the request's task: one transport write per event. Only
 when the client reads slowly (the transport is paused) or the response cannot be chunked (HTTP/1.0) do
 events wait in a list for the task, which writes them through aiohttp with back-pressure (``until``).

@@ -3,8 +3,9 @@
 A gateway serves every model of its server. ``GatewayState`` is the gateway's own state (its engines,
 cluster state, parsers, stored responses) plus one ``ServedModel`` per model (names, tokenizer, chat
 template, token texts). A handler binds ``state = state.for_model(req.model)`` once it has read the
-body: the ``ModelState`` it gets has the same attributes, seen through that model, so ``state.tokenizer``
-is the model's tokenizer and ``state.engines`` routes only to the model's engines.
+body: the ``ModelState`` it gets is seen through that model, so ``state.tokenizer`` is the model's tokenizer
+and ``state.engines`` routes only to the model's engines, and it names the few gateway settings a request
+reads (``state.gateway`` is the rest).
 """
 
 from __future__ import annotations
@@ -144,8 +145,9 @@ class GatewayState:
 
 
 class ModelState:
-    """A ``GatewayState`` seen through one model: its names, tokenizer, template, context and engines;
-    every other attribute is the gateway's."""
+    """A ``GatewayState`` seen through one model: its names, tokenizer, template, context and engines, and the
+    few settings of the gateway that serving a request of it reads (each named here, nothing forwarded, so a
+    reader and a type checker can follow every attribute; anything else is ``gateway``'s)."""
 
     def __init__(self, gateway: GatewayState, model: ServedModel, name: str):
         self.gateway = gateway
@@ -155,8 +157,37 @@ class ModelState:
         self._eos_of: frozenset[int] | None = None  # the engines' EOS ids that ``_eos`` was made from
         self._eos: frozenset[int] = frozenset()
 
-    def __getattr__(self, attr: str):
-        return getattr(self.gateway, attr)
+    # -- the gateway's, as a request of this model needs them ------------------------------------------
+
+    @property
+    def render_only(self) -> bool:
+        return self.gateway.render_only
+
+    @property
+    def paused(self) -> bool:
+        return self.gateway.paused
+
+    @property
+    def scaling(self) -> str:
+        return self.gateway.scaling
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        return self.gateway.tool_parser
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        return self.gateway.reasoning_parser
+
+    @property
+    def stream_interval(self) -> int:
+        return self.gateway.stream_interval
+
+    @property
+    def responses(self) -> ResponseStore | None:
+        return self.gateway.responses
+
+    # -- the model's ----------------------------------------------------------------------------------
 
     @property
     def source(self) -> ModelSource:

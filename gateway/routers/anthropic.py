@@ -2,7 +2,7 @@
 
 The request is translated into chat messages (system prompt, text / tool_use / tool_result blocks)
 and OpenAI-style tools, rendered with the model's chat template like a chat completion, and run
-through the shared pipeline (``common``). Responses, stream events and errors take Anthropic's
+through the serving layer (``gateway.serving``). Responses, stream events and errors take Anthropic's
 shapes, which the official ``anthropic`` SDK parses. An assistant message last in ``messages`` is a
 prefill: the model continues its text. ``x-api-key`` and ``anthropic-version`` are accepted.
 """
@@ -22,30 +22,17 @@ from ..errors import APIError, bad_request, error_shape
 from ..ids import random_hex
 from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, MAX_TOP_K, RequestBody, SamplingFields, parse
 from ..openapi import JSON, SSE, error_schema, request_body, response
+from ..serving.admission import admit
+from ..serving.choices import Choice, collect, run_choices
+from ..serving.engine_errors import ENGINE_ERRORS, engine_error
+from ..serving.prompts import ChatPrompt, chat_prompt, check_prompt_ids
+from ..serving.sampling import build_sampling, text_options
+from ..serving.shapes import json_body
+from ..serving.tools import NO_TOOLS, ToolUse, arguments_dict, final_tool_calls, message_parser, tool_use
 from ..sse import open_stream, send_event
 from ..state import STATE, ModelState
 from ..text.message import MessagePiece
 from ..text.tool_parsers import ToolCall
-from .common import (
-    ENGINE_ERRORS,
-    NO_TOOLS,
-    ChatPrompt,
-    Choice,
-    ToolUse,
-    admit,
-    arguments_dict,
-    build_sampling,
-    chat_prompt,
-    check_prompt_ids,
-    collect,
-    engine_error,
-    final_tool_calls,
-    json_body,
-    message_parser,
-    run_choices,
-    text_options,
-    tool_use,
-)
 
 log = logging.getLogger("zserve.gateway.anthropic")
 routes = web.RouteTableDef()
@@ -208,7 +195,7 @@ def _tool_use(state: ModelState, req: CountTokensRequest, tools: list[dict] | No
     if tc is None:
         return tool_use(state, tools, "auto")
     mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[tc.type]
-    if mode in ("required", "function") and not tools:  # named as the client wrote it, not as common's mode
+    if mode in ("required", "function") and not tools:  # named as the client wrote it, not as ToolUse names it
         raise bad_request(f'tool_choice of type "{tc.type}" needs tools', param="tool_choice")
     if mode == "function" and not tc.name:
         raise bad_request('tool_choice of type "tool" needs a name', param="tool_choice")

@@ -1,7 +1,7 @@
 """Native token routes, in vLLM's shapes: ``/tokenize``, ``/detokenize`` and ``/inference/v1/generate``.
 
 ``/tokenize`` with ``messages`` renders the chat template exactly as ``/v1/chat/completions`` does
-(``common.chat_prompt``), so its ids are the ones the chat route would feed the engine: with a
+(``serving.prompts.chat_prompt``), so its ids are the ones the chat route would feed the engine: with a
 forced ``tool_choice``, the opening of the call too.
 ``/inference/v1/generate`` is token ids in, token ids out: the shared pipeline runs without
 detokenizing, for clients (RL trainers, disaggregated front-ends) that do their own text work; its
@@ -24,23 +24,15 @@ from ..generation import TextOptions, TokenLogprob
 from ..ids import random_hex
 from ..openai_schemas import ChatMessage, ChatTool, RequestBody, SamplingFields, parse
 from ..openapi import JSON, SSE, request_body, response
+from ..serving.admission import admit
+from ..serving.choices import Choice, collect, run_choices
+from ..serving.engine_errors import ENGINE_ERRORS, engine_error
+from ..serving.prompts import chat_prompt, check_prompt_ids, wants_generation_prompt
+from ..serving.sampling import build_sampling
+from ..serving.shapes import json_body
+from ..serving.tools import NO_TOOLS, chat_tool_use
 from ..sse import open_stream, send_done, send_event
 from ..state import STATE, ModelState
-from .common import (
-    ENGINE_ERRORS,
-    NO_TOOLS,
-    Choice,
-    admit,
-    build_sampling,
-    chat_prompt,
-    chat_tool_use,
-    check_prompt_ids,
-    collect,
-    engine_error,
-    json_body,
-    run_choices,
-    wants_generation_prompt,
-)
 
 log = logging.getLogger("zserve.gateway.native")
 routes = web.RouteTableDef()

@@ -1,8 +1,8 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
 Each handler validates its body and turns it into a ``Plan`` — prompt ids and SamplingParams for
-every choice (``common``), which is what the render routes show (``routers.render``) — then runs
-every choice through ``common.ChoiceRun`` concurrently, and shapes the deltas as the OpenAI API
+every choice (``serving.plans``), which is what the render routes show (``routers.render``) — then runs
+every choice through ``serving.choices.ChoiceRun`` concurrently, and shapes the deltas as the OpenAI API
 does, as one JSON body or as an SSE stream (written from the engine reader: ``sse.EventWriter``).
 Chat completions also carry tool calls and reasoning (``reasoning_content``) when the server runs a
 tool-call or reasoning parser.
@@ -13,42 +13,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
-from .. import structured
-from ..errors import APIError, bad_request
+from ..errors import APIError
 from ..generation import Delta, TextOptions, TokenLogprob
-from ..ids import random_hex
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import JSON, SSE, request_body, response
+from ..serving.admission import admit
+from ..serving.choices import Choice, ChoiceRun, collect
+from ..serving.engine_errors import ENGINE_ERRORS, engine_error
+from ..serving.plans import plan_chat, plan_completion
+from ..serving.shapes import json_body
+from ..serving.tools import ToolUse, final_tool_calls
 from ..sse import EventWriter, open_stream
 from ..state import STATE, GatewayState, ModelState, ServedModel
-from ..text.chat_template import ChatTemplateError, content_text
 from ..text.token_text import TextOffsets, TokenText, finite
 from ..text.tool_parsers import ToolCall, ToolCallDelta
-from .common import (
-    ENGINE_ERRORS,
-    NO_TOOLS,
-    Choice,
-    ChoiceRun,
-    ToolUse,
-    admit,
-    build_sampling,
-    chat_prompt,
-    chat_tool_use,
-    check_prompt_ids,
-    collect,
-    engine_error,
-    final_tool_calls,
-    json_body,
-    message_parser,
-    text_options,
-    truncate_prompt,
-    wants_generation_prompt,
-)
 
 log = logging.getLogger("zserve.gateway.openai")
 routes = web.RouteTableDef()
@@ -346,87 +328,6 @@ def _stream_usage(req) -> tuple[bool, bool]:
     return include, include and bool(opts and opts.continuous_usage_stats)
 
 
-@dataclass
-class Plan:
-    """A request made ready for the engine, before anything is generated: each prompt (its text and the ids the
-    engine gets) and one ``Choice`` per generation, ``n`` to a prompt (prompt i's are ``choices[i*n:(i+1)*n]``).
-    The generation routes run it; the render routes (``routers.render``) show it."""
-
-    state: ModelState  # the gateway as the request's model sees it
-    request_id: str
-    model: str
-    prompts: list[tuple[str | None, list[int]]]  # (text, ids); text None for a prompt given as ids
-    n: int
-    choices: list[Choice]
-    opts: TextOptions
-    use: ToolUse = NO_TOOLS
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(ids) for _, ids in self.prompts)
-
-
-def check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
-    """The request's ``prompt_logprobs``: a streamed answer has no place for them (vLLM refuses them too)."""
-    if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
-    return req.prompt_logprobs
-
-
-def chat_echo(req: ChatCompletionRequest, messages: list[dict], add_generation_prompt: bool) -> str:
-    """vLLM's chat ``echo``: the last message's text, when its role is the answer's (the assistant's with a
-    generation prompt, else the last message's own), starts the answer."""
-    if not req.echo:
-        return ""
-    role = "assistant" if add_generation_prompt else messages[-1]["role"]
-    if messages[-1]["role"] != role:
-        return ""
-    try:
-        return content_text(messages[-1].get("content")) or ""
-    except ChatTemplateError as e:
-        raise bad_request(str(e), param="messages") from None
-
-
-async def plan_completion(state: GatewayState, req: CompletionRequest) -> Plan:
-    state = state.for_model(req.model, "generate")
-    if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of other than n is not supported", param="best_of")
-    # vLLM's: echo with logprobs scores the prompt too (its entries lead the choice's logprobs).
-    prompt_logprobs = check_prompt_logprobs(req)
-    if prompt_logprobs is None and req.echo:
-        prompt_logprobs = req.logprobs
-    p = req.prompt
-    if isinstance(p, str):
-        prompts = [p]
-    elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]  # type: ignore[arg-type]
-    else:
-        prompts = list(p)  # type: ignore[arg-type]
-    if not prompts:
-        raise bad_request("prompt must not be empty", param="prompt")
-    constraint = await structured.check(structured.from_request(req), state.tokenizer)
-    choices: list[Choice] = []
-    rendered: list[tuple[str | None, list[int]]] = []
-    for i, pr in enumerate(prompts):
-        given = state.tokenizer.encode(pr) if isinstance(pr, str) else list(pr)
-        ids = truncate_prompt(state, given, req.truncate_prompt_tokens, req.truncation_side, req.max_tokens or None)
-        max_tokens = check_prompt_ids(state, ids, req.max_tokens if req.max_tokens else None)
-        if req.max_tokens == 0:
-            raise bad_request("max_tokens must be at least 1", param="max_tokens")
-        text = pr if isinstance(pr, str) and ids is given else None  # the text of what the engine gets, if given
-        rendered.append((text, ids))
-        # The echoed prompt is what the engine got: the text as given, or its ids' text (special tokens kept, as
-        # their logprob entries are).
-        prefix = (text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False)) \
-            if req.echo else ""
-        for j in range(req.n):
-            sp = build_sampling(state, req, max_tokens, req.logprobs, j, prompt_logprobs, structured=constraint)
-            choices.append(Choice(i * req.n + j, ids, sp, prefix))
-    return Plan(state, f"cmpl-{random_hex()}", state.name, rendered, req.n, choices, text_options(req))
-
-
 @routes.post("/v1/completions")
 @request_body(CompletionRequest)
 @response(200, JSON, SSE)
@@ -439,33 +340,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await respond(request, plan.state, request_id=plan.request_id, model=plan.model, choices=plan.choices,
                          opts=plan.opts, prompt_tokens=plan.prompt_tokens, stream=req.stream, shape=shape,
                          include_usage=include, continuous_usage=continuous)
-
-
-async def plan_chat(state: GatewayState, req: ChatCompletionRequest) -> Plan:
-    state = state.for_model(req.model, "generate")
-    requested = structured.from_request(req)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    use = chat_tool_use(state, tools, req.tool_choice, req.parallel_tool_calls)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    add_generation_prompt = wants_generation_prompt(req.add_generation_prompt, req.continue_final_message,
-                                                    req.model_fields_set)
-    prompt = chat_prompt(state, messages, tools=tools, use=use, add_generation_prompt=add_generation_prompt,
-                         continue_final_message=req.continue_final_message, template_kwargs=req.template_kwargs())
-    asked = req.max_completion_tokens or req.max_tokens
-    ids = truncate_prompt(state, prompt.ids, req.truncate_prompt_tokens, req.truncation_side, asked,
-                          "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-    max_tokens = check_prompt_ids(state, ids, asked, param="messages")
-    if req.top_logprobs and not req.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prompt_logprobs = check_prompt_logprobs(req)
-    echo = chat_echo(req, messages, add_generation_prompt)
-    constraint = await structured.check(structured.with_forced_call(requested, prompt.forced), state.tokenizer)
-    choices = [Choice(j, ids, build_sampling(state, req, max_tokens, logprobs, j, prompt_logprobs,
-                                             structured=constraint),
-                      echo, msg=message_parser(state, use, prompt.prefill)) for j in range(req.n)]
-    return Plan(state, f"chatcmpl-{random_hex()}", state.name, [(prompt.text if ids is prompt.ids else None, ids)],
-                req.n, choices, text_options(req), use)
 
 
 @routes.post("/v1/chat/completions")

@@ -36,8 +36,10 @@ from ..errors import APIError, bad_request
 from ..ids import random_hex
 from ..openai_schemas import RequestBody, parse
 from ..openapi import request_body
+from ..serving.admission import admit
+from ..serving.engine_errors import ENGINE_ERRORS, engine_error
+from ..serving.shapes import json_body
 from ..state import STATE, GatewayState, ModelState
-from .common import ENGINE_ERRORS, admit, engine_error, json_body
 
 routes = web.RouteTableDef()
 

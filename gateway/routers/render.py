@@ -2,7 +2,7 @@
 
 ``POST /v1/chat/completions/render`` and ``POST /v1/completions/render`` take the bodies of
 ``/v1/chat/completions`` and ``/v1/completions`` and run the same code up to the engine
-(``openai.plan_chat``, ``openai.plan_completion``): the same checks and 400s, chat template, tokenizer
+(``serving.plans.plan_chat``, ``serving.plans.plan_completion``): the same checks and 400s, chat template, tokenizer
 and sampling parameters. Instead of generating, they answer what the engine would get, shaped like
 vLLM's render routes (a chat request renders to one object, a completions request to a list with one
 object per prompt, each carrying ``token_ids`` and ``sampling_params``), with the prompt's text beside
@@ -15,9 +15,9 @@ from aiohttp import web
 
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import request_body
+from ..serving.plans import Plan, plan_chat, plan_completion
+from ..serving.shapes import json_body
 from ..state import STATE
-from .common import json_body
-from .openai import Plan, plan_chat, plan_completion
 
 routes = web.RouteTableDef()
 

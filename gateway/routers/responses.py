@@ -33,26 +33,17 @@ from ..generation import TokenLogprob
 from ..ids import random_hex
 from ..openai_schemas import MAX_TOOLS, RequestBody, SamplingFields, parse, parse_query
 from ..openapi import JSON, SSE, query, request_body, response
+from ..serving.admission import admit
+from ..serving.choices import Choice, run_choices
+from ..serving.engine_errors import ENGINE_ERRORS, engine_error
+from ..serving.prompts import chat_prompt, check_prompt_ids
+from ..serving.sampling import build_sampling, text_options
+from ..serving.shapes import json_body
+from ..serving.tools import ToolUse, final_tool_calls, message_parser, tool_use
 from ..sse import encode_event, open_stream
 from ..state import STATE, GatewayState, ModelState
 from ..store import StoreUnavailable
 from ..text.message import MessagePiece
-from .common import (
-    ENGINE_ERRORS,
-    Choice,
-    ToolUse,
-    admit,
-    build_sampling,
-    chat_prompt,
-    check_prompt_ids,
-    engine_error,
-    final_tool_calls,
-    json_body,
-    message_parser,
-    run_choices,
-    text_options,
-    tool_use,
-)
 
 log = logging.getLogger("zserve.gateway.responses")
 routes = web.RouteTableDef()
@@ -613,7 +604,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                           param="stream")
     history: list[dict] = []
     if req.previous_response_id:
-        prev = await _load(state, req.previous_response_id, param="previous_response_id")
+        prev = await _load(state.gateway, req.previous_response_id, param="previous_response_id")
         if prev.get("messages") is None:
             raise bad_request(f"previous response {req.previous_response_id} is {prev.get('status')}; only a "
                               "finished response can be continued", param="previous_response_id")

@@ -14,12 +14,12 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from ..admission import ScalingPaused
 from ..errors import APIError, bad_request, error_response, routing_error, shape_of
 from ..openai_schemas import json_object
 from ..openapi import JSON, SSE, request_body, response
+from ..serving.admission import ScalingPaused
+from ..serving.shapes import health_response
 from ..state import STATE
-from .core import health_response
 
 routes = web.RouteTableDef()
 

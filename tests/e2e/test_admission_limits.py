@@ -1,4 +1,4 @@
-"""A request is admitted whole or refused whole (gateway/routers/common.py ``admit``): one with more parts (choices,
+"""A request is admitted whole or refused whole (gateway/serving/admission.py ``admit``): one with more parts (choices,
 pooled inputs) than an engine queues is a 400 that says the limit, and one that finds the queues full is one 429
 that leaves nothing queued. This module's own server: a queue of 4 (``--max-waiting 4``) and one sequence at a
 time, so that a few long streams fill it."""

@@ -1,4 +1,4 @@
-"""``routers.common.ChoiceRun`` against an engine client whose socket is a list: what reaches the engine when a
+"""``serving.choices.ChoiceRun`` against an engine client whose socket is a list: what reaches the engine when a
 request's choices fail."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from gateway.engine_client import ModelEngines
 from gateway.generation import TextOptions
-from gateway.routers.common import Choice, ChoiceRun
+from gateway.serving.choices import Choice, ChoiceRun
 from protocol import AbortRequest, RequestOutput, SamplingParams, StepOutputs, encode
 
 from .fake_engine import fake_engine_client

@@ -1,7 +1,7 @@
 """Elastic expert parallelism at the gateway, in process with real aiohttp and a fake supervisor: ``POST
 /scale_elastic_ep`` checks its body, forwards an ``ElasticScaleCommand`` and maps each outcome to vLLM's status;
 ``/is_scaling_elastic_ep`` reads the cluster state; and while a resize pauses admission new requests are held
-(``admission.ScalingPaused``) until it ends or ``--scaling-wait`` runs out, whereas an operator's pause refuses
+(``serving.admission.ScalingPaused``) until it ends or ``--scaling-wait`` runs out, whereas an operator's pause refuses
 them at once."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from gateway.admission import GUARD, Guard
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ModelEngines
-from gateway.routers.common import admit
 from gateway.security import Keys
+from gateway.serving.admission import admit
 from gateway.state import STATE, GatewayState, ModelState, ServedModel
 from protocol.cluster import ClusterState
 from protocol.control import (

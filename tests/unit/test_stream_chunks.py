@@ -6,8 +6,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.routers.common import NO_TOOLS
 from gateway.routers.openai import ChatShape, CompletionShape
+from gateway.serving.tools import NO_TOOLS
 
 
 @pytest.mark.parametrize("shape", [ChatShape(None, False, NO_TOOLS), CompletionShape(None, False)],  # type: ignore[arg-type]
