@@ -16,7 +16,8 @@ from .state import STATE, GatewayState
 
 log = logging.getLogger("zserve.gateway")
 
-# Route families, each a module with a ``routes`` table (docs/api.md describes them).
+# Route families, each a module with a ``routes`` table (docs/api.md describes them); their names, in this order, are
+# ``gateway.families.FAMILY_NAMES``, which the supervisor checks --disable-family against without importing a router.
 # A render-only gateway mounts them all too: its generation routes refuse with a clear 400 in their own
 # error shape (``serving.admission.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,

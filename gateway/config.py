@@ -1,6 +1,7 @@
 """The gateway tier's configuration, written once: ``launch`` fills it, the supervisor hands every
-gateway the same JSON value, the gateway reads it back (``zserve.config.EngineConfig`` is the
-engine tier's twin). A new gateway option is a field here, a click option and the code that uses it.
+gateway the same value inside its ``GatewayLaunch`` (``zserve.config.EngineConfig`` and
+``zserve.launch_spec.EngineLaunch`` are the engine tier's twins), the gateway reads it back. A new gateway option
+is a field here, a click option and the code that uses it. Router-free: the supervisor imports it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,20 @@ from dataclasses import dataclass
 
 import orjson
 
-from zserve.config import EngineConfig, config_from_json
+from zserve.catalog import ModelSource
+from zserve.config import EngineConfig, config_from_dict, config_from_json
+from zserve.launch_spec import (
+    LaunchError,
+    check,
+    fields_from_json,
+    is_int,
+    is_seconds,
+    is_text,
+    optional_text,
+    source_from_json,
+)
 
+from .families import FAMILY_NAMES, check_disabled, installed_plugin_names
 from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
 from .text.reasoning import REASONING_PARSERS
 from .text.tool_parsers import TOOL_PARSERS
@@ -42,7 +55,7 @@ class GatewayConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
-    # Route families (gateway.app.ROUTE_FAMILIES) and endpoint plugins (gateway.plugins) not mounted: they answer 404.
+    # Route families (gateway.families) and endpoint plugins (gateway.plugins) not mounted: they answer 404.
     disabled_families: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -92,10 +105,7 @@ class GatewayConfig:
             raise ValueError("disabled_families must be a list of route family or plugin names")
         object.__setattr__(self, "disabled_families", tuple(dict.fromkeys(self.disabled_families)))
         if self.disabled_families:
-            from .app import ROUTE_FAMILIES  # the routers, imported only when a family is disabled
-            from .plugins import check_disabled, installed_plugin_names
-
-            check_disabled(self.disabled_families, ROUTE_FAMILIES, installed_plugin_names())
+            check_disabled(self.disabled_families, FAMILY_NAMES, installed_plugin_names())
 
     def replace(self, **changes) -> GatewayConfig:
         return dataclasses.replace(self, **changes)
@@ -106,3 +116,85 @@ class GatewayConfig:
     @classmethod
     def from_json(cls, text: str | bytes) -> GatewayConfig:
         return config_from_json(cls, text, "gateway")
+
+
+@dataclass(frozen=True)
+class GatewayModel:
+    """One model a gateway serves: where its files are (tokenizer, chat template) and every name clients use."""
+
+    source: ModelSource
+    names: tuple[str, ...] = ()  # () = the model id
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.source, ModelSource), "a served model's source must be a ModelSource")
+        names = tuple(self.names) if isinstance(self.names, (list, tuple)) else None
+        check(names is not None and all(is_text(n) for n in names), "a served model's names must be non-empty "
+                                                                   "strings")
+        object.__setattr__(self, "names", names)
+
+    def to_json(self) -> dict:
+        return {"source": self.source.to_json(), "names": list(self.names)}
+
+    @classmethod
+    def from_json(cls, data: object) -> GatewayModel:
+        check(isinstance(data, dict) and set(data) <= {"source", "names"},
+              "a served model is a JSON object with source and names")
+        assert isinstance(data, dict)
+        return cls(source_from_json(data.get("source")), data.get("names") or ())
+
+
+@dataclass(frozen=True)
+class GatewayLaunch:
+    """Everything one gateway process is started with."""
+
+    index: int
+    fd: int  # the inherited listening socket
+    models: tuple[GatewayModel, ...]  # every model a request may name; the first is the default
+    config: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
+    cache_dir: str | None = None  # tokenizers built from GGUF metadata, kept across restarts
+    control_socket: str | None = None  # the supervisor's control socket (control routes send commands there)
+    shutdown_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
+    key_file: str | None = None  # digests of the API and admin keys (gateway.security)
+    keys_dir: str | None = None  # CURVE key directory (zserve.curve) for engines on other hosts
+    responses_db: str | None = None  # the SQLite file every gateway of this host shares
+    engines: tuple[str, ...] = ()  # engine endpoints, for a gateway no supervisor tells (it sends cluster state)
+    engine_timeout: float = 600.0  # seconds to wait for the first ready engine
+
+    def __post_init__(self) -> None:
+        check(is_int(self.index, 0, 1 << 16), "index must be an integer in 0..65536")
+        check(is_int(self.fd, 0, 1 << 20), "fd must be a file descriptor")
+        models = tuple(self.models) if isinstance(self.models, (list, tuple)) else ()
+        check(bool(models) and all(isinstance(m, GatewayModel) for m in models), "models must name at least one "
+                                                                                "GatewayModel")
+        object.__setattr__(self, "models", models)
+        check(isinstance(self.config, GatewayConfig), "config must be a GatewayConfig")
+        for name in ("cache_dir", "control_socket", "key_file", "keys_dir", "responses_db"):
+            check(optional_text(getattr(self, name)), f"{name} must be a path or null")
+        check(is_seconds(self.shutdown_timeout, 0, 86400), "shutdown_timeout must be seconds in 0..86400")
+        check(is_seconds(self.heartbeat_interval, 0.01, 3600), "heartbeat_interval must be seconds in 0.01..3600")
+        check(is_seconds(self.engine_timeout, 0, 86400), "engine_timeout must be seconds in 0..86400")
+        engines = tuple(self.engines) if isinstance(self.engines, (list, tuple)) else None
+        check(engines is not None and all(is_text(e) for e in engines), "engines must be endpoint strings")
+        object.__setattr__(self, "engines", engines)
+
+    def to_json(self) -> str:
+        return orjson.dumps({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                             "models": [m.to_json() for m in self.models],
+                             "config": dataclasses.asdict(self.config)}).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GatewayLaunch:
+        data = fields_from_json(cls, text, "gateway launch")
+        models = data.get("models")
+        check(isinstance(models, list), "models must be a list of served models")
+        data["models"] = tuple(GatewayModel.from_json(m) for m in models)
+        if "config" in data:
+            try:
+                data["config"] = config_from_dict(GatewayConfig, data["config"], "gateway")
+            except (ValueError, TypeError) as e:
+                raise LaunchError(f"config: {e}") from None
+        try:
+            return cls(**data)
+        except TypeError as e:  # a required field missing
+            raise LaunchError(f"gateway launch: {e}") from None

@@ -29,6 +29,7 @@ from aiohttp import hdrs, web
 from protocol import PoolOutput, RequestOutput, SamplingParams
 
 from .errors import APIError
+from .families import ENTRY_POINT_GROUP, check_disabled, installed_plugin_names
 from .ids import random_hex
 
 if TYPE_CHECKING:
@@ -39,12 +40,9 @@ if TYPE_CHECKING:
     from .text.chat_template import ChatTemplate
 
 __all__ = ["ENTRY_POINT_GROUP", "PLUGIN_CONTEXT", "APIError", "EndpointPlugin", "Hook", "PluginContext",
-           "PluginError", "PluginModel", "SamplingParams", "load_plugins"]
+           "PluginError", "PluginModel", "SamplingParams", "check_disabled", "installed_plugin_names", "load_plugins"]
 
 log = logging.getLogger("zserve.gateway")
-
-ENTRY_POINT_GROUP = "zserve.endpoints"
-CORE_FAMILY = "core"  # /health and /metrics: what the supervisor and load balancers need, never disabled
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _PATH_VARIABLE = re.compile(r"\{[^}:]+(:[^}]*)?\}")
@@ -215,23 +213,6 @@ def load_plugins(reserved: Collection[str] = (), skip: Collection[str] = (), gro
                               "EndpointPlugin must have the same name")
         plugins.append(obj)
     return plugins
-
-
-def installed_plugin_names(group: str = ENTRY_POINT_GROUP) -> list[str]:
-    """The names of the installed plugins, read from package metadata without importing them."""
-    return sorted({ep.name for ep in metadata.entry_points(group=group)})
-
-
-def check_disabled(disabled: Iterable[str], families: Iterable[str], plugins: Iterable[str]) -> None:
-    """``ValueError`` for a family that cannot be disabled: core, or a name that is no family or plugin."""
-    families, plugins = list(families), list(plugins)
-    for name in disabled:
-        if name == CORE_FAMILY:
-            raise ValueError("disabled_families: 'core' cannot be disabled: /health and /metrics are how the "
-                             "supervisor and load balancers see a gateway")
-        if name not in families and name not in plugins:
-            raise ValueError(f"disabled_families: unknown route family {name!r}; known: {', '.join(families)}"
-                             f"{'; plugins: ' + ', '.join(plugins) if plugins else ' (no plugin is installed)'}")
 
 
 def mount_routes(families: Mapping[str, Iterable[web.AbstractRouteDef]], plugins: Sequence[EndpointPlugin],

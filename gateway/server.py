@@ -10,7 +10,6 @@ render-only gateway (``launch render``) has no engine tier: it is ready as soon 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -18,7 +17,6 @@ import signal
 import socket
 import sys
 
-import orjson
 import uvloop
 from aiohttp import web
 
@@ -26,14 +24,14 @@ from protocol import ProtocolError
 from protocol.cluster import ClusterState
 from protocol.constants import EXIT_CUT_OFF, LISTEN_BACKLOG
 from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready
-from zserve.catalog import ModelSource
 from zserve.curve import CurveKeys
+from zserve.launch_spec import ChildPipes, parse_child_argv
 from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
 
 from . import logs
 from .admission import Guard
 from .app import ROUTE_FAMILIES, build_app
-from .config import GatewayConfig
+from .config import GatewayLaunch
 from .engine_client import EngineClient, ModelEngines
 from .plugins import PluginContext, check_disabled, describe, installed_plugin_names, load_plugins
 from .security import CorsPolicy, Keys
@@ -77,23 +75,23 @@ class ControlReader:
             await self.cb(await self.queue.get())
 
 
-async def serve(a: argparse.Namespace) -> int:
+async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
     loop = asyncio.get_running_loop()
-    status = StatusPipe(a.status_fd)
+    status = StatusPipe(pipes.status_fd)
     # A plugin that cannot load, or a family to disable that is not here, can never start: a boot error.
     with boot_phase(status, f"gateway {a.index}"):
         check_disabled(a.config.disabled_families, ROUTE_FAMILIES, installed_plugin_names())
         plugins = load_plugins(reserved=ROUTE_FAMILIES, skip=a.config.disabled_families)
     with boot_phase(status, f"gateway {a.index}"):
-        keys = CurveKeys.for_client(a.keys) if a.keys else None
-    engines = EngineClient(a.engine or [], client_id=f"gw{a.index}-{os.getpid()}", keys=keys)
+        keys = CurveKeys.for_client(a.keys_dir) if a.keys_dir else None
+    engines = EngineClient(list(a.engines), client_id=f"gw{a.index}-{os.getpid()}", keys=keys)
     models = []
-    for entry in a.served_model:
-        source = ModelSource.from_json(entry["source"])
+    for entry in a.models:
+        source = entry.source
         tokenizer, template = await loop.run_in_executor(None, load_text, source, a.cache_dir)
-        models.append(ServedModel(source, list(entry.get("names") or [source.model_id]), tokenizer, template,
+        models.append(ServedModel(source, list(entry.names or [source.model_id]), tokenizer, template,
                                   ModelEngines(engines, source.model_id)))
-    cfg: GatewayConfig = a.config
+    cfg = a.config
     state = GatewayState(a.index, models, engines, control_socket=a.control_socket,
                          tool_parser=get_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None,
                          reasoning_parser=get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None,
@@ -124,10 +122,10 @@ async def serve(a: argparse.Namespace) -> int:
         state.apply_cluster(cluster)  # wakes the requests a resize held, once it is over
         status.send(Ack(cluster.version))
 
-    if a.control_fd is not None:
-        reader = ControlReader(a.control_fd, apply)
-        os.set_blocking(a.control_fd, False)
-        loop.add_reader(a.control_fd, reader.on_readable)
+    if pipes.control_fd is not None:
+        reader = ControlReader(pipes.control_fd, apply)
+        os.set_blocking(pipes.control_fd, False)
+        loop.add_reader(pipes.control_fd, reader.on_readable)
         tasks.append(asyncio.create_task(reader.run()))
     await engines.start()
     if not cfg.render_only:  # a render-only gateway has no engine to wait for
@@ -198,34 +196,12 @@ async def drain(state: GatewayState, site: web.SockSite, server: web.Server | No
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m gateway", description="zserve HTTP gateway (started by `launch`)")
-    p.add_argument("--index", type=int, required=True)
-    p.add_argument("--fd", type=int, required=True, help="inherited listening socket")
-    p.add_argument("--engine", action="append", default=None, help="engine endpoint, when not told by a supervisor")
-    p.add_argument("--served-model", action="append", required=True, type=orjson.loads,
-                   help='one model every request may name, as JSON: {"source": ModelSource.to_json(), '
-                        '"names": [...]}; repeated for each model')
-    p.add_argument("--config", default=None,
-                   help="JSON from gateway.config.GatewayConfig.to_json() (default: defaults)")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--engine-timeout", type=float, default=600.0)
-    p.add_argument("--shutdown-timeout", type=float, default=30.0)
-    p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--control-socket", default=None, help="the supervisor's control socket")
-    p.add_argument("--parent-pid", type=int, default=None)
-    p.add_argument("--status-fd", type=int, default=None, help="pipe to the supervisor")
-    p.add_argument("--control-fd", type=int, default=None, help="pipe from the supervisor")
-    p.add_argument("--responses-db", default=None, help="the SQLite file every gateway of this host shares")
-    p.add_argument("--key-file", default=None, help="digests of the API and admin keys (gateway.security)")
-    p.add_argument("--keys", default=None, help="CURVE key directory (zserve.curve) for engines on other hosts")
-    a = p.parse_args(argv)
-    try:
-        a.config = GatewayConfig.from_json(a.config) if a.config else GatewayConfig()
-    except (ValueError, TypeError) as e:
-        p.error(f"--config: {e}")
-    die_with_parent(a.parent_pid)
+    """``python -m gateway --launch JSON``: the ``GatewayLaunch`` the supervisor built (``launch.handoff``)."""
+    a, pipes = parse_child_argv(argv, "python -m gateway", "zserve HTTP gateway (started by `launch`)",
+                                GatewayLaunch.from_json)
+    die_with_parent(pipes.parent_pid)
     ignore_terminal_signals()
     set_title(f"zserve: gateway {a.index}")
     setup_logging(f"gateway {a.index}")
     logs.install()
-    sys.exit(uvloop.run(serve(a)))
+    sys.exit(uvloop.run(serve(a, pipes)))

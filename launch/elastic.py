@@ -119,9 +119,9 @@ class ElasticGroup:
         return {"size": self.size, "generation": self.current, "phase": self.phase or None,
                 "experts": self.experts, "last_error": self.last_error, "last_pause_s": self.last_pause_s}
 
-    def engine_args(self, index: int) -> list[str]:
-        """A new member loads its share of the size the tier is heading for."""
-        return ["--ep-size", str(self.tier.desired), "--ep-member", str(index - self.tier.base)]
+    def share(self, index: int) -> tuple[int, int]:
+        """(member, size): a new member loads its share of the experts of the size the tier is heading for."""
+        return index - self.tier.base, self.tier.desired
 
     # -- events --------------------------------------------------------------------------------------------
     def on_report(self, child: Child, msg: GroupReport) -> None:

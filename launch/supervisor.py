@@ -38,8 +38,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from functools import partial
 
-import orjson
-
 from gateway.config import GatewayConfig
 from gateway.security import write_key_file
 from protocol import ProtocolError
@@ -78,7 +76,7 @@ from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import no_cache_warning, user_cache_dir
 
-from . import systemd
+from . import handoff, systemd
 from .children import CRASH_LOOP_WINDOW, Child, Slot, spawn
 from .control_server import AwaitAcks, ControlServer
 from .elastic import ElasticGroup, Later
@@ -290,38 +288,26 @@ class Supervisor:
     def _spawn(self, tier: str, index: int) -> Child:
         c = self.cfg
         slot = self._slot(tier, index)
-        common = ["--heartbeat-interval", str(c.heartbeat_interval)]
         if tier == "engine":
             mt = self.tier_of(index)
-            engine = mt.spec.engine
-            threads = engine.threads or self.engine_threads()
-            args = ["--rank", str(index), "--endpoint", self.engine_endpoint(index),
-                    "--model-source", orjson.dumps(mt.source.to_json()).decode(),
-                    "--config", engine.replace(threads=threads).to_json(), *common]
-            device = engine_device(mt.first_device + index - mt.base, self.num_gpus)
-            if device is not None:
-                args += ["--device", str(device)]
             group = self.elastic.get(mt.base)
-            if group is not None:
-                args += group.engine_args(index)
-            if self.cfg.bind is not None and self.cfg.keys_dir:
-                args += ["--keys", self.cfg.keys_dir]
-            child = spawn(slot, "engine_worker", args)
+            engine = handoff.engine_launch(
+                index, self.engine_endpoint(index), mt.source, mt.spec.engine, threads=self.engine_threads(),
+                device=engine_device(mt.first_device + index - mt.base, self.num_gpus),
+                heartbeat_interval=c.heartbeat_interval, expert_share=group.share(index) if group else None,
+                keys_dir=c.keys_dir if c.bind is not None else None)
+            child = spawn(slot, "engine_worker", handoff.argv(engine))
         else:
             assert self.listener is not None
             fd = self.listener.fileno()
-            args = ["--index", str(index), "--fd", str(fd), "--cache-dir", self.cache_dir,
-                    "--control-socket", self.control_path, "--shutdown-timeout", str(c.shutdown_timeout), *common]
-            for t in self.tiers:  # every gateway serves every model
-                args += ["--served-model", orjson.dumps({"source": t.source.to_json(), "names": t.names}).decode()]
-            if c.api_keys or c.admin_keys:
-                args += ["--key-file", self.key_file]
-            if c.remote_engines and c.keys_dir:
-                args += ["--keys", c.keys_dir]
-            args += ["--config", c.gateway.replace(render_only=self.render_only).to_json(),
-                     "--responses-db", os.path.join(self.run_dir, "responses.db")]
+            gateway = handoff.gateway_launch(
+                index, fd, [(t.source, t.names) for t in self.tiers], c.gateway, render_only=self.render_only,
+                cache_dir=self.cache_dir, control_socket=self.control_path, shutdown_timeout=c.shutdown_timeout,
+                heartbeat_interval=c.heartbeat_interval, responses_db=os.path.join(self.run_dir, "responses.db"),
+                key_file=self.key_file if c.api_keys or c.admin_keys else None,
+                keys_dir=c.keys_dir if c.remote_engines else None)
             env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
-            child = spawn(slot, "gateway", args, pass_fds=(fd,), env=env)
+            child = spawn(slot, "gateway", handoff.argv(gateway), pass_fds=(fd,), env=env)
             child.send(ClusterUpdate(self.store.get()))
         self.sel.register(child.status_fd, selectors.EVENT_READ, partial(self._read_status, child))
         self.children.append(child)

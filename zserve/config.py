@@ -1,7 +1,8 @@
 """The engine tier's configuration, written once.
 
 ``launch`` fills an ``EngineConfig`` from its command line, the supervisor hands every engine the
-same value as one JSON argument (as ``ModelSource`` travels), and the engine reads it back. A new
+same value inside its launch value (``zserve.launch_spec.EngineLaunch``, one JSON argument, beside its
+``ModelSource``), and the engine reads it back. A new
 engine option is a field here (with its default and check), a click option in ``launch/cli.py``
 and the code that uses it — nothing in between repeats it. Torch-free: the supervisor imports it.
 """
@@ -96,7 +97,11 @@ C = TypeVar("C")
 def config_from_json(cls: type[C], text: str | bytes, tier: str) -> C:
     """A tier's configuration from the JSON its ``to_json`` wrote, checked by its constructor;
     unknown fields are an error (a supervisor newer than the child it started)."""
-    data = orjson.loads(text)
+    return config_from_dict(cls, orjson.loads(text), tier)
+
+
+def config_from_dict(cls: type[C], data: Any, tier: str) -> C:
+    """A tier's configuration from a JSON object already parsed (one nested in a launch value)."""
     if not isinstance(data, dict):
         raise ValueError(f"a {tier} configuration is a JSON object")
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]

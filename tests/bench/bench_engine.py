@@ -44,6 +44,7 @@ import time
 import torch
 
 from engine_worker.device import configure_cpu_threads, dtype_name, resolve_dtype, select_device
+from engine_worker.engine import Engine
 from engine_worker.grammar import Grammars, tokenizer_json_loader
 from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
@@ -51,6 +52,7 @@ from engine_worker.scheduler import Scheduler
 from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve, smollm2_gguf_path
+from zserve.config import EngineConfig
 
 # --sampling presets: (temperature, top_p, top_k); zserve and transformers get the same settings.
 PRESETS = {"greedy": (0.0, 1.0, 0), "t1": (1.0, 1.0, 0), "t07p09": (0.7, 0.9, 0), "t07k40": (0.7, 1.0, 40),
@@ -299,8 +301,10 @@ def main() -> None:
     source = resolve(args.model)
     loaded = load_model(source, dtype, device)
     max_c = max(args.concurrency)
-    runner = ModelRunner(loaded, device, dtype, max_num_seqs=max_c, max_model_len=512)
-    GRAMMARS = Grammars(tokenizer_json_loader(source.tokenizer_path), runner.vocab_size, runner.eos_token_ids)
+    engine = Engine.generation(loaded, device, dtype, EngineConfig(max_num_seqs=max_c, max_model_len=512,
+                                                                   max_num_batched_tokens=args.max_num_batched_tokens),
+                               tokenizer_json=tokenizer_json_loader(source.tokenizer_path))
+    runner, GRAMMARS = engine.runner, engine.grammars
     hf = None if args.no_hf else load_hf(dtype)
     print(f"{loaded.model_id} on {device}, {dtype_name(dtype)}, {threads} threads; KV {runner.num_blocks} blocks "
           f"of {runner.block_size}; outputs {args.min_new}-{args.max_new} tokens; budget {args.max_num_batched_tokens}")

@@ -22,12 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from zserve.catalog import resolve  # noqa: E402
+from zserve.launch_spec import EngineLaunch  # noqa: E402
 
 
 def start_once(model: str, cache_home: str, weight_cache: bool) -> tuple[float, float]:
@@ -38,8 +37,8 @@ def start_once(model: str, cache_home: str, weight_cache: bool) -> tuple[float, 
     with tempfile.TemporaryDirectory() as run:
         t0 = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_worker", "--rank", "0", "--endpoint", f"ipc://{run}/e.sock",
-             "--model-source", orjson.dumps(source.to_json()).decode(), "--status-fd", str(w)],
+            [sys.executable, "-m", "engine_worker", "--launch",
+             EngineLaunch(0, f"ipc://{run}/e.sock", source).to_json(), "--status-fd", str(w)],
             cwd=ROOT, env=env, pass_fds=(w,), stderr=subprocess.PIPE, text=True)
         os.close(w)
         try:

@@ -30,18 +30,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bench_engine import make_workload, run_zserve  # noqa: E402
 
 from engine_worker.device import resolve_dtype, select_device  # noqa: E402
+from engine_worker.engine import Engine  # noqa: E402
 from engine_worker.loader import load_model  # noqa: E402
 from engine_worker.runner import ModelRunner  # noqa: E402
 from engine_worker.scheduler import Scheduler, run_until_done  # noqa: E402
 from engine_worker.sequence import Sequence  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
 from zserve.catalog import resolve  # noqa: E402
+from zserve.config import EngineConfig  # noqa: E402
 
 
 def engine(loaded, device, dtype, max_seqs: int, variant: str) -> ModelRunner:
     """variant: "gather" (torch path), "triton" (eager), "graphs" (Triton + CUDA graphs)."""
-    return ModelRunner(loaded, device, dtype, max_num_seqs=max_seqs, max_model_len=1024,
-                       cuda_graphs=variant == "graphs", attention="gather" if variant == "gather" else None)
+    built = Engine.generation(loaded, device, dtype, EngineConfig(max_num_seqs=max_seqs, max_model_len=1024),
+                              cuda_graphs=variant == "graphs", attention="gather" if variant == "gather" else None)
+    return built.runner
 
 
 def greedy_tokens(runner: ModelRunner, work) -> list[list[int]]:

@@ -55,17 +55,19 @@ def write_moe_checkpoint(root: Path, seed: int = 0) -> Path:
 
 def reference_greedy(root: Path, prompts: list[list[int]], n: int, device: str = "cpu") -> list[list[int]]:
     """Each prompt's ``n`` greedy tokens (EOS ignored) from one in-process engine holding every expert (fp32)."""
+    from engine_worker.engine import Engine
     from engine_worker.loader import load_model
-    from engine_worker.runner import ModelRunner
-    from engine_worker.scheduler import Scheduler, run_until_done
+    from engine_worker.scheduler import run_until_done
     from engine_worker.sequence import Sequence
     from protocol.messages import SamplingParams
     from zserve.catalog import ModelSource
+    from zserve.config import EngineConfig
 
     dev = torch.device(device)
     lm = load_model(ModelSource(root.name, "hf", str(root), str(root)), torch.float32, dev)
-    runner = ModelRunner(lm, dev, torch.float32, max_num_seqs=4, max_model_len=256, num_blocks=128, cuda_graphs=False)
-    sched = Scheduler(runner, 4, 256)
+    sched = Engine.generation(lm, dev, torch.float32, EngineConfig(max_num_seqs=4, max_model_len=256,
+                                                                   max_num_batched_tokens=256, enforce_eager=True),
+                              num_blocks=128).scheduler
     for i, p in enumerate(prompts):
         sched.add(Sequence(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     done = run_until_done(sched)

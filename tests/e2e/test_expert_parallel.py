@@ -192,8 +192,10 @@ def test_a_new_member_that_dies_while_loading_leaves_the_old_group_serving(ep, r
                 cmd = p.cmdline()
             except psutil.Error:
                 continue
-            if "engine_worker" in cmd and "--ep-member" in cmd and cmd[cmd.index("--ep-member") + 1] == "2":
-                return p
+            if "engine_worker" in cmd and "--launch" in cmd:
+                share = json.loads(cmd[cmd.index("--launch") + 1])["expert_share"]
+                if share is not None and share[0] == 2:  # (member, size): member 2
+                    return p
         return None
 
     os.kill(wait_until(the_new_member, 30, 0.01, "the new member's process").pid, signal.SIGKILL)

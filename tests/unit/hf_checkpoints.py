@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from engine_worker.attention import SeqLayout, select_backend
+from engine_worker.engine import Engine
 from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import load_model
-from engine_worker.runner import ModelRunner
-from engine_worker.scheduler import Scheduler, run_until_done
+from engine_worker.scheduler import run_until_done
 from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import ModelSource
+from zserve.config import EngineConfig
 
 CPU = torch.device("cpu")
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, EXPERTS = 96, 32, 48, 2, 4, 2, 4
@@ -123,10 +124,10 @@ def our_logits(root: Path) -> torch.Tensor:
 
 def our_greedy(root: Path, n: int, native: bool = True) -> list[int]:
     lm = load_model(source(root), torch.float32, CPU)
-    # native=False: the torch path (no compiler here, or CUDA)
-    runner = ModelRunner(lm, CPU, torch.float32, max_num_seqs=2, max_model_len=64, num_blocks=16, block_size=4,
-                         attention=None if native else "gather")
-    sched = Scheduler(runner, 2, 5)  # chunked prefill over the paged cache
+    # native=False: the torch path (no compiler here, or CUDA); a budget of 5: chunked prefill over the paged cache
+    sched = Engine.generation(lm, CPU, torch.float32, EngineConfig(max_num_seqs=2, max_model_len=64, block_size=4,
+                                                                   max_num_batched_tokens=5),
+                              num_blocks=16, attention=None if native else "gather").scheduler
     # min_tokens masks EOS as transformers' min_new_tokens does
     sched.add(Sequence("r", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)))
     return [t for o in run_until_done(sched)["r"] for t in o.new_token_ids]

@@ -14,30 +14,38 @@ import jsonschema
 import pytest
 import torch
 
+from engine_worker.engine import Engine
 from engine_worker.grammar import Grammars
 from engine_worker.loader import load_model
-from engine_worker.runner import ModelRunner
 from engine_worker.scheduler import Scheduler, run_until_done
 from engine_worker.sequence import Sequence
 from protocol.constants import ERR_STRUCTURED_OUTPUT
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve
+from zserve.config import EngineConfig
 from zserve.grammar import choice_grammar, every_byte_vocabulary
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def runner():
+def engine(smollm2_tokenizer):
     loaded = load_model(resolve("tiny-random"), torch.float32, CPU)
-    return ModelRunner(loaded, CPU, torch.float32, max_num_seqs=8, max_model_len=512, num_blocks=512, block_size=16)
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=512, block_size=16)
+    built = Engine.generation(loaded, CPU, torch.float32, cfg,
+                              num_blocks=512, tokenizer_json=smollm2_tokenizer.backend.to_str)
+    yield built
+    built.grammars.close()
 
 
 @pytest.fixture(scope="module")
-def grammars(runner, smollm2_tokenizer):
-    g = Grammars(smollm2_tokenizer.backend.to_str, runner.vocab_size, runner.eos_token_ids)
-    yield g
-    g.close()
+def runner(engine):
+    return engine.runner
+
+
+@pytest.fixture(scope="module")
+def grammars(engine):
+    return engine.grammars
 
 
 @pytest.fixture

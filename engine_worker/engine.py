@@ -1,0 +1,235 @@
+"""An engine: one model's runner, scheduler and announced identity, assembled from one ``EngineLaunch``, and the
+loop that serves them.
+
+``Engine.build`` chooses the kind from the launch value and the model's files — an encoder pools (no KV cache, no
+sampler), any other model generates, in an expert-parallel group when the launch carries a share of the experts —
+loads the model and assembles runner, scheduler and ``EngineHello``. ``Engine.generation`` and ``Engine.pooling``
+assemble from parts a caller already has (tests and benchmarks build their engines through them). ``Engine.serve``
+binds the server the kind needs (``server.EngineServer`` or ``ep_server.GroupedEngineServer``), tells the
+supervisor it is ready and steps until drained. ``python -m engine_worker`` is ``main()``: parse, build, serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from protocol import EngineHello
+from protocol.control import Heartbeat, Ready
+from protocol.messages import MODEL_TASKS
+from zserve.catalog import ModelSource
+from zserve.config import EngineConfig
+from zserve.curve import CurveKeys
+from zserve.launch_spec import ChildPipes, EngineLaunch, parse_child_argv
+from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
+
+from .device import configure_cpu_threads, parse_memory, resolve_dtype, select_device
+from .grammar import Grammars, tokenizer_json_loader
+from .loader import LoadedModel, load_model
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .server import EngineServer
+
+log = logging.getLogger("zserve.engine")
+
+
+@dataclass
+class Engine:
+    """An assembled engine. ``runner`` and ``scheduler`` are a ``ModelRunner`` and ``Scheduler`` (generation) or a
+    ``PoolingRunner`` and ``PoolingScheduler`` (an encoder); ``grammars`` compiles structured output (generation)."""
+
+    runner: Any
+    scheduler: Any
+    hello: EngineHello
+    grammars: Grammars | None = None
+    expert_parallel: bool = False  # one member of an expert-parallel group (steps with the group)
+    started: float | None = None  # when loading began (time.monotonic), for the ready line
+
+    # -- assembling ----------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, launch: EngineLaunch, status: StatusPipe | None = None) -> Engine:
+        """Load ``launch.source`` on the device it names and assemble the engine its kind needs. A model that
+        cannot load or a KV cache too small for one request can never start: a boot error (EXIT_BOOT_ERROR, which
+        the supervisor treats as fatal at once instead of reloading in a loop)."""
+        status = status or StatusPipe(None)
+        cfg, source = launch.config, launch.source
+        device = select_device(launch.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        if device.type == "cpu":
+            configure_cpu_threads(cfg.threads)
+        started = time.monotonic()
+        if source.weights == "hf":
+            from .pooling import is_pooling_model
+
+            if is_pooling_model(source.path):
+                with boot_phase(status, f"engine {launch.rank}"):
+                    engine = cls.pooling(source, device, dtype, cfg, rank=launch.rank)
+                engine.started = started
+                return engine
+        with boot_phase(status, f"engine {launch.rank}"):
+            loaded = load_model(source, dtype, device, progress=_progress, expert_share=launch.expert_share)
+            engine = cls.generation(loaded, device, dtype, cfg, rank=launch.rank,
+                                    tokenizer_json=tokenizer_json_loader(source.tokenizer_path),
+                                    expert_parallel=launch.expert_share is not None)
+        engine.started = started
+        return engine
+
+    @classmethod
+    def generation(cls, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                   config: EngineConfig | None = None, *, rank: int = 0,
+                   tokenizer_json: Callable[[], str] | None = None, expert_parallel: bool = False,
+                   **runner_options: Any) -> Engine:
+        """A generating engine for a loaded model: a paged KV cache sized by ``config``, a continuous-batching
+        scheduler, and (with ``tokenizer_json``, the model's ``tokenizers`` JSON) structured output.
+        ``runner_options``: ``ModelRunner`` keywords that replace what ``config`` chooses (``num_blocks``,
+        ``attention``, ``cuda_graphs``: tests and benchmarks)."""
+        cfg = config or EngineConfig()
+        own = loaded.config.max_position_embeddings
+        options: dict[str, Any] = {
+            "block_size": cfg.block_size,
+            "kv_cache_bytes": parse_memory(cfg.kv_cache_memory, device) if cfg.kv_cache_memory is not None else None,
+            "cuda_graphs": False if cfg.enforce_eager else None, "expert_parallel": expert_parallel,
+            "fit_context": cfg.max_model_len is None, **runner_options}
+        runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs,
+                             own if cfg.max_model_len is None else min(cfg.max_model_len, own), **options)
+        max_model_len = runner.max_model_len
+        if cfg.seed is not None:
+            runner.sampler.seed_shared(cfg.seed + rank)
+        log.info("engine %d KV cache: %d blocks of %d tokens (%.0f MiB), prefix caching %s; context %d tokens (%s)",
+                 rank, runner.num_blocks, runner.block_size, runner.kv_cache_bytes / (1 << 20),
+                 "on" if cfg.enable_prefix_caching else "off", max_model_len,
+                 _context_origin(cfg.max_model_len, own, max_model_len))
+        grammars = (Grammars(tokenizer_json, runner.vocab_size, runner.eos_token_ids)
+                    if tokenizer_json is not None else None)
+        scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                              enable_prefix_caching=cfg.enable_prefix_caching, grammars=grammars)
+        hello = EngineHello(
+            rank=rank,
+            model_id=loaded.model_id,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=tuple(runner.eos_token_ids),
+            pid=os.getpid(),
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            tasks=("generate", "embed"),  # embeddings by last-token pooling (Scheduler.add_pool)
+            embed_size=loaded.config.hidden_size,
+        )
+        return cls(runner, scheduler, hello, grammars, expert_parallel)
+
+    @classmethod
+    def pooling(cls, source: ModelSource, device: torch.device, dtype: torch.dtype,
+                config: EngineConfig | None = None, *, rank: int = 0) -> Engine:
+        """An engine for an encoder (embed / classify): no KV cache, no sampler, batches of whole inputs. Its step
+        budget is at least 4096 tokens: one forward pass per step, however many inputs fill it."""
+        from .pooling import PoolingRunner
+        from .pooling_scheduler import PoolingScheduler
+
+        cfg = config or EngineConfig()
+        budget = max(cfg.max_num_batched_tokens, 4096)
+        runner = PoolingRunner(source.path, device, dtype, max_batch_tokens=budget)
+        scheduler = PoolingScheduler(runner, max(cfg.max_num_seqs, 256), budget)
+        model_config = orjson.loads((Path(source.path) / "config.json").read_bytes())
+        embeds = "embed" in runner.tasks
+        hello = EngineHello(
+            rank=rank, model_id=source.model_id, max_num_seqs=scheduler.max_num_seqs,
+            max_model_len=runner.max_model_len if cfg.max_model_len is None else min(cfg.max_model_len,
+                                                                                      runner.max_model_len),
+            vocab_size=runner.vocab_size, eos_token_ids=(),
+            pid=os.getpid(), device=str(device), dtype=str(dtype).removeprefix("torch."),
+            tasks=tuple(t for t in runner.tasks if t in MODEL_TASKS), embed_size=runner.hidden_size if embeds else 0,
+            labels=tuple(runner.labels or ()),
+            matryoshka=embeds and bool(model_config.get("matryoshka_dimensions")
+                                       or model_config.get("is_matryoshka")))
+        return cls(runner, scheduler, hello)
+
+    # -- serving -------------------------------------------------------------------------------------
+    def server(self, launch: EngineLaunch, status: StatusPipe, control_fd: int | None = None,
+               keys: CurveKeys | None = None) -> EngineServer:
+        """Bind ``launch.endpoint`` with the server this kind of engine needs (``keys``: CURVE on a TCP one)."""
+        cfg = launch.config
+        if self.expert_parallel:
+            from .ep_server import GroupedEngineServer
+
+            return GroupedEngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
+                                       max_waiting=cfg.max_waiting, keys=keys, control_fd=control_fd, status=status,
+                                       source=launch.source)
+        return EngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
+                            max_waiting=cfg.max_waiting, keys=keys)
+
+    def serve(self, launch: EngineLaunch, status: StatusPipe, control_fd: int | None = None,
+              keys: CurveKeys | None = None) -> None:
+        """Bind, say ready (log line, SIGTERM drain, heartbeat thread, Ready to the supervisor) and step until
+        drained."""
+        server = self.server(launch, status, control_fd, keys)
+        if self.expert_parallel and self.grammars is not None:
+            # Before Ready: a resize pauses admission once its new members are ready, and this half second of
+            # work would otherwise land inside that pause.
+            self.grammars.prepare().result()
+        hello = server.hello
+        took = time.monotonic() - self.started if self.started is not None else 0.0
+        log.info("engine %d ready: %s (%s) on %s (%s) in %.1fs, endpoint %s", launch.rank, launch.source.model_id,
+                 ", ".join(hello.tasks), hello.device, hello.dtype, took, launch.endpoint)
+        signal.signal(signal.SIGTERM, server.start_draining)
+        threading.Thread(target=_heartbeat, args=(server, status, launch.heartbeat_interval), daemon=True,
+                         name="heartbeat").start()
+        status.send(Ready(index=launch.rank, endpoint=launch.endpoint, device=hello.device, dtype=hello.dtype))
+        if not self.expert_parallel and self.grammars is not None:
+            self.grammars.prepare()
+        server.serve_forever()
+
+    @classmethod
+    def run(cls, launch: EngineLaunch, pipes: ChildPipes | None = None) -> None:
+        """Build the engine ``launch`` describes and serve it until drained (an engine process's life)."""
+        pipes = pipes or ChildPipes()
+        status = StatusPipe(pipes.status_fd)
+        with boot_phase(status, f"engine {launch.rank}"):  # keys that cannot be read never will be
+            keys = CurveKeys.for_server(launch.keys_dir) if launch.keys_dir else None
+        cls.build(launch, status).serve(launch, status, pipes.control_fd, keys)
+
+
+def _heartbeat(server: EngineServer, status: StatusPipe, interval: float) -> None:
+    """Beat while the step loop is healthy, so a long forward pass is not mistaken for a hang."""
+    while True:
+        if server.alive():
+            f = server.scheduler.stats_fields()
+            status.send(Heartbeat(running=f["running"], waiting=f["waiting"], kv_used=round(f["kv_used"], 4),
+                                  draining=server.draining))
+        time.sleep(interval)
+
+
+def _progress(stage: str, done: int, total: int) -> None:
+    # One line on start, every 10%, and at the end: readable under systemd as well as a terminal.
+    step = max(1, total // 10)
+    if done == total or done % step == 0 or done == 1:
+        print(f"[engine] {stage}: {done}/{total} ({100 * done // max(1, total)}%)", file=sys.stderr, flush=True)
+
+
+def _context_origin(asked: int | None, own: int, got: int) -> str:
+    """Where an engine's context length came from, for its start-up line."""
+    if asked is None:
+        return "the model's own" if got == own else f"the model's {own}, lowered to what the KV cache holds"
+    return "--max-model-len" if got == asked else f"--max-model-len {asked}, capped to the model's own"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine_worker --launch JSON``: the ``EngineLaunch`` the supervisor built (``launch.handoff``)."""
+    launch, pipes = parse_child_argv(argv, "python -m engine_worker", "zserve engine worker (started by `launch`)",
+                                     EngineLaunch.from_json)
+    die_with_parent(pipes.parent_pid)
+    ignore_terminal_signals()
+    set_title(f"zserve: engine {launch.rank}")
+    setup_logging(f"engine {launch.rank}")
+    Engine.run(launch, pipes)
