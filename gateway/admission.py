@@ -11,9 +11,10 @@
   ``--max-concurrent-requests`` (past it a request is refused at once with 429 and ``Retry-After``
   rather than queued without bound), then the body's read deadline (``gateway.body_timeout``), so no
   stranger's body is read.
-- last, the hold of an expert-parallel resize: ``serving.admission.admit`` raises ``ScalingPaused`` while a
-  resize pauses admission, and the request, body read and concurrency slot kept, waits up to
-  ``--scaling-wait`` for the resize to end and is then served again from the top; past that, the 503.
+- last, a hold on the request's model that waits (a resize, a rolling restart of its only engine):
+  ``serving.admission.admit`` raises ``ScalingPaused``, and the request, body read and concurrency slot kept,
+  waits up to ``--scaling-wait`` for that model's hold to end and is then served again from the top; past
+  that, the 503. Requests of other models are not held.
   Only a refused request pays for this (a handler is called inside a ``try``, which costs nothing).
 """
 
@@ -121,13 +122,13 @@ async def gateway_middleware(request: web.Request, handler):
 
 
 async def _hold(request: web.Request, handler, refused: ScalingPaused) -> web.StreamResponse:
-    """Serve a request again each time the resize that refused it ends (another may begin meanwhile), for up
-    to ``--scaling-wait`` s in all; then raise the last refusal. ``admit`` comes before any side effect and
+    """Serve a request again each time the hold on its model that refused it ends (another may begin meanwhile),
+    for up to ``--scaling-wait`` s in all; then raise the last refusal. ``admit`` comes before any side effect and
     aiohttp keeps the body, so serving it again from the top is safe."""
     state = request.app[STATE]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.scaling_wait
-    while (left := deadline - loop.time()) > 0 and await state.resize_over(left):
+    while (left := deadline - loop.time()) > 0 and await state.released(refused.model_id, left):
         try:
             return await handler(request)
         except ScalingPaused as again:

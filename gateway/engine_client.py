@@ -262,9 +262,9 @@ class EngineClient:
         self._ready: list[EngineConnection] = []
         self._ready_by_model: dict[str | None, list[EngineConnection]] = {}  # ``_ready`` by model, as asked
         self._recheck: set[EngineConnection] = set()  # sockets sent on in this loop iteration
-        # How long a request that a draining engine handed back may wait for an engine when none is left (the
-        # gateway's --scaling-wait while a restart or resize holds admission; 0: fail it at once).
-        self.hold: Callable[[], float] | None = None
+        # How long a request of a model that a draining engine handed back may wait for an engine when none is
+        # left (the gateway's --scaling-wait while a restart or resize holds the model; 0: fail it at once).
+        self.hold: Callable[[str | None], float] | None = None
         self._parked: list[tuple[_Stream, float]] = []  # (handed back with no engine left, until when)
 
     # -- membership ---------------------------------------------------------------------------
@@ -577,7 +577,7 @@ class EngineClient:
         try:
             self._send(st)
         except NoEngineAvailable as e:
-            wait = self.hold() if self.hold is not None and not busy else 0.0
+            wait = self.hold(st.model) if self.hold is not None and not busy else 0.0
             if wait <= 0:
                 self._end(st, e)
                 return

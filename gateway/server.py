@@ -100,7 +100,7 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
                                               ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items),
                          render_only=cfg.render_only, default_max_model_len=cfg.max_model_len,
                          stream_interval=cfg.stream_interval, scaling_wait=cfg.scaling_wait)
-    engines.hold = lambda: cfg.scaling_wait if state.scaling_paused else 0.0
+    engines.hold = state.wait_for
     with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
         app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
                         PluginContext(state, cfg),

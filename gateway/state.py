@@ -17,7 +17,8 @@ from functools import cached_property
 
 from aiohttp import web
 
-from protocol.cluster import PAUSING_PHASES, ClusterState
+from protocol.cluster import ClusterState
+from protocol.holds import Hold, first_hold
 from zserve.catalog import ModelSource
 from zserve.tokenizer import Tokenizer
 
@@ -69,12 +70,11 @@ class GatewayState:
     # tokenizer files give it (else FALLBACK_MAX_MODEL_LEN).
     default_max_model_len: int | None = None
     stream_interval: int = 1  # --stream-interval: output tokens per stream chunk after the first
-    scaling_wait: float = 30.0  # --scaling-wait: seconds held while admission pauses (resize, rolling restart)
-    # Set while no resize pauses admission (``apply_cluster`` keeps it so): held requests wait on it.
-    _unheld: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    scaling_wait: float = 30.0  # --scaling-wait: seconds a request is held (a resize, a rolling restart of its model)
+    # Set, and replaced by a fresh one, at each new cluster state: held requests wait on it and look again.
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._unheld.set()
         self._by_name = {name: m for m in self.models for name in m.names}
         # One view per name a request may use, made once: requests only read them.
         self._views = {name: ModelState(self, m, name) for m in self.models for name in m.names}
@@ -86,36 +86,49 @@ class GatewayState:
 
     @property
     def paused(self) -> bool:
-        return bool(self.cluster and self.cluster.paused)
+        """Whether this gateway admits no new request of any model now (an operator's ``/pause``, or a hold on
+        every model it serves: a resize or a reload of a server's only model); ``holds`` says which and why."""
+        return bool(self.cluster and self.cluster.holds) and all(self.hold_for(m.model_id) for m in self.models)
+
+    @property
+    def holds(self) -> tuple[Hold, ...]:
+        """What the supervisor's admission owner holds or refuses now, per (reason, model)."""
+        return self.cluster.holds if self.cluster else ()
+
+    def hold_for(self, model_id: str) -> Hold | None:
+        """The hold that decides a new request of ``model_id`` now (None: admitted)."""
+        return first_hold(self.cluster.holds, model_id) if self.cluster and self.cluster.holds else None
+
+    def wait_for(self, model_id: str | None) -> float:
+        """How long a request of ``model_id`` may wait for an engine now: ``--scaling-wait`` while a hold that
+        waits (a resize, a rolling restart of its model) covers it, else 0."""
+        hold = self.hold_for(model_id) if model_id is not None else None
+        return self.scaling_wait if hold is not None and hold.waits else 0.0
 
     @property
     def scaling(self) -> str:
         """The phase of an expert-parallel resize (``protocol.cluster.SCALING_PHASES``; "" when none)."""
         return self.cluster.scaling if self.cluster else ""
 
-    @property
-    def scaling_paused(self) -> bool:
-        """Whether admission is paused by a resize (which ends by itself: requests are held) rather than by an
-        operator's ``/pause`` (which may last: requests are refused at once)."""
-        return self.paused and self.scaling in PAUSING_PHASES
-
     def apply_cluster(self, cluster: ClusterState) -> None:
-        """Take a new cluster state from the supervisor, and wake the requests held by a resize that ended."""
+        """Take a new cluster state from the supervisor, and wake the held requests to look at it."""
         self.cluster = cluster
-        if self.scaling_paused:
-            self._unheld.clear()
-        else:
-            self._unheld.set()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
-    async def resize_over(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for no resize to pause admission; whether none does now."""
-        if self.scaling_paused:
+    async def released(self, model_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for no waiting hold to cover ``model_id``; whether none does now (a hold
+        that refuses does not keep it waiting: the request is served again, and refused)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (hold := self.hold_for(model_id)) is not None and hold.waits and (left := deadline - loop.time()) > 0:
             try:
-                async with asyncio.timeout(timeout):
-                    await self._unheld.wait()
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
-        return not self.scaling_paused
+        hold = self.hold_for(model_id)
+        return hold is None or not hold.waits
 
     @property
     def served_names(self) -> list[str]:
@@ -164,12 +177,9 @@ class ModelState:
         return self.gateway.render_only
 
     @property
-    def paused(self) -> bool:
-        return self.gateway.paused
-
-    @property
-    def scaling(self) -> str:
-        return self.gateway.scaling
+    def hold(self) -> Hold | None:
+        """The hold on this model's new requests now (``GatewayState.hold_for``)."""
+        return self.gateway.hold_for(self.model.model_id)
 
     @property
     def tool_parser(self) -> ToolParser | None:

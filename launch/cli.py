@@ -56,6 +56,10 @@ def main() -> None:
 
 _ENGINE = EngineConfig()  # the defaults shown in --help come from the configuration itself
 _GATEWAY = GatewayConfig()
+CRASH_LOOP_HELP = ("A model whose engines are all crash-looping is marked failed (its requests get 503, /health "
+                   "says degraded) and the other models serve on; the server stops only once every model failed. "
+                   "With this, it stops at the first failed model (exit code 1), for an orchestrator that restarts "
+                   "the pod.")
 
 
 def _options(*options):
@@ -91,6 +95,8 @@ server_options = _options(
                       "scale-down or a rolling restart."),
     click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
                  help="A process silent for this long is hung and gets replaced."),
+    click.option("--exit-on-crash-loop", is_flag=True,
+                 help=CRASH_LOOP_HELP),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                  show_default=True, help="Log level of the supervisor and of every process it starts (on stderr)."),
     click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
@@ -167,7 +173,7 @@ engine_options = _options(
 )
 
 
-# Tiers on different hosts (launch.engine_registry, zserve.curve): how their TCP traffic is secured.
+# Tiers on different hosts (launch.hosts.engine_registry, zserve.curve): how their TCP traffic is secured.
 across_hosts_options = _options(
     click.option("--keys", "keys_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
                  help="CURVE keys (written by `launch keys --dir DIR`) that encrypt and authenticate the engine "
@@ -235,6 +241,8 @@ def render(**options) -> None:
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.5, 3600), default=30, show_default=True,
               help="An engine silent for this long is hung and gets replaced; a gateway host silent for this long "
                    "gets no more registry updates.")
+@click.option("--exit-on-crash-loop", is_flag=True,
+              help=CRASH_LOOP_HELP)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Log level of the supervisor and of every engine it starts (on stderr).")
 @click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
@@ -284,7 +292,7 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
           shutdown_timeout: float, heartbeat_timeout: float, log_level: str, api_keys: tuple[str, ...] = (),
           api_key_file: str | None = None, admin_keys: tuple[str, ...] = (), bind: str | None = None,
           remote_engines: tuple[str, ...] = (), keys_dir: str | None = None, insecure: bool = False,
-          **tier_options) -> NoReturn:
+          exit_on_crash_loop: bool = False, **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
     told to stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
@@ -309,7 +317,8 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
     cfg = ServeConfig(models=served, gateway=gateway, api_keys=api_keys, admin_keys=tuple(admin_keys), host=host,
                       port=port, uds=uds, gateways=count, bind=bind, remote_engines=remote_engines,
                       keys_dir=keys_dir, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
-                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4))
+                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4),
+                      exit_on_crash_loop=exit_on_crash_loop)
     sup = Supervisor(cfg)
     code = 0
     try:
@@ -556,6 +565,9 @@ def status(port: int, as_json: bool) -> None:
         click.echo(f"expert parallel {model}: {g['size']} members, generation {g['generation']}, "
                    f"{g['phase'] or 'serving'}{pause}" + (f"; last error: {g['last_error']}" if g.get("last_error")
                                                          else ""))
+    for hold in reply.holds:  # what gateways hold or refuse now, and since when
+        click.echo(f"held: {hold.model or 'every model'} ({hold.reason}{': ' + hold.detail if hold.detail else ''}) "
+                   f"for {max(0.0, time.time() - hold.since):.0f}s")
     click.echo(f"{'TIER':8} {'IDX':>3} {'PID':>7} {'STATE':10} {'RESTARTS':>8} {'UPTIME':>8}  LOAD")
     for p in st["processes"]:
         if p["tier"] == "engine":

@@ -2,7 +2,7 @@
 
 Each connection carries one command line and gets one reply line (``protocol.control``). The
 server only does the socket work — accept, check the peer is the owner, read, decode, reply — and
-hands each decoded command to a ``dispatch`` function (the supervisor's). A command whose effect
+hands each decoded command to a ``dispatch`` function (the supervisor's ``Commands``). A command whose effect
 every gateway must apply first (pause, resume) is answered later: ``dispatch`` returns
 ``AwaitAcks`` and ``answer_pending`` replies once no ready gateway lags behind that cluster-state
 version, or after a few seconds naming the gateways that did not acknowledge it. A command that takes
@@ -26,8 +26,6 @@ from protocol import ProtocolError
 from protocol.control import COMMANDS, ControlMessage, ErrorReply, PauseReply, decode_line, encode_line
 from zserve import control
 
-from .elastic import Later
-
 log = logging.getLogger("zserve.launch")
 
 ACK_TIMEOUT = 5.0  # seconds a pause/resume reply waits for every gateway's acknowledgement
@@ -39,6 +37,18 @@ class AwaitAcks:
 
     version: int
     reply: PauseReply
+
+
+@dataclass
+class Later:
+    """A reply that is not known yet (an elastic resize, a rolling restart): the server sends ``reply`` once the
+    operation sets it (through ``convert``, when the command expects another reply type)."""
+
+    reply: ControlMessage | None = None
+    convert: Callable[[ControlMessage], ControlMessage] | None = None
+
+    def set(self, reply: ControlMessage) -> None:
+        self.reply = self.convert(reply) if self.convert is not None else reply
 
 
 Dispatch = Callable[[ControlMessage], "ControlMessage | AwaitAcks | Later"]

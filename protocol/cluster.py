@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
+from .holds import Hold
 from .validate import is_int
 
 
@@ -30,11 +31,9 @@ class EngineState(StrEnum):
 ELASTIC_PHASES = ("starting", "draining", "regrouping", "recovering")
 """An expert-parallel group's phases: new members load (the old group serves on); admission paused while
 in-flight requests finish; the group re-forms at its new size; it re-forms after losing a member."""
-SCALING_PHASES = ("", *ELASTIC_PHASES, "reloading")
-"""What ``ClusterState.scaling`` may say: "" (serving), an elastic phase, or ``reloading`` (a rolling restart
-replaces a model's only engine)."""
-PAUSING_PHASES = ("draining", "regrouping", "recovering", "reloading")
-"""The phases that pause admission (the supervisor sets ``paused`` with them); gateways hold requests then."""
+SCALING_PHASES = ("", *ELASTIC_PHASES)
+"""What ``ClusterState.scaling`` may say: "" (no resize), or an elastic phase. Whether requests are held is not
+the phase's business but a hold's (``ClusterState.holds``)."""
 
 
 @dataclass(frozen=True)
@@ -54,30 +53,38 @@ class EngineInfo:
 @dataclass(frozen=True)
 class ClusterState:
     version: int = 0
-    paused: bool = False
     engines: tuple[EngineInfo, ...] = ()
     gateways_desired: int = 0
     engines_desired: int = 0  # over every model
     models: dict[str, int] = field(default_factory=dict)  # model id → its desired engines, in serving order
-    # The phase of an expert-parallel resize or recovery ("" when none; SCALING_PHASES): while it pauses
-    # admission, gateways hold new requests (up to --scaling-wait) instead of refusing them at once.
+    # The phase of an expert-parallel resize or recovery ("" when none; SCALING_PHASES), for
+    # /is_scaling_elastic_ep.
     scaling: str = ""
+    # What gateways hold or refuse, per (reason, model) (``protocol.holds``): the one input of admission.
+    holds: tuple[Hold, ...] = ()
+
+    @property
+    def paused(self) -> bool:
+        """Whether an operator paused every model (``/pause`` without a model)."""
+        return any(h.reason == "paused" and h.model is None for h in self.holds)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["engines"] = [asdict(e) for e in self.engines]
+        d["holds"] = [h.to_json() for h in self.holds]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> ClusterState:
         """Raises TypeError/KeyError/ValueError for a malformed state (the control codec reports them)."""
         engines = tuple(EngineInfo(**e) for e in d.get("engines", ()))
-        state = cls(**{**d, "engines": engines})
+        holds = d.get("holds", ())
+        if not isinstance(holds, list | tuple):
+            raise TypeError("holds must be a list")
+        state = cls(**{**d, "engines": engines, "holds": tuple(Hold.from_json(h) for h in holds)})
         for name in ("version", "gateways_desired", "engines_desired"):
             if not is_int(getattr(state, name)):
                 raise TypeError(f"{name} must be an int")
-        if not isinstance(state.paused, bool):
-            raise TypeError("paused must be a bool")
         if state.scaling not in SCALING_PHASES:
             raise ValueError(f"scaling must be one of {SCALING_PHASES}")
         if not isinstance(state.models, dict) or not all(

@@ -25,10 +25,11 @@ from typing import ClassVar
 
 import orjson
 
-from .cluster import SCALING_PHASES, ClusterState, EngineInfo
+from .cluster import ClusterState, EngineInfo
+from .holds import Hold
 from .validate import ProtocolError, check, is_int, is_nonneg, is_str, is_uint, optional
 
-CONTROL_VERSION = 1
+CONTROL_VERSION = 2  # 2: holds on admission per (reason, model) replace the paused flag and the reload phase
 MAX_LINE = 1 << 20  # a cluster state with many engines still fits
 
 
@@ -143,7 +144,7 @@ def _check_engines(engines: tuple) -> None:
 # -- supervisor → child (control pipe) -----------------------------------------------------------------
 @dataclass(frozen=True)
 class ClusterUpdate(ControlMessage):
-    """The cluster state (engine membership, pause) a gateway must apply and acknowledge."""
+    """The cluster state (engine membership, holds on admission) a gateway must apply and acknowledge."""
 
     TYPE: ClassVar[str] = "cluster"
     state: ClusterState
@@ -151,7 +152,8 @@ class ClusterUpdate(ControlMessage):
     def __post_init__(self) -> None:
         check(isinstance(self.state, ClusterState), "state must be a ClusterState")
         st = self.state
-        check(is_int(st.version, 0, 1 << 62) and isinstance(st.paused, bool), "bad cluster version or paused flag")
+        check(is_int(st.version, 0, 1 << 62), "bad cluster version")
+        check(isinstance(st.holds, tuple) and all(isinstance(h, Hold) for h in st.holds), "bad holds")
         _check_engines(st.engines)
 
     def to_wire(self) -> dict:
@@ -256,14 +258,25 @@ class ElasticScaleCommand(ControlMessage):
 
 @dataclass(frozen=True)
 class PauseCommand(ControlMessage):
-    """Stop admitting new generation requests on every gateway; answered once every gateway applied it."""
+    """Stop admitting new requests of ``model`` (None: of every model) on every gateway; answered once every
+    gateway applied it."""
 
     TYPE: ClassVar[str] = "pause"
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
 
 
 @dataclass(frozen=True)
 class ResumeCommand(ControlMessage):
+    """Admit again the requests an operator paused: of ``model``, or (None) every pause an operator gave."""
+
     TYPE: ClassVar[str] = "resume"
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
 
 
 @dataclass(frozen=True)
@@ -346,6 +359,7 @@ class StatusReply(ControlMessage):
     processes: tuple[ProcessStatus, ...] = ()
     # model id → its expert-parallel group: size, generation, phase, last_error, last_pause_s
     expert_parallel: dict | None = None
+    holds: tuple[Hold, ...] = ()  # what gateways hold or refuse now, per (reason, model)
 
     def __post_init__(self) -> None:
         check(optional(self.expert_parallel, lambda v: isinstance(v, dict) and all(
@@ -360,15 +374,23 @@ class StatusReply(ControlMessage):
               "desired maps tiers to counts")
         check(isinstance(self.processes, tuple) and all(isinstance(p, ProcessStatus) for p in self.processes),
               "processes must be ProcessStatus entries")
+        check(isinstance(self.holds, tuple) and all(isinstance(h, Hold) for h in self.holds), "bad holds")
 
     def to_wire(self) -> dict:
-        return {**super().to_wire(), "processes": [p.to_wire() for p in self.processes]}
+        return {**super().to_wire(), "processes": [p.to_wire() for p in self.processes],
+                "holds": [h.to_json() for h in self.holds]}
 
     @classmethod
     def from_wire(cls, body: dict) -> StatusReply:
-        procs = body.get("processes", [])
+        procs, holds = body.get("processes", []), body.get("holds", [])
         check(isinstance(procs, list) and all(isinstance(p, dict) for p in procs), "processes must be a list")
-        return super().from_wire({**body, "processes": [ProcessStatus.from_wire(p) for p in procs]})  # type: ignore[return-value]
+        check(isinstance(holds, list), "holds must be a list")
+        try:
+            held = [Hold.from_json(h) for h in holds]
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"bad hold: {e}") from None
+        return super().from_wire({**body, "processes": [ProcessStatus.from_wire(p) for p in procs],  # type: ignore[return-value]
+                                  "holds": held})
 
 
 @dataclass(frozen=True)
@@ -411,9 +433,11 @@ class PauseReply(ControlMessage):
     paused: bool
     version: int
     unacknowledged: tuple[str, ...] = ()
+    model: str | None = None  # the model paused or resumed (None: every model)
 
     def __post_init__(self) -> None:
         check(isinstance(self.paused, bool) and is_int(self.version, 0, 1 << 62), "bad paused or version")
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
         check(isinstance(self.unacknowledged, tuple) and all(is_str(n, 64) for n in self.unacknowledged),
               "unacknowledged must be process names")
 
@@ -462,29 +486,31 @@ class EngineRegistry(ControlMessage):
     version: int
     engines: tuple[EngineInfo, ...] = ()
     models: dict | None = None
-    # The engine host's phase (SCALING_PHASES): "reloading" while it replaces a model's only engine, when gateway
-    # hosts hold new requests as its own gateways would.
-    scaling: str = ""
+    # The engine host's holds on its models ("reloading" while it replaces a model's only engine): gateway hosts
+    # hold those models' new requests as its own gateways would.
+    holds: tuple[Hold, ...] = ()
 
     def __post_init__(self) -> None:
         check(is_int(self.version, 0, 1 << 62), "version out of range")
         check(isinstance(self.engines, tuple) and len(self.engines) <= 1 << 12, "engines must be a list")
         _check_engines(self.engines)
-        check(self.scaling in SCALING_PHASES, f"scaling must be one of {SCALING_PHASES}")
+        check(isinstance(self.holds, tuple) and all(isinstance(h, Hold) for h in self.holds), "bad holds")
         check(optional(self.models, lambda v: isinstance(v, dict) and all(
             is_str(k, 1024) and is_uint(n) for k, n in v.items())), "models maps model ids to engine counts")
 
     def to_wire(self) -> dict:
         return {"version": self.version, "engines": [asdict(e) for e in self.engines], "models": self.models or {},
-                "scaling": self.scaling}
+                "holds": [h.to_json() for h in self.holds]}
 
     @classmethod
     def from_wire(cls, body: dict) -> EngineRegistry:
-        check(set(body) <= {"version", "engines", "models", "scaling"}, "unknown fields in engine_registry")
+        check(set(body) <= {"version", "engines", "models", "holds"}, "unknown fields in engine_registry")
         engines = body.get("engines", [])
         check(isinstance(engines, list) and all(isinstance(e, dict) for e in engines), "engines must be a list")
+        holds = body.get("holds", [])
+        check(isinstance(holds, list), "holds must be a list")
         return cls(body.get("version"), tuple(EngineInfo(**e) for e in engines), body.get("models"),
-                   body.get("scaling", ""))
+                   tuple(Hold.from_json(h) for h in holds))
 
 
 REGISTRY_REQUESTS: tuple[type[ControlMessage], ...] = (RegistryHello,)

@@ -117,7 +117,7 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("PROMETHEUS_MULTIPROC_DIR", "unset: one process's metrics",
            "Set by the supervisor for its gateways (a directory in the run directory), so that any gateway's "
            "`/metrics` adds up all of theirs.",
-           ("launch/supervisor.py", "gateway/metrics.py"), INTERNAL),
+           ("launch/supervisor/server.py", "gateway/metrics.py"), INTERNAL),
     EnvVar("GLOO_SOCKET_IFNAME", "`lo`",
            "Expert-parallel engines: the interface their group talks over (set to loopback unless already set).",
            ("engine_worker/expert_parallel.py",), INTERNAL),

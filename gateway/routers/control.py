@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, TypeVar
 
+import orjson
 from aiohttp import web
 from pydantic import ConfigDict, Field
 
@@ -65,19 +66,43 @@ async def _forward(state: GatewayState, cmd: ControlMessage, answer: type[R], ti
     return reply
 
 
+async def _model_asked(request: web.Request) -> str | None:
+    """The model a /pause or /resume names (``?model=NAME`` or a JSON body ``{"model": NAME}``), as the supervisor
+    names it; None: every model."""
+    name = request.query.get("model")
+    body = await request.read()
+    if name is None and body.strip():
+        try:
+            name = orjson.loads(body).get("model")
+        except (orjson.JSONDecodeError, AttributeError):
+            raise APIError(400, 'the body must be a JSON object such as {"model": "NAME"}') from None
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise APIError(400, "model must be a model name", param="model")
+    return request.app[STATE].for_model(name).model.model_id
+
+
+def _paused_body(paused: bool, reply: PauseReply) -> dict:
+    return {"paused": paused, "version": reply.version, "unacknowledged": list(reply.unacknowledged),
+            **({"model": reply.model} if reply.model else {})}
+
+
 @routes.post("/pause")
 @admin_route
 async def pause(request: web.Request) -> web.Response:
-    """Stop admitting new generation requests on every gateway; in-flight ones finish."""
-    reply = await _forward(request.app[STATE], PauseCommand(), PauseReply)
-    return web.json_response({"paused": True, "version": reply.version, "unacknowledged": list(reply.unacknowledged)})
+    """Stop admitting new requests on every gateway (of one model with ``{"model": NAME}``, of every model
+    without); in-flight ones finish. Answered once every gateway applied it."""
+    reply = await _forward(request.app[STATE], PauseCommand(await _model_asked(request)), PauseReply)
+    return web.json_response(_paused_body(True, reply))
 
 
 @routes.post("/resume")
 @admin_route
 async def resume(request: web.Request) -> web.Response:
-    reply = await _forward(request.app[STATE], ResumeCommand(), PauseReply)
-    return web.json_response({"paused": False, "version": reply.version, "unacknowledged": list(reply.unacknowledged)})
+    """Admit again what an operator paused: one model's pause with ``{"model": NAME}``, every pause without."""
+    reply = await _forward(request.app[STATE], ResumeCommand(await _model_asked(request)), PauseReply)
+    return web.json_response(_paused_body(False, reply))
 
 
 @routes.get("/is_paused")
@@ -123,7 +148,7 @@ async def scale_elastic_ep(request: web.Request) -> web.Response:
 async def is_scaling_elastic_ep(request: web.Request) -> web.Response:
     """Whether an expert-parallel resize runs, and its phase (the same on every gateway, which says who it is)."""
     state = request.app[STATE]
-    phase = state.scaling if state.scaling in ELASTIC_PHASES else ""  # (not a rolling restart's "reloading")
+    phase = state.scaling if state.scaling in ELASTIC_PHASES else ""
     return web.json_response({"is_scaling_elastic_ep": bool(phase), "phase": phase or None, "gateway": state.index})
 
 
@@ -135,7 +160,7 @@ async def status(request: web.Request) -> web.Response:
     engines = [e.describe() for e in state.engines.engines.values()]
     return web.json_response({
         "gateway": state.index, "pid": os.getpid(), "models": [m.model_id for m in state.models],
-        "paused": state.paused,
+        "paused": state.paused, "holds": [h.to_json() for h in state.holds],
         "draining": state.draining, "cluster_version": cl.version if cl else None,
         "gateways_desired": cl.gateways_desired if cl else None, "engines": engines,
         "in_flight": state.engines.in_flight,

@@ -2,12 +2,14 @@
 
 Every generation and pooling route calls ``admit`` after validating its body and before any side effect,
 so a refusal costs nothing to serve again: the gateway's middleware (``gateway.admission``) holds a
-request that ``ScalingPaused`` refused and serves it again from the top once the resize is over.
+request that ``ScalingPaused`` refused and serves it again from the top once its model's hold is over. What a
+hold does (wait or refuse, the 503's code and message) is ``protocol.holds.HOLD_REASONS``; only the holds on the
+request's own model count, so a resize or a reload of one model never holds another's requests.
 """
 
 from __future__ import annotations
 
-from protocol.cluster import PAUSING_PHASES
+from protocol.holds import HOLD_REASONS, Hold
 
 from ..engine_client import NoEngineAvailable
 from ..errors import APIError, bad_request
@@ -16,12 +18,22 @@ from .engine_errors import engine_error
 
 
 class ScalingPaused(APIError):
-    """A request refused because an expert-parallel resize pauses admission (``admit``): the
-    middleware holds it for the resize to end rather than sending this 503 at once."""
+    """A request refused because a hold that waits covers its model (a resize, a rolling restart of its only
+    engine; ``admit``): the middleware holds it for the hold to end rather than sending this 503 at once."""
 
-    def __init__(self, phase: str):
-        super().__init__(503, f"the server is resizing its expert-parallel engine group ({phase}) and admits no "
-                              "new requests; retry shortly", code="server_scaling", headers={"Retry-After": "5"})
+    def __init__(self, hold: Hold, model_id: str):
+        reason = HOLD_REASONS[hold.reason]
+        super().__init__(503, hold.message(), code=reason.code, headers={"Retry-After": reason.retry_after})
+        self.model_id = model_id  # the request's model: the middleware waits for its holds only
+
+
+def refusal(hold: Hold, model_id: str) -> APIError:
+    """The 503 of a hold on ``model_id``: raised as ``ScalingPaused`` (held by the middleware) when the hold
+    waits."""
+    if hold.waits:
+        return ScalingPaused(hold, model_id)
+    reason = HOLD_REASONS[hold.reason]
+    return APIError(503, hold.message(), code=reason.code, headers={"Retry-After": reason.retry_after})
 
 
 RENDER_ONLY = ("this is a render-only server (launch render): it has no engine to run requests on; "
@@ -30,8 +42,8 @@ RENDER_ONLY = ("this is a render-only server (launch render): it has no engine t
 
 
 def admit(state: ModelState, task: str = "generate", parts: int = 1, param: str = "n", what: str = "choices") -> None:
-    """Refuse new work before any byte is sent: a render-only server, paused cluster (by a resize: held by the
-    middleware, ``ScalingPaused``), no engine, a model that does not do ``task`` (generate, embed,
+    """Refuse new work before any byte is sent: a render-only server, a hold on the model (one that waits is
+    held by the middleware, ``ScalingPaused``), no engine, a model that does not do ``task`` (generate, embed,
     classify), or a request of more ``parts`` than an engine queues (a 400 naming ``param``).
 
     Every generation and pooling route comes through here after validating its body, so a render
@@ -45,11 +57,9 @@ def admit(state: ModelState, task: str = "generate", parts: int = 1, param: str 
     limit."""
     if state.render_only:
         raise bad_request(RENDER_ONLY, code="render_only")
-    if state.paused:
-        if state.scaling in PAUSING_PHASES:  # a resize, which ends by itself: held (``ScalingPaused``)
-            raise ScalingPaused(state.scaling)
-        raise APIError(503, "the server is paused and admits no new requests; retry later",
-                       code="server_paused", headers={"Retry-After": "1"})
+    hold = state.hold
+    if hold is not None:
+        raise refusal(hold, state.model.model_id)
     if not state.engines.has_ready:
         raise engine_error(NoEngineAvailable("no engine is ready"))
     state.check_task(task)

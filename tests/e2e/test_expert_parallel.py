@@ -282,15 +282,15 @@ def test_a_member_waiting_at_a_rendezvous_carries_out_the_newer_command_that_end
         def on_report(self, child, msg: GroupReport) -> None:
             reports.append((msg.event, msg.generation, msg.reason or ""))
 
-    sup._group_of = lambda child: Recorder()  # type: ignore[method-assign]
+    sup.group_of = lambda child: Recorder()  # type: ignore[method-assign,assignment,return-value]
     sup._make_run_dir()
-    member = sup._spawn("engine", 0)  # member 0 of 2, as the supervisor starts it
+    member = sup.arbiter._spawn("engine", 0)  # member 0 of 2, as the supervisor starts it
     try:
         def poll_until(cond, what: str):
-            return wait_until(lambda: sup._poll(0.05) or cond(), 60, 0.0, what)
+            return wait_until(lambda: sup.arbiter.poll(0.05) or cond(), 60, 0.0, what)
 
         poll_until(lambda: member.ready, "the member to load")
-        endpoints = (sup.engine_endpoint(0), sup.engine_endpoint(1))
+        endpoints = (sup.arbiter.engine_endpoint(0), sup.arbiter.engine_endpoint(1))
         waiting = os.path.join(sup.run_dir, "ep-0-1.store")
         assert member.send(GroupCommand(1, 2, 0, waiting, endpoints))  # member 1 never comes
         poll_until(lambda: os.path.exists(waiting), "the member to wait at the rendezvous")

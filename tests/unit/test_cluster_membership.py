@@ -29,15 +29,16 @@ class DiesWhenListed:
 
 def test_an_engine_that_dies_while_the_state_is_built_is_published_as_it_was(tmp_path):
     sup = Supervisor(ServeConfig(models=[(resolve("tiny-random"), ModelSpec("tiny-random"))]))
-    sup.run_dir = str(tmp_path)
-    sup.children.append(Child(sup._slot("engine", 0), DiesWhenListed(), -1, -1, ready_at=1.0))  # type: ignore[arg-type]
-    sup._publish()  # (before the fix: a state "exited", refused by ClusterUpdate in _broadcast)
-    st = sup.store.get()
+    sup.arbiter.run_dir = str(tmp_path)
+    sup.arbiter.children.append(Child(sup.arbiter.slot("engine", 0), DiesWhenListed(), -1, -1,  # type: ignore[arg-type]
+                                      ready_at=1.0))
+    sup.publisher.publish()  # (before the fix: a state "exited", refused by ClusterUpdate in _broadcast)
+    st = sup.publisher.state
     assert [(e.rank, e.state) for e in st.engines] == [(0, EngineState.READY)]
     assert ClusterUpdate(st).state == st
-    assert sup.status().processes[0].state == "exited"  # what `launch status` says until it is reaped
-    sup._publish()  # the next turn: a dead child is no member any more
-    assert sup.store.get().engines == ()
+    assert sup.commands.status().processes[0].state == "exited"  # what `launch status` says until it is reaped
+    sup.publisher.publish()  # the next turn: a dead child is no member any more
+    assert sup.publisher.state.engines == ()
 
 
 def test_an_engine_entry_holds_only_a_state_of_the_contract():

@@ -14,12 +14,14 @@ from protocol.control import (
     ELASTIC_OUTCOMES,
     PIPE_COMMANDS,
     PIPE_EVENTS,
+    REGISTRY_REPLIES,
     REPLIES,
     Ack,
     BootFailed,
     ClusterUpdate,
     ElasticScaleCommand,
     ElasticScaleReply,
+    EngineRegistry,
     ErrorReply,
     GroupCommand,
     GroupFreeze,
@@ -42,8 +44,9 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
+from protocol.holds import Hold
 
-STATE = ClusterState(version=7, paused=True,
+STATE = ClusterState(version=7, holds=(Hold("paused", since=1.5e9), Hold("reloading", "tiny-random", 1.6e9)),
                      engines=(EngineInfo(0, "ipc:///tmp/e0.sock", "ready", 123, "tiny-random"),),
                      gateways_desired=2, engines_desired=1, models={"tiny-random": 1})
 
@@ -66,7 +69,12 @@ ROUND_TRIPS = [
     (ScaleReply("engine", 2, "all-MiniLM-L6-v2"), REPLIES),
     (PauseReply(True, 7, unacknowledged=("gateway 1",)), REPLIES),
     (StopReply(), REPLIES),
-    (ClusterUpdate(ClusterState(version=8, paused=True, scaling="draining")), PIPE_COMMANDS),
+    (ClusterUpdate(ClusterState(version=8, scaling="draining", holds=(Hold("resizing", "moe", 2.0, "draining"),))),
+     PIPE_COMMANDS),
+    (PauseCommand("tiny-random"), COMMANDS),
+    (ResumeCommand("tiny-random"), COMMANDS),
+    (PauseReply(True, 8, model="tiny-random"), REPLIES),
+    (EngineRegistry(3, models={"tiny-random": 1}, holds=(Hold("reloading", "tiny-random", 2.0),)), REGISTRY_REPLIES),
     (ElasticScaleCommand(4), COMMANDS),
     (ReloadCommand(), COMMANDS),
     (ReloadReply(5, 12.5), REPLIES),
@@ -77,7 +85,8 @@ ROUND_TRIPS = [
     (GroupReport(3, "formed", experts=(0, 4)), PIPE_EVENTS),
     (GroupReport(3, "frozen"), PIPE_EVENTS),
     (GroupReport(3, "lost", reason="peer closed"), PIPE_EVENTS),
-    (ClusterUpdate(ClusterState(version=9, paused=True, scaling="reloading")), PIPE_COMMANDS),
+    (ClusterUpdate(ClusterState(version=9, holds=(Hold("failed", "tiny-random", 3.0, "engine 0: exit code 1"),))),
+     PIPE_COMMANDS),
     (ElasticScaleCommand(2, drain_timeout=30.5, model="tiny-random"), COMMANDS),
     (ElasticScaleReply("ok", "Scaled to 4 data parallel engines", 4, pause_s=1.25), REPLIES),
     (ElasticScaleReply("drain_timeout", "in-flight requests did not finish within 30s", 2), REPLIES),
@@ -86,7 +95,8 @@ ROUND_TRIPS = [
                  processes=(ProcessStatus("engine", 0, 99, "ready", 0, False, uptime_s=1.0, running=1, waiting=0,
                                           kv_used=0.5, draining=False, model="tiny-random"),
                             ProcessStatus("gateway", 1, None, "backoff", 2, True, last_exit="exit code 1",
-                                          next_start_in_s=0.5))), REPLIES),
+                                          next_start_in_s=0.5)),
+                 holds=(Hold("paused", "tiny-random", 1.5e9),)), REPLIES),
 ]
 
 
@@ -129,16 +139,19 @@ def _line(**body) -> bytes:
     (_line(t="ack", version="7"), PIPE_EVENTS, "version out of range"),
     (_line(t="ready"), PIPE_EVENTS, "bad ready message"),
     (_line(t="boot_failed", reason=""), PIPE_EVENTS, "reason"),
-    (_line(t="cluster", state={"version": 1, "paused": "no"}), PIPE_COMMANDS, "paused"),
-    (_line(t="cluster", state={"version": 1, "paused": False, "engines": [{"rank": 0}]}), PIPE_COMMANDS, "bad cluster"),
-    (_line(t="cluster", state={"version": 1, "paused": False,
+    (_line(t="cluster", state={"version": 1, "holds": "no"}), PIPE_COMMANDS, "holds"),
+    (_line(t="cluster", state={"version": 1, "holds": [{"reason": "tired"}]}), PIPE_COMMANDS, "hold reason"),
+    (_line(t="cluster", state={"version": 1, "holds": [{"reason": "paused", "model": ""}]}), PIPE_COMMANDS, "model"),
+    (_line(t="pause", model=""), COMMANDS, "model"),
+    (_line(t="cluster", state={"version": 1, "engines": [{"rank": 0}]}), PIPE_COMMANDS, "bad cluster"),
+    (_line(t="cluster", state={"version": 1,
                                "engines": [{"rank": 0, "endpoint": "x", "state": "on fire", "pid": 1}]}),
      PIPE_COMMANDS, "not a valid EngineState"),
-    (_line(t="cluster", state={"version": 1, "paused": False,
+    (_line(t="cluster", state={"version": 1,
                                "engines": [{"rank": -1, "endpoint": "x", "state": "ready", "pid": 1}]}),
      PIPE_COMMANDS, "bad engine entry"),
     (_line(t="pause_reply", paused=True, version=1, unacknowledged=[3]), REPLIES, "unacknowledged"),
-    (_line(t="cluster", state={"version": 1, "paused": True, "scaling": "resharding"}), PIPE_COMMANDS, "scaling"),
+    (_line(t="cluster", state={"version": 1, "scaling": "resharding"}), PIPE_COMMANDS, "scaling"),
     (_line(t="scale_elastic_ep", size=0), COMMANDS, "size"),
     (_line(t="scale_elastic_ep", size=257), COMMANDS, "size"),
     (_line(t="scale_elastic_ep", size=True), COMMANDS, "size"),
@@ -179,7 +192,7 @@ def test_elastic_messages_are_validated_when_built_too():
 
 @pytest.mark.parametrize("phase", SCALING_PHASES)
 def test_cluster_state_carries_every_scaling_phase(phase):
-    state = ClusterState(version=3, paused=bool(phase), scaling=phase)
+    state = ClusterState(version=3, scaling=phase, holds=(Hold("resizing", "moe", 1.0, phase),) if phase else ())
     assert ClusterState.from_json(state.to_json()) == state
 
 

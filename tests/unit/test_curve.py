@@ -8,7 +8,7 @@ import shutil
 import pytest
 import zmq.auth
 
-from launch.engine_registry import RemoteEngines, engine_endpoint
+from launch.hosts.engine_registry import RemoteEngines, engine_endpoint
 from protocol import ProtocolError
 from protocol.cluster import EngineInfo
 from protocol.control import (
@@ -19,6 +19,7 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
+from protocol.holds import Hold
 from zserve.curve import CurveKeys, KeyFileError, write_keys
 
 
@@ -66,15 +67,15 @@ def test_a_key_added_to_authorized_counts_after_a_rescan(tmp_path):
 
 def test_registry_messages_round_trip_and_refuse_bad_lines():
     reg = EngineRegistry(3, (EngineInfo(0, "tcp://0.0.0.0:7101", "ready", 42, "tiny-random"),), {"tiny-random": 1},
-                         "reloading")
+                         (Hold("reloading", "tiny-random", 1.7e9),))
     assert decode_line(encode_line(reg), REGISTRY_REPLIES) == reg
     hello = RegistryHello("gw-host", applied=3)
     assert decode_line(encode_line(hello), REGISTRY_REQUESTS) == hello
-    for line in (b'{"v":1,"t":"engine_registry","version":1,"engines":[{"rank":0}]}',
-                 b'{"v":1,"t":"engine_registry","version":-1}',
-                 b'{"v":1,"t":"engine_registry","version":1,"engines":[{"rank":0,"endpoint":"x","state":"odd"}]}',
-                 b'{"v":1,"t":"engine_registry","version":1,"extra":1}', b"\xff", b"[]",
-                 b'{"v":1,"t":"engine_registry","version":1,"scaling":"melting"}'):
+    for line in (b'{"v":2,"t":"engine_registry","version":1,"engines":[{"rank":0}]}',
+                 b'{"v":2,"t":"engine_registry","version":-1}',
+                 b'{"v":2,"t":"engine_registry","version":1,"engines":[{"rank":0,"endpoint":"x","state":"odd"}]}',
+                 b'{"v":2,"t":"engine_registry","version":1,"extra":1}', b"\xff", b"[]",
+                 b'{"v":2,"t":"engine_registry","version":1,"holds":[{"reason":"melting"}]}'):
         with pytest.raises(ProtocolError):
             decode_line(line, REGISTRY_REPLIES)
     with pytest.raises(ProtocolError):  # a reply is not a request

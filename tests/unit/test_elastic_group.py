@@ -1,106 +1,68 @@
-"""The supervisor's expert-parallel state machine (``launch/elastic.py``) against a stand-in supervisor: every
-path a resize or a recovery can take, including the ones the end-to-end tests cannot provoke on cue (a member
-that fails to join after it loaded, a crash-looping slot)."""
+"""The supervisor's expert-parallel state machine (``launch/ops/elastic.py``) against fakes of the interfaces
+it sees (``launch.interfaces``, faked in ``tests/unit/fakes.py``): every path a resize or a recovery can take,
+including the ones the end-to-end tests cannot provoke on cue (a member that fails to join after it loaded, a
+crash-looping slot)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 import pytest
 
-from launch.elastic import ElasticGroup, Later
-from launch.supervisor import ModelTier
-from protocol.cluster import PAUSING_PHASES
+from launch.control_server import Later
+from launch.ops.elastic import ElasticGroup
+from launch.tiers import ModelTier
+from protocol.cluster import ELASTIC_PHASES
 from protocol.control import ElasticScaleReply, GroupCommand, GroupFreeze, GroupReport, Heartbeat
+from tests.unit.fakes import FakeChild, FakeHolds, FakeProcesses, FakePublisher, FakeSlot
 from zserve.catalog import ModelSource
 from zserve.config import EngineConfig, ModelSpec
 
 
-@dataclass
-class FakeSlot:
-    looping: bool = False
-    name: str = "engine"
-
-    def crash_looping(self, now: float) -> bool:
-        return self.looping
-
-
-@dataclass
-class FakeChild:
-    index: int
-    ready: bool = True
-    draining: bool = False
-    load: Heartbeat | None = field(default_factory=lambda: Heartbeat(running=0, waiting=0))
-    sent: list = field(default_factory=list)
-    signals: list = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return f"engine {self.index}"
-
-    def send(self, msg) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def signal(self, sig) -> None:
-        self.signals.append(sig)
-
-
-class FakeCfg:
-    ready_timeout = 60.0
-
-
-class FakeSupervisor:
-    """What ``ElasticGroup`` uses of the supervisor; ``scale_engines`` starts or drains children at once."""
+class Fakes:
+    """The three interfaces an ``ElasticGroup`` sees, faked (``tests/unit/fakes.py``), with what these tests read:
+    the children, whether the model is held, each hold's phase as it changed, whether a gateway lags."""
 
     def __init__(self, tier: ModelTier):
         self.tier = tier
-        self.cfg = FakeCfg()
-        self.run_dir = "/run/zserve-test"
-        self.num_gpus = 0
-        self.children = [FakeChild(i) for i in tier.ranks]
-        self.slots: dict = {}
-        self.phases: list[str] = []  # the cluster state's scaling phase, each time it is published
-        self.paused = False
-        self.lagging = False
+        self.procs = FakeProcesses([tier])
+        self.publisher = FakePublisher()
+        self.holds = FakeHolds(self.publisher)
 
-    def _live(self, tier: str) -> list[FakeChild]:
-        return [c for c in self.children if tier == "engine"]
+    @property
+    def children(self) -> list[FakeChild]:
+        return self.procs.children
 
-    def scale_engines(self, tier: ModelTier, count: int) -> None:
-        tier.desired = count
-        for c in self.children:
-            if c.index >= count and not c.draining:
-                c.draining = True
-        have = {c.index for c in self.children if not c.draining}
-        self.children += [FakeChild(i, ready=False) for i in range(count) if i not in have]
+    @children.setter
+    def children(self, children: list[FakeChild]) -> None:
+        self.procs.children = children
 
-    def pause_for_scaling(self, phase: str) -> None:
-        self.paused = True
-        self.phases.append(phase)
+    @property
+    def slots(self) -> dict:
+        return self.procs.slots
 
-    def resume_after_scaling(self) -> None:
-        self.paused = False
-        self.phases.append("")
+    @property
+    def run_dir(self) -> str:
+        return self.procs.run_dir
 
-    def publish_scaling(self) -> None:
-        pass
+    @property
+    def paused(self) -> bool:
+        return ("resizing", self.tier.model_id) in self.holds.held
 
-    def lagging_scaling(self) -> bool:
-        return self.lagging
+    @property
+    def phases(self) -> list[str]:
+        return [detail for reason, _, detail in self.holds.history if reason == "resizing"]
 
-    def _publish(self) -> None:
-        pass
+    @property
+    def lagging(self) -> bool:
+        return bool(self.publisher.behind)
 
-    def engine_endpoint(self, rank: int) -> str:
-        return f"ipc:///run/zserve-test/engine-{rank}.sock"
-
-    def engine_threads(self, tier, size) -> int:
-        return 1
+    @lagging.setter
+    def lagging(self, behind: bool) -> None:
+        self.publisher.behind = ["gateway 0"] if behind else []
 
     def member(self, index: int) -> FakeChild:
-        return next(c for c in self.children if c.index == index and not c.draining)
+        return self.procs.member(index)
 
 
 @pytest.fixture
@@ -108,12 +70,12 @@ def setup(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_local_experts": 8}))
     spec = ModelSpec("moe", engines=2, engine=EngineConfig(expert_parallel=True))
     tier = ModelTier(ModelSource("moe", "hf", str(tmp_path), str(tmp_path)), spec, 2, 0, 0)
-    sup = FakeSupervisor(tier)
-    group = ElasticGroup(sup, tier)  # type: ignore[arg-type]
+    sup = Fakes(tier)
+    group = ElasticGroup(sup.procs, sup.publisher, sup.holds, tier)  # type: ignore[arg-type]
     return sup, group
 
 
-def form(sup: FakeSupervisor, group: ElasticGroup, now: float = 0.0) -> int:
+def form(sup: Fakes, group: ElasticGroup, now: float = 0.0) -> int:
     """Turn the machine until it sends a GroupCommand to every member, and have them all join."""
     group.tick(now)
     gen = group.forming[0]
@@ -124,7 +86,7 @@ def form(sup: FakeSupervisor, group: ElasticGroup, now: float = 0.0) -> int:
     return gen
 
 
-def freeze(sup: FakeSupervisor, group: ElasticGroup, now: float) -> None:
+def freeze(sup: Fakes, group: ElasticGroup, now: float) -> None:
     """Every member told to freeze finishes and says so; then the machine turns."""
     for c in sup.children:
         if any(isinstance(m, GroupFreeze) and m.frozen for m in c.sent) and not c.draining:
@@ -245,7 +207,7 @@ def test_a_member_that_dies_while_serving_pauses_and_the_group_comes_back(setup)
     dead = sup.member(1)
     sup.children.remove(dead)
     assert group.on_death(dead, "exit code -9") is False  # the slot restarts it as usual
-    assert group.phase == "recovering" and sup.paused and sup.phases[-1] in PAUSING_PHASES
+    assert group.phase == "recovering" and sup.paused and sup.phases[-1] in ELASTIC_PHASES
     group.tick(1)
     assert group.forming is None  # waits for the restarted member
     sup.children.append(FakeChild(1))

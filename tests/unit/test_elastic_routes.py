@@ -36,9 +36,10 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
+from protocol.holds import Hold
 from zserve.catalog import resolve
 
-SCALING = ClusterState(version=2, paused=True, scaling="draining")
+SCALING = ClusterState(version=2, scaling="draining", holds=(Hold("resizing", "tiny-random", detail="draining"),))
 RESUMED = ClusterState(version=3)
 CALLS: web.AppKey[list] = web.AppKey("test_calls", list)  # the bodies ``POST /held`` ran with
 
@@ -63,8 +64,9 @@ def _app(state: GatewayState, max_concurrent: int | None = None) -> web.Applicat
     """The gateway's app plus ``POST /held``: a generation route in miniature (``admit``, then 200), its model
     always ready, counting how often it ran."""
     app = build_app(state, guard=Guard(Keys(), metrics_auth=False, max_concurrent=max_concurrent))
-    ready = ModelState(state, SimpleNamespace(engines=SimpleNamespace(has_ready=True, tasks=frozenset(),
-                                                                    max_waiting=None)),  # type: ignore[arg-type]
+    ready = ModelState(state, SimpleNamespace(model_id="tiny-random",
+                                              engines=SimpleNamespace(has_ready=True, tasks=frozenset(),
+                                                                      max_waiting=None)),  # type: ignore[arg-type]
                        "stub")
     calls = []
 
@@ -236,7 +238,8 @@ def test_a_request_during_a_resize_is_held_and_served_once_it_ends():
         held = asyncio.create_task(client.post("/held", json={"n": 1}))
         await asyncio.sleep(0.2)
         assert not held.done() and app[CALLS] == [{"n": 1}]  # refused once by admit, now waiting
-        state.apply_cluster(ClusterState(version=3, paused=True, scaling="regrouping"))  # the next phase: still held
+        state.apply_cluster(ClusterState(version=3, scaling="regrouping",  # the next phase: still held
+                                         holds=(Hold("resizing", "tiny-random", detail="regrouping"),)))
         await asyncio.sleep(0.1)
         assert not held.done()
         health = await client.get("/health")  # monitoring answers all along
@@ -279,7 +282,7 @@ def test_scaling_wait_zero_refuses_at_once():
 
 def test_an_operators_pause_still_refuses_at_once():
     state = _state(scaling_wait=10)
-    state.apply_cluster(ClusterState(version=2, paused=True))
+    state.apply_cluster(ClusterState(version=2, holds=(Hold("paused"),)))
 
     async def check(client: TestClient) -> None:
         start = time.monotonic()
@@ -297,7 +300,7 @@ def test_a_resize_that_hands_over_to_an_operators_pause_refuses_the_held_request
     async def check(client: TestClient) -> None:
         held = asyncio.create_task(client.post("/held", json={}))
         await asyncio.sleep(0.2)
-        state.apply_cluster(ClusterState(version=3, paused=True))  # resized, but /pause came meanwhile
+        state.apply_cluster(ClusterState(version=3, holds=(Hold("paused"),)))  # resized, but /pause came meanwhile
         resp = await asyncio.wait_for(held, 2)
         assert resp.status == 503 and (await resp.json())["error"]["code"] == "server_paused"
 
@@ -331,7 +334,7 @@ def test_a_held_request_keeps_its_concurrency_slot_and_status_routes_still_answe
     async def check(client: TestClient) -> None:
         held = asyncio.create_task(client.post("/held", json={}))
         await asyncio.sleep(0.2)
-        assert app[STATE].scaling_paused and app[GUARD].active == 1
+        assert app[STATE].hold_for("tiny-random").waits and app[GUARD].active == 1
         assert (await client.post("/held", json={})).status == 429  # held requests stay bounded
         assert (await client.get("/is_scaling_elastic_ep")).status == 200
         state.apply_cluster(RESUMED)

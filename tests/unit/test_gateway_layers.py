@@ -40,8 +40,8 @@ def test_the_serving_layer_imports_no_router() -> None:
 
 def test_model_state_forwards_nothing_and_names_only_gateway_settings_that_exist() -> None:
     assert "__getattr__" not in vars(ModelState) and "__getattribute__" not in vars(ModelState)
-    forwarded = {"render_only", "paused", "scaling", "tool_parser", "reasoning_parser", "stream_interval",
-                 "responses"}
+    forwarded = {"render_only", "tool_parser", "reasoning_parser", "stream_interval", "responses"}
+    assert "hold" in vars(ModelState)  # not forwarded: the gateway's hold on this model (GatewayState.hold_for)
     fields = set(GatewayState.__dataclass_fields__) | {n for n, v in vars(GatewayState).items()
                                                          if isinstance(v, property)}
     assert forwarded <= set(vars(ModelState)) and forwarded <= fields

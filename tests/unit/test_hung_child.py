@@ -15,14 +15,15 @@ from zserve.config import ModelSpec
 
 def test_hung_child_leaves_a_faulthandler_traceback_in_the_log_before_it_is_killed(capfd):
     sup = Supervisor(ServeConfig(models=[(resolve("tiny-random"), ModelSpec("tiny-random"))], heartbeat_timeout=0.5))
-    child = spawn(sup._slot("gateway", 0), "tests.unit.hang_child", [])  # the supervisor's own spawn
-    sup.sel.register(child.status_fd, selectors.EVENT_READ, partial(sup._read_status, child))
-    sup.children.append(child)
+    arbiter = sup.arbiter
+    child = spawn(arbiter.slot("gateway", 0), "tests.unit.hang_child", [])  # the supervisor's own spawn
+    arbiter.sel.register(child.status_fd, selectors.EVENT_READ, partial(arbiter.read_status, child))
+    arbiter.children.append(child)
     try:
         deadline = time.monotonic() + 30
         while child.alive and time.monotonic() < deadline:
-            sup._poll(0.1)
-            sup._check_hung(time.monotonic())
+            arbiter.poll(0.1)
+            arbiter.check_hung(time.monotonic())
         assert child.ready and not child.alive, "the hung child was not ended within 30 s"
         assert child.killed_hung and child.proc.returncode == -signal.SIGABRT  # it died of the abort, not SIGKILL
     finally:

@@ -11,8 +11,8 @@ timeout drops out of the cluster state (its engines died with it) until it answe
 
 Each hello also says which registry version every gateway of that host has applied, so the engine host drains
 an engine (scale-down, rolling restart) only once no gateway host routes to it any more; and the registry
-carries the engine host's phase, so while it replaces a model's only engine (``reloading``) gateway hosts hold
-that model's new requests as its own gateways would.
+carries the engine host's holds on its models (``protocol.holds``), so while it replaces a model's only engine
+(``reloading``) gateway hosts hold that model's new requests as its own gateways would, and only that model's.
 
 Both sockets use CURVE (``zserve.curve``) unless ``--insecure``. Lines are the control protocol's JSON lines
 (``protocol.control``), one per ZeroMQ message; anything else is dropped and logged, rate-limited.
@@ -37,9 +37,10 @@ from protocol.control import (
     decode_line,
     encode_line,
 )
+from protocol.holds import Hold
 from zserve.curve import CurveKeys, is_tcp, secure_client, secure_server, tcp_host, tcp_port, with_port
 
-from .sockets import ListenError
+from ..sockets import ListenError
 
 log = logging.getLogger("zserve.launch")
 
@@ -119,7 +120,7 @@ class RegistryServer:
     def publish(self, state: EngineRegistry, cluster_version: int) -> None:
         """The engine host's cluster state ``cluster_version``: a new membership or phase goes to every gateway
         host heard from recently."""
-        if (state.engines, state.models, state.scaling) != (self.state.engines, self.state.models, self.state.scaling):
+        if (state.engines, state.models, state.holds) != (self.state.engines, self.state.models, self.state.holds):
             self.state = replace(state, version=self.state.version + 1)
             now = time.monotonic()
             line = encode_line(self.state)
@@ -195,8 +196,9 @@ class RemoteEngines:
             self.applied = self.carried[1]
             self.say_hello(now)
 
-    def phase(self, now: float) -> str:
-        return self.registry.scaling if self.fresh(now) and self.registry is not None else ""
+    def holds(self, now: float) -> tuple[Hold, ...]:
+        """The engine host's holds on its models (none while it is silent: its engines left the cluster)."""
+        return self.registry.holds if self.fresh(now) and self.registry is not None else ()
 
     def tick(self, now: float) -> None:
         if now - self.said >= self.interval:

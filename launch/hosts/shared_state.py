@@ -3,8 +3,9 @@
 Without it each host is its own cluster: ``/pause`` pauses the gateways of the host that got it. With it, the
 supervisor of every host keeps, in one Redis (the one the Responses store uses):
 
-- ``zserve:control``: a hash ``{version, paused}``, the state every host follows (a new version is a change:
-  a Redis restarted without its data counts from 1 again, and until something is written hosts keep theirs);
+- ``zserve:control``: a hash ``{version, paused}``, the state every host follows: ``paused`` is the JSON list of
+  the models an operator paused (null: every model). A new version is a change: a Redis restarted without its
+  data counts from 1 again, and until something is written hosts keep theirs;
 - ``zserve:hosts``: a hash host id → ``{"seen": unix time, "applied": version}``, written every heartbeat;
 - a pub/sub channel ``zserve:control`` that says "changed", so hosts apply a change at once rather than at
   their next heartbeat.
@@ -54,7 +55,7 @@ class SharedControl:
         self.client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
         self.wake = wake
         self.version = 0  # of the shared state this host applied last
-        self.paused: bool | None = None  # None until read once
+        self.paused: frozenset[str | None] | None = None  # the models paused (None: every one); None until read
         self.changed = threading.Event()
         self.up: bool | None = None
         self.last_beat = 0.0
@@ -90,8 +91,8 @@ class SharedControl:
             log.warning("the shared control state at %s is reachable again", redact_url(self.url))
         self.up = True
 
-    def poll(self, now: float, applied: Callable[[], bool]) -> bool | None:
-        """The paused flag to apply when the shared state changed (None: nothing new); and the heartbeat that
+    def poll(self, now: float, applied: Callable[[], bool]) -> frozenset[str | None] | None:
+        """The models paused to apply when the shared state changed (None: nothing new); and the heartbeat that
         tells the others which version this host applied (``applied``: its gateways acknowledged it)."""
         new = None
         if self.up is False and now - self.last_beat < self.interval:
@@ -108,7 +109,7 @@ class SharedControl:
             if not got:  # a Redis that lost its data (restarted empty): keep ours; what is written next counts
                 self.version = self.reported = 0
             else:
-                version, paused = int(got.get(b"version", 0)), got.get(b"paused") == b"1"
+                version, paused = int(got.get(b"version", 0)), _paused(got.get(b"paused"))
                 if version != self.version:  # (lower too: a restarted Redis counts from 1 again)
                     self.version, self.paused, new = version, paused, paused
         done = self.version if applied() else self.version - 1
@@ -124,12 +125,12 @@ class SharedControl:
                 self._failed(e)
         return new
 
-    def publish(self, paused: bool) -> int | None:
+    def publish(self, paused: frozenset[str | None]) -> int | None:
         """Write a new state for every host; its version, or None when Redis is away (this host only)."""
         try:
             pipe = self.client.pipeline()
             pipe.hincrby(KEY, "version", 1)
-            pipe.hset(KEY, "paused", "1" if paused else "0")
+            pipe.hset(KEY, "paused", orjson.dumps(sorted(paused, key=lambda m: m or "")))
             version = int(pipe.execute()[0])
             self.client.publish(CHANNEL, str(version))
             self._ok()
@@ -164,3 +165,14 @@ class SharedControl:
             self.client.hdel(HOSTS, self.host)
         except self.errors:
             pass
+
+
+def _paused(raw: bytes | None) -> frozenset[str | None]:
+    """The models paused, as the shared state writes them (anything unreadable: none)."""
+    try:
+        models = orjson.loads(raw or b"[]")
+    except orjson.JSONDecodeError:
+        return frozenset()
+    if not isinstance(models, list):
+        return frozenset()
+    return frozenset(m for m in models if m is None or isinstance(m, str))

@@ -2,9 +2,11 @@
 
 One ``ElasticGroup`` per model served with ``--expert-parallel``. It is a state machine the supervisor's
 reconcile loop turns (``tick``), so a resize never blocks the loop; its phase is part of the cluster state
-(``ClusterState.scaling``), so every gateway reports the same ``/is_scaling_elastic_ep`` and holds new
-requests while admission is paused for it. vLLM keeps that flag in its one API server; here it lives where
-the pause already lives, so any number of gateways serve through a resize.
+(``ClusterState.scaling``), so every gateway reports the same ``/is_scaling_elastic_ep``; while it pauses
+admission it holds the model's new requests (a ``resizing`` hold, ``protocol.holds``), and only that model's.
+vLLM keeps that flag in its one API server; here it lives in the cluster state, so any number of gateways serve
+through a resize. The group sees the supervisor only through ``launch.interfaces``: the processes, the cluster
+publisher and the admission owner.
 
 A resize from S to T members (``ElasticScaleCommand``, ``launch scale engine``):
 
@@ -32,31 +34,18 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from protocol.control import ELASTIC_OUTCOMES, ElasticScaleReply, GroupCommand, GroupFreeze, GroupReport
 
-if TYPE_CHECKING:
-    from .children import Child
-    from .supervisor import ModelTier, Supervisor
+from ..children import Child
+from ..control_server import Later
+from ..interfaces import Holds, Processes, Publisher
+from ..tiers import ModelTier
 
 log = logging.getLogger("zserve.launch")
 
 FORM_TIMEOUT_S = 90.0  # a formation that has not completed by then failed (the engines' join timeout is 60 s)
-
-
-@dataclass
-class Later:
-    """A control-socket reply that is not known yet: the ``ControlServer`` sends ``reply`` once it is set
-    (through ``convert``, when the command expects another reply type)."""
-
-    reply: object | None = None
-    convert: Callable[[ElasticScaleReply], object] | None = None
-
-    def set(self, reply: ElasticScaleReply) -> None:
-        self.reply = self.convert(reply) if self.convert is not None else reply
 
 
 @dataclass
@@ -83,9 +72,12 @@ def num_experts(tier: ModelTier) -> int:
 
 
 class ElasticGroup:
-    def __init__(self, sup: Supervisor, tier: ModelTier):
-        self.sup = sup
+    def __init__(self, procs: Processes, publisher: Publisher, holds: Holds, tier: ModelTier):
+        self.procs = procs
+        self.publisher = publisher
+        self.holds = holds
         self.tier = tier
+        self.hold_version = 0  # the cluster-state version that carried the hold of the running pause
         self.experts = num_experts(tier)
         self.generation = 0  # the last one commanded
         self.current: int | None = None  # the generation formed and serving
@@ -169,10 +161,10 @@ class ElasticGroup:
             self.resize = Resize(self.size, target, drain_timeout, answer)
             self.frozen = set()
             if target > self.size:
-                self.sup.scale_engines(self.tier, target)  # the new members start loading
+                self.procs.scale_engines(self.tier, target)  # the new members start loading
             else:
                 self._pause("draining")
-            self.sup.publish_scaling()
+            self.publisher.publish()
         return answer
 
     # -- the state machine ---------------------------------------------------------------------------------
@@ -190,11 +182,11 @@ class ElasticGroup:
             new = [c for c in members if c.index >= self.tier.base + r.old]
             if len(new) == r.target - r.old and all(c.ready for c in new):
                 self._pause("draining")
-            elif now - r.since > self.sup.cfg.ready_timeout:
-                self._abandon(f"the new members were not loaded within {self.sup.cfg.ready_timeout:.0f}s")
+            elif now - r.since > self.procs.ready_timeout:
+                self._abandon(f"the new members were not loaded within {self.procs.ready_timeout:.0f}s")
             return
         if r.phase == "draining":
-            if self.sup.lagging_scaling():
+            if self.publisher.lagging(self.hold_version):
                 return  # a gateway may still admit requests
             old = [c for c in members if c.index < self.tier.base + r.old]
             if not r.freeze_sent:  # every request a gateway admitted is sent: the members finish them
@@ -203,8 +195,8 @@ class ElasticGroup:
                     c.send(GroupFreeze(self.current or 0))
             if all(c.index in self.frozen for c in old):
                 r.phase = "regrouping"
-                self.sup.scale_engines(self.tier, r.target)  # leavers drain (they are idle)
-                self.sup.publish_scaling()
+                self.procs.scale_engines(self.tier, r.target)  # leavers drain (they are idle)
+                self.holds.hold("resizing", self.tier.model_id, "regrouping")
                 self._form(r.target, now)
             elif r.paused_at is not None and now - r.paused_at > r.drain_timeout:
                 for c in old:
@@ -213,20 +205,20 @@ class ElasticGroup:
                 self._finish("drain_timeout", f"in-flight requests did not finish within the drain timeout of "
                                               f"{r.drain_timeout:g}s ({busy} running or waiting at the last "
                                               f"heartbeat); the group keeps its {r.old} members")
-                self.sup.scale_engines(self.tier, r.old)
+                self.procs.scale_engines(self.tier, r.old)
 
     def _members(self) -> list[Child]:
-        return [c for c in self.sup._live("engine") if self.tier.owns(c.index) and not c.draining]
+        return [c for c in self.procs.live("engine") if self.tier.owns(c.index) and not c.draining]
 
     def _form(self, size: int, now: float) -> None:
         self.generation += 1
         gen = self.generation
-        store = os.path.join(self.sup.run_dir, f"ep-{self.tier.base}-{gen}.store")
-        peers = tuple(self.sup.engine_endpoint(self.tier.base + i) for i in range(size))
+        store = os.path.join(self.procs.run_dir, f"ep-{self.tier.base}-{gen}.store")
+        peers = tuple(self.procs.engine_endpoint(self.tier.base + i) for i in range(size))
         by_index = {c.index: c for c in self._members()}
         # NCCL needs a GPU per member; members that share one (or run on CPUs) use gloo.
-        backend = "nccl" if self.sup.num_gpus and self.tier.first_device + size <= self.sup.num_gpus else "gloo"
-        threads = None if self.tier.spec.engine.threads else self.sup.engine_threads(self.tier, size)
+        backend = "nccl" if self.procs.num_gpus and self.tier.first_device + size <= self.procs.num_gpus else "gloo"
+        threads = None if self.tier.spec.engine.threads else self.procs.engine_threads(self.tier, size)
         self.forming = (gen, size, now + FORM_TIMEOUT_S)
         self.failures = []
         log.info("expert-parallel group of %s: forming generation %d with %d member(s)", self.tier.model_id, gen,
@@ -245,14 +237,14 @@ class ElasticGroup:
             log.info("expert-parallel group of %s: generation %d serving with %d member(s)", self.tier.model_id,
                      gen, size)
             r = self.resize
-            self.sup._publish()  # the members are routable again (new ones for the first time)
+            self.publisher.publish()  # the members are routable again (new ones for the first time)
             if r is not None:
                 pause = time.monotonic() - r.paused_at if r.paused_at is not None else 0.0
                 self.last_pause_s = round(pause, 3)
                 self._finish("ok", f"the expert-parallel group has {size} members (was {r.old}); admission was "
                                    f"paused for {pause:.2f}s", pause_s=pause)
             else:
-                self.sup.resume_after_scaling()
+                self.holds.release("resizing", self.tier.model_id)
             return
         if not self.failures and now < deadline:
             return
@@ -263,7 +255,7 @@ class ElasticGroup:
         r = self.resize
         if r is not None:
             # Back to the old size: new members stop, the old ones form the group again (recovering).
-            self.sup.scale_engines(self.tier, min(r.old, self.tier.desired) if r.target < r.old else r.old)
+            self.procs.scale_engines(self.tier, min(r.old, self.tier.desired) if r.target < r.old else r.old)
             self._finish("failed", f"the resize to {r.target} members failed ({why}); the group is formed again "
                                    f"with {self.tier.desired}", resume=False)
         self._break(why)
@@ -278,12 +270,12 @@ class ElasticGroup:
                 self._form(len(wanted), now)
             return
         first_missing = next(i for i in wanted if i not in live)
-        slot = self.sup.slots.get(("engine", first_missing))
+        slot = self.procs.slot("engine", first_missing)
         if slot is not None and slot.crash_looping(now) and first_missing > self.tier.base:
             size = first_missing - self.tier.base
             log.error("expert-parallel group of %s: %s is crash-looping; forming the group with %d member(s)",
                       self.tier.model_id, slot.name, size)
-            self.sup.scale_engines(self.tier, size)
+            self.procs.scale_engines(self.tier, size)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _break(self, why: str) -> None:
@@ -297,23 +289,22 @@ class ElasticGroup:
         log.error("expert-parallel group of %s is broken: %s; forming it again", self.tier.model_id, why)
         self.broken = True
         self.members.clear()  # (idle survivors notice nothing: they leave the old group on the next command)
-        self.sup.pause_for_scaling("recovering")
-        self.sup._publish()
+        self.hold_version = self.holds.hold("resizing", self.tier.model_id, "recovering")
 
     def _pause(self, phase: str) -> None:
         r = self.resize
         if r is not None:
             r.phase = phase
             r.paused_at = time.monotonic()
-        self.sup.pause_for_scaling(phase)
+        self.hold_version = self.holds.hold("resizing", self.tier.model_id, phase)
 
     def _abandon(self, why: str) -> None:
         r = self.resize
         assert r is not None
         log.error("expert-parallel group of %s: %s; the resize to %d is abandoned", self.tier.model_id, why,
                   r.target)
-        self.sup.scale_engines(self.tier, r.old)
-        for c in self.sup._live("engine"):  # new members: stop them now
+        self.procs.scale_engines(self.tier, r.old)
+        for c in self.procs.live("engine"):  # new members: stop them now
             if self.tier.owns(c.index) and c.index >= self.tier.base + r.old and not c.draining:
                 c.draining = True  # on purpose: neither a failure nor restarted
                 c.signal(signal.SIGKILL)
@@ -329,9 +320,9 @@ class ElasticGroup:
         log.log(logging.INFO if outcome == "ok" else logging.ERROR, "expert-parallel group of %s: %s",
                 self.tier.model_id, message)
         if resume:
-            self.sup.resume_after_scaling()
+            self.holds.release("resizing", self.tier.model_id)
         else:
-            self.sup.publish_scaling()
+            self.publisher.publish()
 
     def _reply(self, outcome: str, message: str, pause_s: float | None = None) -> ElasticScaleReply:
         assert outcome in ELASTIC_OUTCOMES

@@ -1,0 +1,115 @@
+"""The arbiter (``launch/supervisor/arbiter.py``), the process loop with nothing of cluster policy: it starts each
+tier's processes up to the desired count, drains the ones past it, turns signals into actions in the loop, and
+marks a model failed when every engine of it crash-loops — stopping the server only when every model failed, the
+gateways did, or ``--exit-on-crash-loop`` says so."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from launch.children import CRASH_LOOP_FAILURES
+from launch.supervisor import Arbiter, TierFailed
+from launch.supervisor.arbiter import ArbiterHooks
+from launch.tiers import ServeConfig, model_tiers
+from tests.unit.fakes import FakeChild
+from zserve.catalog import ModelSource
+from zserve.config import ModelSpec
+
+
+def _source(name: str) -> ModelSource:
+    return ModelSource(name, "hf", "/nowhere", "/nowhere")
+
+
+@pytest.fixture
+def arbiter():
+    cfg = ServeConfig(models=[(_source("chat"), ModelSpec("chat", engines=1)),
+                              (_source("embed"), ModelSpec("embed", engines=1))], gateways=1)
+    started: list[FakeChild] = []
+    reloads: list[int] = []
+    pipes: list[int] = []
+
+    def start(slot) -> FakeChild:
+        r, w = os.pipe()
+        pipes.extend((r, w))
+        child = FakeChild(slot.index, tier=slot.tier, status_fd=r, slot=slot)
+        started.append(child)
+        return child
+
+    a = Arbiter(cfg, model_tiers(cfg), ArbiterHooks(start=start, reload=lambda: reloads.append(1)))
+    a.started, a.reloads = started, reloads  # type: ignore[attr-defined]
+    yield a
+    for fd in pipes:
+        os.close(fd)
+
+
+def _crash_loop(a: Arbiter, tier: str, index: int, now: float) -> None:
+    slot = a.slot(tier, index)
+    for k in range(CRASH_LOOP_FAILURES):
+        slot.record_failure(now - k, "exit code 1")
+    for c in a.live(tier):
+        if c.index == index:
+            c.alive, c.ready = False, False
+    a.children = [c for c in a.children if c.alive]
+
+
+def test_each_tier_is_started_up_to_its_desired_count_and_drained_past_it(arbiter):
+    arbiter.turn(0.0)
+    assert sorted((c.tier, c.index) for c in arbiter.started) == [("engine", 0), ("engine", 64), ("gateway", 0)]
+    arbiter.scale("gateway", 2)
+    arbiter.turn(1.0)
+    assert [(c.tier, c.index) for c in arbiter.live("gateway")] == [("gateway", 0), ("gateway", 1)]
+    arbiter.scale("gateway", 1)
+    arbiter.turn(2.0)
+    gone = next(c for c in arbiter.live("gateway") if c.index == 1)
+    assert gone.draining and gone.signals == [signal.SIGTERM]
+
+
+def test_signals_are_handled_in_the_loop(arbiter):
+    arbiter.on_signal(signal.SIGTTIN)
+    arbiter.on_signal(signal.SIGHUP)
+    arbiter.poll(0.5)
+    assert arbiter.desired["gateway"] == 2 and arbiter.reloads == [1] and not arbiter.stopping
+    arbiter.on_signal(signal.SIGTERM)
+    arbiter.poll(0.5)
+    assert arbiter.stopping
+
+
+def test_a_crash_looping_model_fails_alone_and_serves_again_once_an_engine_is_ready(arbiter):
+    arbiter.turn(100.0)
+    for c in arbiter.children:
+        c.ready = True
+    _crash_loop(arbiter, "engine", 64, 100.0)
+    arbiter.turn(100.0)  # embed failed: chat and the gateways serve on
+    assert list(arbiter.failed) == ["embed"] and "exit code 1" in arbiter.failed["embed"]
+    arbiter.turn(200.0)  # the slot tries again after its backoff
+    replacement = next(c for c in arbiter.live("engine") if c.index == 64)
+    replacement.ready = True
+    arbiter.turn(200.0)
+    assert arbiter.failed == {}
+
+
+def test_the_server_stops_once_every_model_failed(arbiter):
+    arbiter.turn(100.0)
+    _crash_loop(arbiter, "engine", 64, 100.0)
+    arbiter.turn(100.0)
+    _crash_loop(arbiter, "engine", 0, 100.0)
+    with pytest.raises(TierFailed, match="chat's engine tier cannot run: every engine is crash-looping"):
+        arbiter.turn(100.0)
+
+
+def test_exit_on_crash_loop_stops_at_the_first_failed_model(arbiter):
+    arbiter.cfg.exit_on_crash_loop = True
+    arbiter.turn(100.0)
+    _crash_loop(arbiter, "engine", 64, 100.0)
+    with pytest.raises(TierFailed, match="embed's engine tier cannot run"):
+        arbiter.turn(100.0)
+
+
+def test_a_crash_looping_gateway_tier_stops_the_server(arbiter):
+    arbiter.turn(100.0)
+    _crash_loop(arbiter, "gateway", 0, 100.0)
+    with pytest.raises(TierFailed, match="the gateway tier cannot run"):
+        arbiter.turn(100.0)
