@@ -36,15 +36,24 @@ class Delta:
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (first delta)
     stop_str: str | None = None  # the stop string that ended the text (last delta)
     stop_token: int | None = None  # the request's stop token id that ended it, when not an EOS (last delta)
+    # With logprobs: each token's share of ``text`` (they add up to it), so that a consumer that files logprobs
+    # under the parts of a message (Responses' output text) can tell which tokens wrote reasoning, content or a
+    # call however many tokens a delta holds (``serving.choices.Choice.pieces``).
+    texts: list[str] | None = None
 
     def then(self, later: Delta) -> Delta:
-        """This delta and the one after it as one (``--stream-interval``)."""
+        """This delta and the one after it as one (``--stream-interval``, a consumer that fell behind)."""
         lps = self.logprobs + later.logprobs if self.logprobs is not None and later.logprobs is not None \
             else self.logprobs or later.logprobs
+        texts = None
+        if self.texts is not None and later.texts is not None:
+            texts = self.texts + later.texts
+            if later.text and not later.texts:  # text of no token (a finish's flush): the last token's
+                texts = texts[:-1] + [texts[-1] + later.text] if texts else None
         return Delta(self.text + later.text, self.token_ids + later.token_ids, lps, later.finish_reason,
                      later.num_output_tokens,
                      self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                     max(self.cached_tokens, later.cached_tokens), later.stop_str, later.stop_token)
+                     max(self.cached_tokens, later.cached_tokens), later.stop_str, later.stop_token, texts)
 
 
 @dataclass
@@ -77,6 +86,25 @@ def _pair_logprobs(ids, lps, top, ranks=None) -> list[TokenLogprob] | None:
     return res
 
 
+def _shares(text: str, parts: list[str], n: int, skip: int) -> list[str]:
+    """The ``n`` tokens' shares of a delta's ``text`` (``Delta.texts``), from what each token's detokenizer push
+    wrote (``parts``; the ending token writes none). The stop-string check lets text out later than it was written:
+    the ``skip`` characters it held back from earlier deltas open the first share, and what it holds back now (or
+    cut at a stop string) is no token's; whatever was written at the finish (flushes) closes the last."""
+    if n < 2:
+        return [text] * n
+    shares: list[str] = []
+    at, end = 0, skip
+    for part in parts[:n - 1]:
+        end += len(part)
+        cut = min(end, len(text))
+        shares.append(text[at:cut])
+        at = cut
+    shares += [""] * (n - 1 - len(shares))
+    shares.append(text[at:])
+    return shares
+
+
 class TextPipeline:
     """One request's engine outputs turned into text deltas, one output at a time and synchronously (so the
     engine reader can run it: ``serving.choices.ChoiceRun``): incremental detokenizing, stop strings,
@@ -86,7 +114,10 @@ class TextPipeline:
     time (and the last one at the finish), as vLLM's option does: fewer, larger stream chunks for less CPU
     per token. Stop strings are still checked on every engine output. The delta with a finish reason is the
     last; when a stop string ended the text, the engine is still generating and its request must be cancelled
-    (``ended_early``). ``close`` (idempotent) ends the in-flight gauge's count of the request."""
+    (``ended_early``). ``close`` (idempotent) ends the in-flight gauge's count of the request.
+
+    With logprobs, an output of several tokens is detokenized one token at a time, so that its delta says which
+    text each token wrote (``Delta.texts``); without, in one push."""
 
     __slots__ = ("detok", "stopper", "final_ids", "stop_ids", "prompt_ids", "n_out", "interval", "held", "sent_at",
                  "timer", "ended_early", "_open", "min_tokens")
@@ -126,8 +157,14 @@ class TextPipeline:
         first = self.min_tokens - (self.n_out - len(ids))  # of ids, how many are among the first min_tokens
         shielded = stopper is not None and first > 0
         protected = 0  # characters of text that are those tokens' (no stop string may end there)
+        parts: list[str] | None = None  # with logprobs: the text each token's push wrote
         if detok is None:
             text = ""
+        elif out.logprobs is not None and len(ids) > 1:
+            parts = [detok.push((i,)) for i in text_ids]
+            text = "".join(parts)
+            if shielded:
+                protected = sum(len(p) for p in parts[:first])
         elif shielded:
             text = detok.push(text_ids[:first])
             protected = len(text)
@@ -139,6 +176,7 @@ class TextPipeline:
             text += detok.flush()
             if shielded and first >= len(ids):
                 protected = len(text)
+        skip = 0 if stopper is None else stopper.held_back  # text of earlier tokens, let out now
         if stopper is not None:
             text, stopped = stopper.push(text, protected)
             if stopped:
@@ -148,7 +186,8 @@ class TextPipeline:
                 text += stopper.flush()
         d = Delta(text, ids, None if out.logprobs is None else _logprobs(out), finish, self.n_out,
                   None if out.prompt_logprobs is None else _prompt_logprobs(out, self.prompt_ids),
-                  out.num_cached_tokens, stopper.matched if stopper is not None else None)
+                  out.num_cached_tokens, stopper.matched if stopper is not None else None,
+                  texts=None if out.logprobs is None or detok is None else _shares(text, parts or [], len(ids), skip))
         if finish == "stop" and d.stop_str is None and ids and ids[-1] in self.stop_ids:
             d.stop_token = ids[-1]
         if self.interval > 1:

@@ -269,10 +269,11 @@ class OutputBuilder:
     done when another begins or the output ends; non-streamed responses use the same builder with
     no listener, so both paths build the same items.
 
-    Logprobs (``include`` of the output text's) go with the text their tokens wrote: a delta's go out with its
-    output text; the tokens of reasoning or of a call have none (nor do those that write nothing while one is
-    open: ``</think>``); those of held-back text (a parser waiting to see what it is) go with the text when it
-    comes, and the end's (the EOS token) close the message.
+    Logprobs (``include`` of the output text's) go with the text their tokens wrote, token by token
+    (``Choice.pieces``): a token's go out with its output text; the tokens of reasoning or of a call have none (nor
+    do those that write nothing while one is open: ``</think>``); those of held-back text (a parser waiting to see
+    what it is) go with the text when it comes, and the end's (the EOS token) close the message. What one push adds
+    to an item goes out as one delta event.
     """
 
     def __init__(self, emit: Callable[[str, dict], Awaitable[None]] | None):
@@ -280,6 +281,8 @@ class OutputBuilder:
         self.items: list[dict] = []
         self.open: dict | None = None
         self.pending: list[dict] = []  # logprobs of tokens whose text has not come out yet
+        self.unsent = ""  # what this push added to the open item, not yet in a delta event
+        self.unsent_logprobs: list[dict] = []
 
     async def _event(self, kind: str, **fields: Any) -> None:
         if self.emit is not None:
@@ -294,8 +297,13 @@ class OutputBuilder:
             await self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})
 
-    async def push(self, piece: MessagePiece, logprobs: list[dict] | None = None) -> None:
-        idx = lambda: len(self.items) - 1  # noqa: E731
+    async def push(self, pieces: list[tuple[MessagePiece, list[dict] | None]]) -> None:
+        """One delta's parts, each with the logprob entries of the tokens that wrote it (``Choice.pieces``)."""
+        for piece, logprobs in pieces:
+            await self._add(piece, logprobs)
+        await self._send()
+
+    async def _add(self, piece: MessagePiece, logprobs: list[dict] | None) -> None:
         if logprobs:
             self.pending.extend(logprobs)
         if not piece.content and (piece.reasoning or piece.tool_calls
@@ -306,37 +314,54 @@ class OutputBuilder:
                 await self._start({"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [],
                                    "status": "in_progress", "_text": ""})
             self.open["_text"] += piece.reasoning
-            await self._event("response.reasoning_text.delta", item_id=self.open["id"], output_index=idx(),
-                              content_index=0, delta=piece.reasoning)
+            self.unsent += piece.reasoning
         if piece.content:
             if self.open is None or self.open["type"] != "message":
                 await self._start(_message_item())
             self.open["_text"] += piece.content
             lps, self.pending = self.pending, []
             self.open["_logprobs"].extend(lps)
-            await self._event("response.output_text.delta", item_id=self.open["id"], output_index=idx(),
-                              content_index=0, delta=piece.content, logprobs=lps)
+            self.unsent += piece.content
+            self.unsent_logprobs.extend(lps)
         for t in piece.tool_calls:
             if t.id is not None:
                 await self._start({"type": "function_call", "id": _new_id("fc"), "call_id": t.id, "name": t.name,
                                    "arguments": "", "status": "in_progress"})
             if t.arguments:
                 self.open["arguments"] += t.arguments
-                await self._event("response.function_call_arguments.delta", item_id=self.open["id"],
-                                  output_index=idx(), delta=t.arguments)
+                self.unsent += t.arguments
+
+    async def _send(self) -> None:
+        """The open item's delta event: what was added to it since the last one."""
+        item, text, lps = self.open, self.unsent, self.unsent_logprobs
+        if item is None or not (text or lps):
+            return
+        self.unsent, self.unsent_logprobs = "", []
+        i = len(self.items) - 1
+        if item["type"] == "message":
+            await self._event("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0,
+                              delta=text, logprobs=lps)
+        elif item["type"] == "reasoning":
+            await self._event("response.reasoning_text.delta", item_id=item["id"], output_index=i, content_index=0,
+                              delta=text)
+        else:
+            await self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                              delta=text)
 
     async def close(self, status: str = "completed") -> None:
-        item, self.open = self.open, None
+        item = self.open
         if item is None:
             return
+        if item["type"] == "message" and self.pending:
+            # The last tokens' (the EOS token's): they wrote nothing, but were generated here.
+            item["_logprobs"].extend(self.pending)
+            self.unsent_logprobs.extend(self.pending)
+            self.pending = []
+        await self._send()
+        self.open = None
         i = self.items.index(item)
         item["status"] = status
         if item["type"] == "message":
-            if self.pending:  # the last tokens' (the EOS token's): they wrote nothing, but were generated here
-                lps, self.pending = self.pending, []
-                item["_logprobs"].extend(lps)
-                await self._event("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0,
-                                  delta="", logprobs=lps)
             text = item.pop("_text")
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": item.pop("_logprobs")}
             item["content"] = [part]
@@ -453,7 +478,7 @@ class Turn:
         try:
             async for _, d in run_choices(self.state, self.rid, [c], self.opts):
                 c.take(d)
-                await builder.push(c.piece(d), self.output_logprobs(d.logprobs))
+                await builder.push([(piece, self.output_logprobs(lps)) for piece, lps in c.pieces(d)])
             final_tool_calls(self.use, c)  # raises if a forced call is missing
         except (*ENGINE_ERRORS, APIError) as e:
             err = e if isinstance(e, APIError) else engine_error(e)

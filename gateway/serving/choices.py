@@ -69,6 +69,21 @@ class Choice:
         piece = self.msg.push(d.text)
         return piece + self.msg.finish(self.cut) if d.finish_reason is not None else piece
 
+    def pieces(self, d: Delta) -> list[tuple[MessagePiece, list[TokenLogprob] | None]]:
+        """Streamed, after ``take(d)``: what this delta adds to the message, each part with the logprobs of the
+        tokens that wrote it, for a consumer that files logprobs under reasoning, content or a call (Responses'
+        output text). A delta of several tokens can hold the end of the reasoning and the start of the answer
+        (deltas merge when the consumer falls behind, or by ``--stream-interval``), so its tokens go through the
+        parser one at a time (``Delta.texts``); without logprobs, or parsing, the delta is one part."""
+        texts, lps = d.texts, d.logprobs
+        if self.msg is None or texts is None or lps is None or len(texts) < 2 or len(texts) != len(lps):
+            return [(self.piece(d), lps)]
+        out = [(self.msg.push(text), [lp]) for text, lp in zip(texts, lps)]
+        if d.finish_reason is not None:
+            last, lp = out[-1]
+            out[-1] = (last + self.msg.finish(self.cut), lp)
+        return out
+
     def collect(self, d: Delta) -> None:
         """Non-streamed: keep the whole output."""
         self.take(d)

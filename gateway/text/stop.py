@@ -34,6 +34,11 @@ class StopChecker:
     def stopped(self) -> bool:
         return self.matched is not None
 
+    @property
+    def held_back(self) -> int:
+        """How many characters received are not yet emitted (they may begin a stop string)."""
+        return len(self._held)
+
     def push(self, delta: str, protected: int = 0) -> tuple[str, bool]:
         """Add generated text; return (text safe to emit now, whether a stop string ended it). No stop string
         ends in the first ``protected`` characters of ``delta`` (the text of the first ``min_tokens`` tokens)."""
