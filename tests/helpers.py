@@ -118,6 +118,14 @@ def read_line(proc: subprocess.Popen, timeout: float, what: str = "a line of out
     return line.decode(errors="replace") if isinstance(line, bytes) else line
 
 
+def pinned_client(url: str, timeout: float = 60) -> httpx.Client:
+    """A client on one keep-alive connection that stays open while idle, so every request reaches the gateway
+    process that accepted it. httpx closes a connection idle for 5 s by default (``keepalive_expiry``) and opens
+    a new one, which the kernel may hand to another process of the shared socket: a test pinning clients to
+    processes then sees them move whenever it waits longer than that (on a loaded machine, a slow generation)."""
+    return httpx.Client(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=1, keepalive_expiry=None))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from gateway.routers.native import MAX_IDS
+from tests.helpers import pinned_client
 from zserve.catalog import DEFAULT_CHAT_MODEL
 
 TINY = "tiny-random"
@@ -178,7 +179,7 @@ def _pinned(url: str, timeout: float = 30.0) -> tuple[httpx.Client, httpx.Client
     by_gateway: dict[int, list[httpx.Client]] = {}
     deadline = time.monotonic() + timeout
     while True:
-        c = httpx.Client(base_url=url, timeout=30)
+        c = pinned_client(url, timeout=30)
         by_gateway.setdefault(c.get("/load").json()["gateway"], []).append(c)
         pair = next((cs[:2] for cs in by_gateway.values() if len(cs) >= 2), None)
         other = next((cs[0] for cs in by_gateway.values() if cs[0] not in (pair or ())), None)

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import Server, wait_until
+from tests.helpers import Server, pinned_client, wait_until
 
 from . import scripted_model as sm
 
@@ -46,7 +46,7 @@ class Gateway:
 
 
 def _connect(url: str) -> Gateway:
-    http = httpx.Client(base_url=url, timeout=120)
+    http = pinned_client(url, timeout=120)
     sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0)
     return Gateway(http, sdk, http.get("/load").json()["gateway"])
 
