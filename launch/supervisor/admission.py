@@ -75,6 +75,12 @@ class Admission:
         it gathers the state, so the new engines and the holds reach gateways in one version."""
         got = tuple(sorted(set(holds), key=lambda h: (h.reason, h.model or "")))
         changed = got != self._remote
+        if changed:
+            old, new = {h.key for h in self._remote}, {h.key for h in got}
+            for reason, model in sorted(new - old, key=str):
+                log.info("admission: %s held (%s, on its engine host)", model or "every model", reason)
+            for reason, model in sorted(old - new, key=str):
+                log.info("admission: %s released (%s, on its engine host)", model or "every model", reason)
         self._remote = got
         return changed
 
