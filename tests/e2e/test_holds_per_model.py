@@ -2,10 +2,13 @@
 requests until the replacement is ready, and only A's. Model B (two engines, so it never stops serving) streams
 throughout: no request of B waits anywhere near A's hold, measured as each request's time to first token against
 an unloaded baseline taken in the same test; A's requests are held, never failed. Also: `/pause` of one model
-refuses that model's requests and serves the other's, and `launch status` lists the hold with its reason."""
+refuses that model's requests and serves the other's, and `launch status` lists the hold with its reason; a model
+whose engines all crash-loop is marked failed while the other serves on."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -166,3 +169,37 @@ def test_a_pause_of_one_model_refuses_only_that_models_requests_and_status_lists
             assert client.post(s.url + "/resume").json()["paused"] is False
         assert client.post(s.url + "/v1/completions", json={"model": a, "prompt": "hi", "max_tokens": 2}).status_code \
             == 200
+
+
+def test_a_crash_looping_model_is_marked_failed_and_the_other_model_serves_on(scripted_model):
+    """Every engine of model A dies the moment it appears: A is marked failed (503 ``model_failed`` naming the
+    exits, /health ``degraded``), model B serves on and the supervisor keeps running."""
+    s = Server("--model", B, "--model", str(scripted_model), "--count", "1", "--dtype", "float32",
+               "--max-model-len", "1024", log_name="model-failed")
+    try:
+        a = model_a(s)
+        killed: set[int] = set()
+
+        def failed() -> bool:
+            for p in status(s)["processes"]:
+                if p["tier"] == "engine" and p["model"] != B and p["pid"] and p["pid"] not in killed:
+                    killed.add(p["pid"])
+                    try:
+                        os.kill(p["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            return httpx.get(s.url + "/health").json()["models"][a].get("held") == "failed"
+
+        wait_until(failed, 120, 0.05, "model A to be marked failed")
+        health = httpx.get(s.url + "/health").json()
+        assert health["status"] == "degraded" and "held" not in health["models"][B]
+        with httpx.Client(timeout=60) as client:
+            refused = client.post(s.url + "/v1/completions", json={"model": a, "prompt": "hi", "max_tokens": 2})
+            err = refused.json()["error"]
+            assert refused.status_code == 503 and err["code"] == "model_failed" and "crash-looping" in err["message"]
+            assert client.post(s.url + "/v1/completions", json={"model": B, "prompt": "hi", "max_tokens": 2}
+                               ).status_code == 200
+        assert s.proc.poll() is None and "the other models serve on" in s.tail(1 << 20)
+        assert [h["reason"] for h in status(s)["holds"]] == ["failed"]
+    finally:
+        s.stop()
