@@ -3,7 +3,7 @@
 ``launch api-server`` starts and supervises both tiers; ``launch render`` the gateways alone (a
 CPU-only server that renders requests and never generates), through the same ``serve``.
 ``launch scale``, ``launch status`` and ``launch stop`` talk to a running supervisor over its
-owner-only control socket. ``launch bench`` measures any running OpenAI-compatible server (launch/bench.py).
+owner-only control socket. ``launch bench`` measures any running OpenAI-compatible server (launch/bench/).
 """
 
 from __future__ import annotations
@@ -674,8 +674,8 @@ def bench(slos: tuple[str, ...], more_slos: tuple[str, ...], **options) -> None:
 
     KEY:MS arguments are more goodput SLOs (--goodput ttft:500 e2el:2000, as vLLM takes them).
     Exits 2 if the server cannot be reached, 1 if every request failed."""
-    from . import bench as bench_run
-    from .bench_report import parse_slos
+    from .bench import run as bench_run
+    from .bench.report import parse_slos
 
     if options["sweep_rates"] and options["sweep_concurrency"]:
         raise click.UsageError("sweep either --sweep-rates or --sweep-concurrency, not both")

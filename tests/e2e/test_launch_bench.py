@@ -12,8 +12,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from launch.bench import _jsonable
-from launch.bench_report import parse_slos
+from launch.bench.report import parse_slos
+from launch.bench.run import _jsonable
 from tests.helpers import LAUNCH, ROOT, free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -122,7 +122,7 @@ def test_goodput_slos_parse_as_vllm_writes_them():
 
 
 def test_lengths_stay_in_the_range_ratio_and_infinity_is_written_as_a_string():
-    from launch.bench_load import sample_lengths
+    from launch.bench.load import sample_lengths
 
     lengths = sample_lengths(random.Random(1), 500, 100, 0.25)
     assert min(lengths) >= 75 and max(lengths) <= 125 and len(set(lengths)) > 10

@@ -3,7 +3,7 @@
 Like ``vllm bench serve``: the operator picks a workload (random prompts of given token lengths, or a
 JSONL dataset), a load (Poisson request rate and/or a concurrency cap, or a sweep of either) and gets
 throughput, TTFT, ITL, TPOT, end-to-end latency and goodput per load point, as a table, a JSON result
-and a plot. Load and timing live in bench_load, metrics and output in bench_report; this module runs
+and a plot. Load and timing live in ``load``, metrics and output in ``report``; this module runs
 the load points in order and decides the exit code (2: unreachable, 1: every request failed).
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from . import bench_report as report
-from .bench_load import (
+from . import report
+from .load import (
     Progress,
     PromptMaker,
     RequestSpec,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_load import RequestRecord
+from .load import RequestRecord
 
 LATENCIES = ("ttft", "itl", "tpot", "e2el")
 SLO_KEYS = ("ttft", "tpot", "e2el")

@@ -1,0 +1,1 @@
+"""``launch bench``: the load (``load``), the metrics and output (``report``) and the runner (``run``)."""
