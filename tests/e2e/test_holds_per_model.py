@@ -20,8 +20,6 @@ import pytest
 
 from tests.helpers import LAUNCH, ROOT, Server, status, wait_until
 
-pytestmark = pytest.mark.slow
-
 B = "tiny-random"
 
 
