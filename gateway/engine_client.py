@@ -66,6 +66,11 @@ log = logging.getLogger("zserve.gateway.engines")
 DRAINING = ERR_ENGINE_DRAINING
 MAX_HANDBACKS = 8
 DISCONNECT_GRACE = 0.2  # seconds; well inside the 1 s in which a dead engine's requests must end
+# Seconds a request waits for an engine the supervisor reports ready that has not yet greeted this gateway: a
+# replacement (rolling restart, restart after a crash) is ready before the gateway's socket reconnects to it
+# (ZeroMQ retries up to RECONNECT_IVL_MAX, a second, apart), and the moment a hold on its model is released a
+# request would find no engine and fail with a 503 although the engine is up.
+CONNECT_WAIT = 5.0
 PUMP_BATCH = 256  # messages one reader callback takes before letting other callbacks run
 _EVENTS, _POLLIN, _NOBLOCK = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
 
@@ -353,7 +358,7 @@ class EngineClient:
             self.any_ready.set()
         else:
             self.any_ready.clear()
-        if self._parked and self._ready:
+        if self._parked:
             self._unpark()
 
     def _unpark(self) -> None:
@@ -366,9 +371,9 @@ class EngineClient:
             try:
                 self._send(st)
             except NoEngineAvailable as e:
-                if now < until:
+                if now < until and self._may_wait(st.model) > 0:
                     self._parked.append((st, until))
-                else:
+                else:  # its wait is over, or what it waited for is gone (the hold ended, the engine left)
                     self._end(st, e)
 
     async def close(self) -> None:
@@ -577,16 +582,29 @@ class EngineClient:
         try:
             self._send(st)
         except NoEngineAvailable as e:
-            wait = self.hold(st.model) if self.hold is not None and not busy else 0.0
+            # The engine is leaving while admission is held (a rolling restart of a model's only engine, an
+            # expert-parallel resize): wait for its replacement, which takes the same endpoint.
+            wait = 0.0 if busy else self._may_wait(st.model)
             if wait <= 0:
                 self._end(st, e)
                 return
-            # The engine is leaving while admission is held (a rolling restart of a model's only engine, an
-            # expert-parallel resize): wait for its replacement, which takes the same endpoint.
             st.refused.discard(eng.endpoint)
-            loop = asyncio.get_running_loop()
-            self._parked.append((st, loop.time() + wait))
-            loop.call_later(wait + 0.01, self._unpark)
+            self._park(st, wait)
+
+    def _may_wait(self, model: str | None) -> float:
+        """How long a request of ``model`` that finds no engine may wait for one instead of failing: while a hold
+        that waits covers the model (``hold``: --scaling-wait), or while an engine of it is ready by the
+        supervisor's word but has not yet greeted this gateway (``CONNECT_WAIT``); else 0."""
+        wait = self.hold(model) if self.hold is not None else 0.0
+        if wait <= 0 and any(e.cluster_state == "ready" and e.hello is None and not e.closed and e.serves(model)
+                             for e in self.engines.values()):
+            wait = CONNECT_WAIT
+        return wait
+
+    def _park(self, st: _Stream, wait: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._parked.append((st, loop.time() + wait))
+        loop.call_later(wait + 0.01, self._unpark)
 
     def fail_all(self, why: str) -> int:
         """End every in-flight request with an error, and abort it in its engine (shutdown timeout)."""
@@ -625,7 +643,17 @@ class EngineClient:
 
     def _submit(self, request_id: str, frames: list[bytes], sink: OutputSink, model: str | None) -> None:
         st = _Stream(request_id, sink, frames, model)
-        self._send(st)
+        try:
+            self._send(st)
+        except EnginesBusy:
+            raise
+        except NoEngineAvailable:
+            wait = self._may_wait(model)
+            if wait <= 0:
+                raise
+            self._streams[request_id] = st
+            self._park(st, wait)  # sent once the engine greets this gateway; failed if it does not in time
+            return
         self._streams[request_id] = st
 
     def cancel(self, request_id: str) -> None:

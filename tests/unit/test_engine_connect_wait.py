@@ -1,0 +1,107 @@
+"""A request waits for an engine the supervisor reports ready but that has not yet greeted its gateway.
+
+A replacement engine (a rolling restart of a model's only engine, a restart after a crash) is ready, and the hold
+on its model released, before every gateway's socket has reconnected to it: ZeroMQ retries a lost connection up
+to a second apart. A request in that gap found no engine and got a 503 although the engine was up (seen in
+tests/e2e/test_holds_per_model.py under load). It now waits for the greeting (up to ``CONNECT_WAIT``); without
+such an engine it still fails at once, and a waiting request fails as soon as what it waits for is gone.
+
+Real ZeroMQ sockets: the engine is a ROUTER bound only after the request came, answering ``ClientHello`` with
+``EngineHello`` as an engine does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from gateway.engine_client import EngineClient, NoEngineAvailable
+from protocol import AddRequest, ClientHello, EngineHello, SamplingParams, decode, encode
+from protocol.cluster import ClusterState, EngineInfo
+
+MODEL = "m"
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.outputs: list = []
+        self.failed = asyncio.get_running_loop().create_future()
+
+    def output(self, out) -> None:
+        self.outputs.append(out)
+
+    def fail(self, error: Exception) -> None:
+        if not self.failed.done():
+            self.failed.set_result(error)
+
+
+def ready_at(endpoint: str, version: int = 2) -> ClusterState:
+    return ClusterState(version=version, engines=(EngineInfo(0, endpoint, "ready", model=MODEL),))
+
+
+async def serve_engine(endpoint: str) -> tuple[zmq.asyncio.Socket, list]:
+    """Bind the engine's socket; greet the first client; return it with what it received after the greeting."""
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    ident, *frames = await asyncio.wait_for(router.recv_multipart(), 10)
+    assert isinstance(decode(frames), ClientHello)
+    hello = EngineHello(0, MODEL, 8, 64, 100, (2,), 1, "cpu", "float32")
+    await router.send_multipart([ident, *encode(hello)])
+    _, *frames = await asyncio.wait_for(router.recv_multipart(), 10)
+    return router, [decode(frames)]
+
+
+def submit(client: EngineClient, sink: Sink, request_id: str = "r1") -> None:
+    client.submit(request_id, [1, 2, 3], SamplingParams(max_tokens=4), sink, model=MODEL)
+
+
+@pytest.fixture
+def endpoint(tmp_path) -> str:
+    return f"ipc://{tmp_path}/engine-0.sock"
+
+
+def test_a_request_waits_for_a_ready_engine_that_has_not_greeted_the_gateway_yet(endpoint):
+    async def scenario() -> None:
+        client = EngineClient([])
+        await client.apply_cluster(ready_at(endpoint))  # ready by the supervisor's word; nothing listens yet
+        sink = Sink()
+        submit(client, sink)  # raised NoEngineAvailable (a 503) before
+        assert client.in_flight == 1
+        router, got = await serve_engine(endpoint)  # the engine comes up: the gateway connects and is greeted
+        assert isinstance(got[0], AddRequest) and got[0].request_id == "r1"
+        assert not sink.failed.done()
+        router.close()
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_without_an_engine_on_its_way_a_request_still_fails_at_once(endpoint):
+    async def scenario() -> None:
+        client = EngineClient([])
+        await client.apply_cluster(ClusterState(version=2, engines=(EngineInfo(0, endpoint, "draining",
+                                                                                 model=MODEL),)))
+        with pytest.raises(NoEngineAvailable):
+            submit(client, Sink())
+        assert client.in_flight == 0
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_fails_as_soon_as_its_engine_leaves_the_cluster(endpoint):
+    async def scenario() -> None:
+        client = EngineClient([])
+        await client.apply_cluster(ready_at(endpoint))
+        sink = Sink()
+        submit(client, sink)
+        await client.apply_cluster(ClusterState(version=3))  # the supervisor reports it gone
+        error = await asyncio.wait_for(sink.failed, 1.0)  # not after CONNECT_WAIT
+        assert isinstance(error, NoEngineAvailable) and client.in_flight == 0
+        await client.close()
+
+    asyncio.run(scenario())
