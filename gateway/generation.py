@@ -15,14 +15,7 @@ from .metrics import IN_FLIGHT, PROMPT_TOKENS, TokenTimer
 from .state import ModelState
 from .text.detokenizer import IncrementalDetokenizer
 from .text.stop import StopChecker
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float | None  # None for a prompt's first token, which has no context to be scored in
-    top: list[tuple[int, float]] | None
-    rank: int | None = None  # prompt tokens: the token's rank in its distribution (1 = most likely)
+from .text.token_text import TokenLogprob
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field
 
 from .. import structured
 from ..errors import APIError, bad_request
-from ..generation import TextOptions, TokenLogprob
+from ..generation import TextOptions
 from ..ids import random_hex
 from ..openai_schemas import ChatMessage, ChatTool, RequestBody, SamplingFields, parse
 from ..openapi import JSON, SSE, request_body, response
@@ -33,6 +33,7 @@ from ..serving.shapes import json_body
 from ..serving.tools import NO_TOOLS, chat_tool_use
 from ..sse import open_stream, send_done, send_event
 from ..state import STATE, ModelState
+from ..text.token_text import TokenLogprob
 
 log = logging.getLogger("zserve.gateway.native")
 routes = web.RouteTableDef()

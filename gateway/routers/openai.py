@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from ..errors import APIError
-from ..generation import Delta, TextOptions, TokenLogprob
+from ..generation import Delta, TextOptions
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import JSON, SSE, request_body, response
 from ..serving.admission import admit
@@ -29,7 +29,7 @@ from ..serving.shapes import json_body
 from ..serving.tools import ToolUse, final_tool_calls
 from ..sse import EventWriter, open_stream
 from ..state import STATE, GatewayState, ModelState, ServedModel
-from ..text.token_text import TextOffsets, TokenText, finite
+from ..text.token_text import TextOffsets, TokenLogprob, TokenText, finite
 from ..text.tool_parsers import ToolCall, ToolCallDelta
 
 log = logging.getLogger("zserve.gateway.openai")

@@ -29,7 +29,6 @@ from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from .. import structured
 from ..errors import APIError, bad_request
-from ..generation import TokenLogprob
 from ..ids import random_hex
 from ..openai_schemas import MAX_TOOLS, RequestBody, SamplingFields, parse, parse_query
 from ..openapi import JSON, SSE, query, request_body, response
@@ -44,6 +43,7 @@ from ..sse import encode_event, open_stream
 from ..state import STATE, GatewayState, ModelState
 from ..store import StoreUnavailable
 from ..text.message import MessagePiece
+from ..text.token_text import TokenLogprob
 
 log = logging.getLogger("zserve.gateway.responses")
 routes = web.RouteTableDef()

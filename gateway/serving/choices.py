@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 from protocol import RequestOutput, SamplingParams
 
-from ..generation import Delta, TextOptions, TextPipeline, TokenLogprob
+from ..generation import Delta, TextOptions, TextPipeline
 from ..state import ModelState
 from ..text.message import MessageParser, MessagePiece
+from ..text.token_text import TokenLogprob
 from .engine_errors import ENGINE_ERRORS, engine_error
 
 

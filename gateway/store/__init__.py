@@ -27,62 +27,17 @@ Records are JSON objects (``dict``), stored as orjson bytes. Semantics, the same
 
 from __future__ import annotations
 
-import abc
 import os
-from collections.abc import Collection
 from urllib.parse import urlsplit
 
-import orjson
+from .base import MAX_RECORD_BYTES, ResponseStore, StoreUnavailable
 
-MAX_RECORD_BYTES = 16 * 1024 * 1024  # the largest record's JSON; the HTTP layer answers 400 past it
+__all__ = ["DEFAULT_MAX_ITEMS", "DEFAULT_TTL_S", "MAX_RECORD_BYTES", "ResponseStore", "SCHEMES",
+           "StoreUnavailable", "check_store_url", "open_store"]
 
 SCHEMES = ("sqlite", "redis", "rediss", "unix")
 DEFAULT_TTL_S = 3600.0  # a stored response lives an hour after its last change (--responses-ttl)
 DEFAULT_MAX_ITEMS = 10_000  # the oldest stored responses go first past this (--responses-max-items)
-
-
-class StoreUnavailable(RuntimeError):
-    """The store cannot be reached or used right now (the HTTP layer answers 503)."""
-
-
-class ResponseStore(abc.ABC):
-    """Records keyed by response id, shared by every gateway process (see the module docstring)."""
-
-    @abc.abstractmethod
-    async def put(self, key: str, record: dict) -> None:
-        """Insert or replace ``key``'s record; restarts its expiry clock, may evict the oldest records."""
-
-    @abc.abstractmethod
-    async def get(self, key: str) -> dict | None:
-        """``key``'s record, or ``None`` when it is absent, expired or evicted."""
-
-    @abc.abstractmethod
-    async def transition(self, key: str, from_statuses: Collection[str], patch: dict) -> tuple[bool, dict | None]:
-        """Atomically: if ``key``'s record exists and its ``status`` is in ``from_statuses``, store
-        ``{**record, **patch}`` and return ``(True, new_record)``; otherwise change nothing and return
-        ``(False, current_record_or_None)``."""
-
-    @abc.abstractmethod
-    async def delete(self, key: str) -> bool:
-        """Remove ``key``'s record; whether a live (unexpired) one was there."""
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Release connections and threads; the store is unusable afterwards."""
-
-
-def encode_record(record: dict) -> bytes:
-    """The record's JSON, refused with ``ValueError`` when it is not a dict or exceeds ``MAX_RECORD_BYTES``."""
-    if not isinstance(record, dict):
-        raise ValueError(f"a stored response must be a JSON object, not {type(record).__name__}")
-    data = orjson.dumps(record)
-    if len(data) > MAX_RECORD_BYTES:
-        raise ValueError(f"response object is {len(data)} bytes as JSON; the limit is {MAX_RECORD_BYTES}")
-    return data
-
-
-def status_allows(record: dict, from_statuses: Collection[str]) -> bool:
-    return record.get("status") in from_statuses
 
 
 def open_store(url: str | None, default_path: str, *, ttl_s: float, max_items: int) -> ResponseStore:

@@ -35,7 +35,7 @@ from redis import exceptions as rx
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from . import ResponseStore, StoreUnavailable, encode_record, status_allows
+from .base import ResponseStore, StoreUnavailable, encode_record, status_allows
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import orjson
 
-from . import ResponseStore, StoreUnavailable, encode_record, status_allows
+from .base import ResponseStore, StoreUnavailable, encode_record, status_allows
 
 T = TypeVar("T")
 

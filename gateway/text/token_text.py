@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from zserve.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from ..generation import TokenLogprob
-
 MAX_CACHED = 200_000
 MIN_LOGPROB = -9999.0  # what vLLM reports for -inf (JSON has no infinity; orjson would write null)
+
+
+@dataclass
+class TokenLogprob:
+    """One token's logprob as the engine reported it (and its top alternatives), before it is shaped for the wire."""
+
+    token_id: int
+    logprob: float | None  # None for a prompt's first token, which has no context to be scored in
+    top: list[tuple[int, float]] | None
+    rank: int | None = None  # prompt tokens: the token's rank in its distribution (1 = most likely)
+
 
 _UTF8 = codecs.getincrementaldecoder("utf-8")
 

@@ -20,6 +20,13 @@ def test_protocol_has_no_import_circle() -> None:
     assert cycles(within(import_graph(), "protocol")) == []
 
 
+def test_no_import_circle_anywhere_in_the_project() -> None:
+    """Not in one package nor across packages, counting imports inside functions and under TYPE_CHECKING: a
+    circle means two modules that cannot be understood, tested or moved apart (there were six)."""
+    found = cycles(import_graph())
+    assert found == [], "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
 def test_importing_every_protocol_module_loads_nothing_else_of_the_project() -> None:
     modules = sorted(module_files(["protocol"]))
     script = textwrap.dedent(f"""

@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from gateway.generation import TokenLogprob
-from gateway.text.token_text import MIN_LOGPROB, TextOffsets, TokenText
+from gateway.text.token_text import MIN_LOGPROB, TextOffsets, TokenLogprob, TokenText
 from zserve.tokenizer import Tokenizer
 
 TEXT = "Emoji 🙂🙂 and 日本語, é, 𝔘 — done."
