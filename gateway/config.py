@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import orjson
 
 from zserve.catalog import ModelSource
-from zserve.config import EngineConfig, config_from_dict, config_from_json
+from zserve.config import EngineConfig, config_from_json
 from zserve.launch_spec import (
-    LaunchError,
+    build_launch,
     check,
     fields_from_json,
     is_int,
@@ -189,12 +189,4 @@ class GatewayLaunch:
         models = data.get("models")
         check(isinstance(models, list), "models must be a list of served models")
         data["models"] = tuple(GatewayModel.from_json(m) for m in models)
-        if "config" in data:
-            try:
-                data["config"] = config_from_dict(GatewayConfig, data["config"], "gateway")
-            except (ValueError, TypeError) as e:
-                raise LaunchError(f"config: {e}") from None
-        try:
-            return cls(**data)
-        except TypeError as e:  # a required field missing
-            raise LaunchError(f"gateway launch: {e}") from None
+        return build_launch(cls, data, GatewayConfig, "gateway")

@@ -61,6 +61,20 @@ def source_from_json(data: Any) -> ModelSource:
         raise LaunchError(f"a model source lacks or has a bad field: {e}") from None
 
 
+def build_launch(cls: type[T], data: dict[str, Any], config_cls: type, what: str) -> T:
+    """``cls(**data)``, its ``config`` (a dict) made a ``config_cls`` first; a bad config or a missing required
+    field is a ``LaunchError`` naming it."""
+    if "config" in data:
+        try:
+            data["config"] = config_from_dict(config_cls, data["config"], what)
+        except (ValueError, TypeError) as e:
+            raise LaunchError(f"config: {e}") from None
+    try:
+        return cls(**data)
+    except TypeError as e:  # a required field missing
+        raise LaunchError(f"{what} launch: {e}") from None
+
+
 def fields_from_json(cls: type, text: str | bytes, what: str) -> dict[str, Any]:
     """The fields of ``cls`` as ``text`` (a JSON object) gives them; unknown fields are an error (a supervisor
     newer than the child it started), missing ones take their defaults."""
@@ -114,15 +128,7 @@ class EngineLaunch:
     def from_json(cls, text: str | bytes) -> EngineLaunch:
         data = fields_from_json(cls, text, "engine launch")
         data["source"] = source_from_json(data.get("source"))
-        if "config" in data:
-            try:
-                data["config"] = config_from_dict(EngineConfig, data["config"], "engine")
-            except (ValueError, TypeError) as e:
-                raise LaunchError(f"config: {e}") from None
-        try:
-            return cls(**data)
-        except TypeError as e:  # a required field missing
-            raise LaunchError(f"engine launch: {e}") from None
+        return build_launch(cls, data, EngineConfig, "engine")
 
 
 @dataclass(frozen=True)
