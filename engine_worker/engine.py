@@ -167,7 +167,7 @@ class Engine:
                                        max_waiting=cfg.max_waiting, keys=keys, control_fd=control_fd, status=status,
                                        source=launch.source)
         return EngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
-                            max_waiting=cfg.max_waiting, keys=keys)
+                            max_waiting=cfg.max_waiting, keys=keys, drain_timeout=launch.shutdown_timeout)
 
     def serve(self, launch: EngineLaunch, status: StatusPipe, control_fd: int | None = None,
               keys: CurveKeys | None = None) -> None:

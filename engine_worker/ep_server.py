@@ -18,8 +18,9 @@ The supervisor forms the group through the control pipe (``GroupCommand``): leav
 the new share of experts (``SparseMoE.reshard``: keep, load, release), meet at the rendezvous file, and
 report ``GroupReport``. Until then, and while re-forming, the engine steps nothing; requests that arrive
 wait in its queue (their KV cache stays valid: only experts move). A collective that fails (a member
-died) ends every request here with an error, leaves the group and reports ``lost``; the supervisor
-re-forms the group.
+died) hands every request here back to its gateway (``ERR_GROUP_LOST``: it is sent again, with the
+tokens it produced, once the group is formed again), leaves the group and reports ``lost``; the
+supervisor re-forms the group.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import time
 
 import zmq
 
-from protocol import ErrorMessage, RequestOutput, StepOutputs, encode
-from protocol.constants import ERR_ENGINE_DRAINING
+from protocol import ErrorMessage, encode
+from protocol.constants import ERR_ENGINE_DRAINING, ERR_GROUP_LOST
 from protocol.control import PIPE_COMMANDS, GroupCommand, GroupFreeze, GroupReport, LineBuffer
 from protocol.messages import GroupWake, ProtocolError
 from zserve.catalog import ModelSource
@@ -112,13 +113,13 @@ class GroupedEngineServer(EngineServer):
                 continue
             if self.group is None:
                 if self.draining and self.scheduler.has_work:
-                    self.end_requests(None)  # a leaver steps no more: requests it still holds go elsewhere
+                    self.end_requests()  # a leaver steps no more: requests it still holds go elsewhere
                 self.poll_inbound(int(self.stats_interval * 1000))
                 self.publish_stats()
                 continue
             busy = self.scheduler.has_work
             if busy and self.draining and not self.active:
-                self.end_requests(None)  # taken just before SIGTERM (a leaver): another member serves them
+                self.end_requests()  # taken just before SIGTERM (a leaver): another member serves them
                 continue
             if self.freezing and not self.active and not busy:
                 self.freezing, self.frozen = False, True
@@ -221,29 +222,24 @@ class GroupedEngineServer(EngineServer):
         self.active = False
 
     def lost(self, error: GroupLost) -> None:
-        """A collective failed: end every request here with an error, leave the group, tell the supervisor."""
-        n = self.end_requests(None if self.draining else
-                              "the expert-parallel group lost a member while serving this request; retry it")
-        log.error("engine %d: %s; ended %d request(s); waiting for the group to be formed again", self.rank, error, n)
+        """A collective failed: hand every request here back to its gateway, leave the group, tell the supervisor."""
+        n = self.end_requests(ERR_ENGINE_DRAINING if self.draining else ERR_GROUP_LOST)
+        log.error("engine %d: %s; handed %d request(s) back; waiting for the group to be formed again", self.rank,
+                  error, n)
         generation = self.generation
         self.leave()
         self.status.send(GroupReport(generation, "lost", reason=str(error)[:4000]))
 
-    def end_requests(self, error: str | None) -> int:
-        """End every request here: with ``error``, or (None: a draining engine) hand those that produced
-        nothing yet back to the gateway, which sends them to another engine, and fail the others."""
-        seqs = self.scheduler.abort_all("error")
-        per_client: dict[bytes, list[RequestOutput]] = {}
+    def end_requests(self, code: str = ERR_ENGINE_DRAINING) -> int:
+        """End every request here and hand each back to its gateway with ``code``: ERR_ENGINE_DRAINING (a leaver
+        steps no more: another member serves them) or ERR_GROUP_LOST (the group lost a member: the gateway sends
+        them again once an engine of the model is ready, this one when the group has re-formed). A request that
+        had produced tokens goes on from them there (a migration), unless its gateway's --migration-limit says no."""
+        seqs = self.scheduler.abort_all("abort")
+        why = (f"engine {self.rank} is leaving its expert-parallel group" if code == ERR_ENGINE_DRAINING
+               else f"engine {self.rank}'s expert-parallel group lost a member while serving this request")
         for s in seqs:
             client = self.requests.pop(s.request_id, None)
-            if client is None:
-                continue
-            if error is None and not s.output_ids:
-                self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} is leaving its "
-                                               "expert-parallel group", s.request_id))
-                continue
-            why = error or "the engine left its expert-parallel group while serving this request; retry it"
-            per_client.setdefault(client, []).append(RequestOutput(s.request_id, (), "error", error=why))
-        for client, outs in per_client.items():
-            self.send(client, StepOutputs(self.rank, tuple(outs)))
+            if client is not None:
+                self.send(client, ErrorMessage(code, why, s.request_id))
         return len(seqs)

@@ -87,6 +87,18 @@ class GrammarHandle:
         return None
 
 
+    def replay(self, tokens: Sequence[int]) -> None:
+        """Feed tokens a request generated before it came here (a migration) to a fresh matcher; a token the grammar
+        refuses, or one after the grammar completed, sets ``error`` (the request then fails as at a dead end)."""
+        m = self.matcher
+        for token in tokens:
+            if m.is_stopped() or not m.consume_token(token) or m.is_error():
+                self.error = (f"structured output: generated token {token} (number {self.accepted + 1}) does not "
+                              f"continue the grammar ({m.get_error()[:1000]})")
+                return
+            self.accepted += 1
+
+
 class Grammars:
     """Compiles structured-output specs for one engine's vocabulary and hands out matchers."""
 

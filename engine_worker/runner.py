@@ -47,7 +47,6 @@ class SeqInput:
     past_output_ids: list[int] = field(default_factory=list)  # generated so far (penalties, min_tokens)
     prompt_ids: list[int] = field(default_factory=list)  # full prompt (repetition penalty, prompt logprobs)
     sample: bool = True  # False for a non-final prefill chunk: fill the cache, sample nothing
-    generator: torch.Generator | None = None  # seeded requests: the request's own generator
     grammar: GrammarHandle | None = None  # structured output: the tokens it allows are the only candidates
     # Prompt logprobs of the tokens following the first ``prompt_logprobs_rows`` new tokens.
     prompt_logprobs_rows: int = 0
@@ -180,9 +179,6 @@ class ModelRunner:
     def idle_step(self) -> int:
         """An expert-parallel engine's step without work of its own (``ExpertGroup.idle_step``)."""
         return self.group.idle_step(self.model)
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        return self.sampler.make_generator(seed)
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -13,8 +13,11 @@ Order of operations (as vLLM's V1 sampler does):
    weight exceeds ``u`` x the kept total. Rows without top_k / top_p walk the whole vocabulary
    in token order; top_k / top_p rows walk their kept tokens best first, found among the
    ``topk`` of max(top_k, 256) candidates, with a full sort only for rows whose candidates hold
-   less than top_p of the mass. A seeded request draws ``u`` from its own ``torch.Generator``,
-   so its tokens do not depend on its batch mates; unseeded rows share one.
+   less than top_p of the mass. A seeded request's ``u`` is a function of its seed and the
+   position of the token drawn (``seeded_uniform``), so its tokens depend on neither its batch
+   mates nor the engine: a request moved to another engine after n tokens (a migration, which
+   brings those tokens along) draws the same token n + 1 as it would have where it was. Unseeded
+   rows share one ``torch.Generator``.
 
 Prompt logprobs (``prompt_logprobs=k``) are ``log_softmax`` of the raw logits at each prompt
 position, for the prompt token that follows it, plus the top k: the model's own distribution,
@@ -47,7 +50,6 @@ class SamplingRow(Protocol):
     sampling: SamplingParams
     prompt_ids: list[int]
     past_output_ids: list[int]
-    generator: torch.Generator | None
     grammar: GrammarHandle | None
 
 
@@ -107,12 +109,6 @@ class Sampler:
     def seed_shared(self, seed: int) -> None:
         """Make unseeded requests reproducible (``--seed``): the shared generator starts from ``seed``."""
         self._shared.manual_seed(seed)
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        """A fresh generator for a seeded request: the same seed always gives the same draws."""
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
-        return g
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                allowed: torch.Tensor | None = None) -> list[SampleOut]:
@@ -259,16 +255,15 @@ class Sampler:
         logits[idx] = sub
 
     def _uniforms(self, rows: Sequence[SamplingRow], dev: torch.device) -> torch.Tensor:
-        """One uniform in [0, 1) per row: a seeded row's from its own generator, the rest from the
-        shared one (in row order), so a seeded row's draw does not depend on its batch mates."""
-        u = torch.empty(len(rows), dtype=torch.float64, device=dev)
-        shared = [i for i, r in enumerate(rows) if r.generator is None]
-        if shared:
-            u[shared] = torch.rand(len(shared), generator=self._shared, device=dev).double()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                u[i] = torch.rand(1, generator=r.generator, device=dev).double()[0]
-        return u
+        """One uniform in [0, 1) per row: a seeded row's from its seed and position (``seeded_uniform``), the
+        rest from the shared generator (in row order)."""
+        seeds = [r.sampling.seed for r in rows]
+        if all(s is None for s in seeds):
+            return torch.rand(len(rows), generator=self._shared, device=dev, dtype=torch.float64)
+        shared = iter(torch.rand(sum(s is None for s in seeds), generator=self._shared, dtype=torch.float64,
+                                 device=dev).tolist())
+        u = [next(shared) if s is None else seeded_uniform(s, len(r.past_output_ids)) for s, r in zip(seeds, rows)]
+        return torch.tensor(u, dtype=torch.float64, device=dev)
 
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Sample one token per row of (temperature-scaled) ``logits`` after min_p/top-k/top-p,
@@ -337,6 +332,29 @@ class Sampler:
             threshold = torch.tensor(min_p, device=logits.device)[:, None] * w.amax(dim=-1, keepdim=True)
             w.masked_fill_(w < threshold, 0.0)
         return _inverse_cdf(w, u)
+
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2^64 / the golden ratio
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer (Steele, Lea and Flood, 2014): a bijection of 64-bit words that spreads every input bit
+    over every output bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that draws output token ``position`` (0: the first) of a request with ``seed``: the
+    ``position``-th value of a SplitMix64 stream whose start is the mixed seed, its top 53 bits as a double.
+
+    A function of (seed, position) and nothing else, so a seeded request draws the same tokens whichever engine
+    computes them, after a preemption or a migration alike; computing it costs about a microsecond of Python,
+    less than a draw from a per-request ``torch.Generator`` did (``tests/bench/bench_migration.py --seeded``)."""
+    start = _mix64(seed & _MASK64)
+    return (_mix64((start + (position + 1) * _GAMMA) & _MASK64) >> 11) * (1.0 / (1 << 53))
 
 
 # top_p rows look for their nucleus among this many best tokens first, then (if their mass is

@@ -14,8 +14,10 @@ When a running sequence needs a KV block and none is free, the newest running se
 scheduled this step (of the lowest priority present) is *preempted*: its blocks are freed and it
 goes back to the front of the queue with its generated tokens. When it is admitted again it
 recomputes prompt + output (its own blocks are often still in the prefix cache), then continues
-exactly where it stopped: the sample at the end of the recompute is the next token, drawn from
-the request's own generator, so preemption changes no output.
+exactly where it stopped: the sample at the end of the recompute is the next token (a seeded one
+drawn for its position: ``sampler.seeded_uniform``), so preemption changes no output. A migrated
+request (``AddRequest.output_token_ids``: it generated tokens on an engine it lost) is queued the
+same way: it computes prompt + those tokens, its grammar replays them, and it goes on after them.
 
 A request with structured output waits in the queue (skipped, not blocking the others) until its
 grammar has compiled on the compile thread (``grammar.Grammars``); one whose grammar fails ends with
@@ -62,8 +64,6 @@ class Executor(Protocol):
     num_blocks: int
     block_size: int
 
-    def make_generator(self, seed: int): ...
-
     def execute(self, seqs: list[SeqInput]) -> list[SampleOut | None]: ...
 
 
@@ -105,12 +105,11 @@ class Scheduler:
         if seq.request_id in self.by_id:
             return f"request id {seq.request_id!r} is already running on this engine"
         max_len = self.runner.max_model_len
-        if len(seq.prompt_ids) >= max_len:
-            return f"prompt has {len(seq.prompt_ids)} tokens; this engine's context is {max_len}"
+        if seq.total_len >= max_len:
+            resumed = f" and {len(seq.output_ids)} generated" if seq.output_ids else ""
+            return f"prompt has {len(seq.prompt_ids)} tokens{resumed}; this engine's context is {max_len}"
         if self.block_manager.enable_prefix_caching:
             seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size)
-        if seq.sampling.seed is not None and seq.generator is None:
-            seq.generator = self.runner.make_generator(seq.sampling.seed)
         if seq.sampling.structured is not None and seq.grammar is None:
             if self.grammars is None:
                 return "structured output is not available on this engine"
@@ -256,6 +255,8 @@ class Scheduler:
                 return seq
             if not g.ready:
                 continue
+            if g.error is None and g.accepted < len(seq.output_ids):
+                g.replay(seq.output_ids[g.accepted:])  # a migrated request: the tokens it generated elsewhere
             if g.error is None:
                 return seq
             self.abort(seq.request_id)
@@ -335,7 +336,6 @@ class Scheduler:
             past_output_ids=seq.output_ids,
             prompt_ids=seq.prompt_ids,
             sample=end == seq.total_len,
-            generator=seq.generator,  # type: ignore[arg-type]
             grammar=seq.grammar,  # type: ignore[arg-type]
             pool=seq.pool is not None,
             prompt_logprobs_rows=prompt_rows,

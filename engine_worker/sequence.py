@@ -34,7 +34,6 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, cached blocks
     prompt_block_hashes: list[int] = field(default_factory=list)
     inflight: set[int] = field(default_factory=set)  # its prompt-block hashes counted in Scheduler._inflight
-    generator: object | None = None  # seeded requests: their own torch.Generator
     grammar: object | None = None  # structured output: its ``grammar.GrammarHandle``
     pool: PoolRequest | None = None  # an embedding request: run the prompt, return its last hidden state
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -44,8 +44,12 @@ log = logging.getLogger("zserve.engine")
 
 class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
-                 stats_interval: float = 0.1, max_waiting: int | None = None, keys: CurveKeys | None = None):
+                 stats_interval: float = 0.1, max_waiting: int | None = None, keys: CurveKeys | None = None,
+                 drain_timeout: float | None = None):
         self.rank = rank
+        # Seconds a drain lets running requests finish before handing the rest back (None: until they finish).
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None
         self.keys = keys  # CURVE on a TCP endpoint (an engine host's): only authorized gateways get in
         self.max_waiting = max_waiting  # a full queue hands new requests back (429 once every engine is full)
         self.runner = runner
@@ -122,7 +126,11 @@ class EngineServer:
             self.send(client, ErrorMessage(ERR_ENGINE_BUSY, f"engine {self.rank} has {self.max_waiting} requests "
                                            "waiting", msg.request_id))
         else:
-            log.debug("request %s%s: %d prompt tokens", msg.request_id, trace, len(msg.prompt_token_ids))
+            if getattr(msg, "output_token_ids", ()):
+                log.info("request %s%s moved here: %d prompt tokens, %d generated elsewhere", msg.request_id, trace,
+                         len(msg.prompt_token_ids), len(msg.output_token_ids))  # type: ignore[union-attr]
+            else:
+                log.debug("request %s%s: %d prompt tokens", msg.request_id, trace, len(msg.prompt_token_ids))
             return False
         return True
 
@@ -133,7 +141,8 @@ class EngineServer:
         if err is None:
             add = getattr(self.scheduler, "add", None)
             err = ("this model does not generate (it serves: " + ", ".join(self.hello.tasks) + ")" if add is None
-                   else add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling)))
+                   else add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
+                                     output_ids=list(msg.output_token_ids))))
             if err is None:
                 self.requests[msg.request_id] = client
         if err is not None:
@@ -212,6 +221,9 @@ class EngineServer:
     def serve_forever(self) -> None:
         while not (self.draining and not self.scheduler.has_work):
             self.loop_tick = time.monotonic()
+            if self.drain_deadline is not None and self.loop_tick >= self.drain_deadline:
+                self.hand_back()
+                continue
             busy = self.scheduler.has_work
             # Waiting only for grammars to compile: do not spin, but look again soon.
             self.poll_inbound((2 if self._stalled else 0) if busy else int(self.stats_interval * 1000))
@@ -222,11 +234,28 @@ class EngineServer:
         log.info("engine %d drained; exiting", self.rank)
 
     def start_draining(self, *_) -> None:
-        """SIGTERM: take no new requests, finish the running ones, then leave the loop."""
+        """SIGTERM: take no new requests, finish the running ones (until ``drain_timeout``: ``hand_back``), then
+        leave the loop."""
         if not self.draining:
             log.info("engine %d draining %d running, %d waiting request(s)", self.rank, len(self.scheduler.running),
                      len(self.scheduler.waiting))
+            if self.drain_timeout is not None:
+                self.drain_deadline = time.monotonic() + self.drain_timeout
         self.draining = True
+
+    def hand_back(self) -> None:
+        """The drain timeout came: end every request still here and hand each back to its gateway
+        (ERR_ENGINE_DRAINING), which sends it to another engine of the model; one that produced tokens goes on from
+        them there (a migration) instead of being cut off. Its outputs so far went out before, on the same socket."""
+        seqs = self.scheduler.abort_all("abort")
+        for s in seqs:
+            client = self.requests.pop(s.request_id, None)
+            if client is not None:
+                self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} reached its drain timeout "
+                                               f"after {len(s.output_ids)} generated tokens", s.request_id))
+        if seqs:
+            log.warning("engine %d: drain timeout (%.0fs) reached; handed %d request(s) back to their gateways",
+                        self.rank, self.drain_timeout or 0, len(seqs))
 
     def alive(self, stall_limit: float = 10.0, max_step: float = 600.0) -> bool:
         """For the heartbeat thread: the loop ticks, or is inside a forward pass of bounded length."""

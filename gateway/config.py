@@ -49,6 +49,12 @@ class GatewayConfig:
     # Seconds a new request is held while its model has no engine to take it (an expert-parallel resize or
     # recovery, a rolling restart replacing the model's only engine), before a 503 (0: refused at once)
     scaling_wait: float = 30.0
+    # A request whose engine is lost while it streams (the engine died or hung, its host was cut off, its drain timed
+    # out, its expert-parallel group lost a member) moves to another engine of its model with the tokens it produced
+    # and goes on from there, at most this many times (0: it fails as its engine does). ``migration_max_len``: the
+    # longest prompt + generated tokens a move re-sends (None: whatever the engines take).
+    migration_limit: int = 3
+    migration_max_len: int | None = None
     metrics_auth: bool = False  # with API keys: /metrics needs one too (else it stays open for scrapers)
     # CORS (vLLM's options): origins allowed to call the API from a browser; () = none, "*" = any
     allowed_origins: tuple[str, ...] = ()
@@ -73,6 +79,13 @@ class GatewayConfig:
         if not (isinstance(self.scaling_wait, (int, float)) and not isinstance(self.scaling_wait, bool)
                 and 0 <= self.scaling_wait <= 3600):
             raise ValueError("scaling_wait must be a number of seconds in 0..3600")
+        if not (isinstance(self.migration_limit, int) and not isinstance(self.migration_limit, bool)
+                and 0 <= self.migration_limit <= 100):
+            raise ValueError("migration_limit must be an integer in 0..100")
+        if self.migration_max_len is not None and not (isinstance(self.migration_max_len, int)
+                                                        and not isinstance(self.migration_max_len, bool)
+                                                        and 1 <= self.migration_max_len <= 1 << 20):
+            raise ValueError("migration_max_len must be an integer in 1..1048576")
         for name in ("metrics_auth", "allow_credentials"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")

@@ -13,7 +13,18 @@ model's share of the client, so a request only ever reaches its own model's engi
 round-robin) and hands every output to the request's ``OutputSink`` as the engine reader receives
 it, with no task woken in between; ``cancel`` aborts it in the engine. ``generate`` is the same as an
 async iterator. A request that an engine refuses (draining, a full queue) or loses (dies) before
-producing any output goes to another engine; one that was already streaming ends with an error.
+producing any output goes to another engine.
+
+A generation request that an engine loses while it streams *migrates* (``--migration-limit``, default 3 moves
+per request): this gateway holds its prompt and every token it has received, and sends both to another ready
+engine of the model (``AddRequest.output_token_ids``), which computes them and goes on after them as if it had
+generated them itself (max_tokens, min_tokens, penalties, a grammar replayed into a fresh matcher, a seeded draw
+for the next position: ``engine_worker.sampler.seeded_uniform``). The sink hears nothing of it: its outputs go on
+from the next token, none lost or repeated, so greedy and seeded requests write what they would have written
+uninterrupted. An engine is lost when its connection drops (it died, hung and was killed, or its host was cut
+off), when it hands its requests back at its drain timeout (``ERR_ENGINE_DRAINING``), or when its
+expert-parallel group loses a member (``ERR_GROUP_LOST``). With no engine of the model left, a migrating request
+waits up to ``--scaling-wait`` for one (a replacement), then fails as it would have without migration.
 
 The sockets are plain ZeroMQ sockets read from the event loop: ``loop.add_reader`` on each socket's
 file descriptor, and every message waiting is read in one callback (``_pump``). zmq.asyncio makes and
@@ -56,7 +67,7 @@ from protocol import (
     encode,
 )
 from protocol.cluster import ClusterState
-from protocol.constants import ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING
+from protocol.constants import ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING, ERR_GROUP_LOST
 from zserve.curve import CurveKeys, is_tcp, secure_client
 
 from .logs import REQUEST_ID
@@ -239,9 +250,11 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 class _Stream:
     """One request in flight on an engine."""
 
-    __slots__ = ("request_id", "sink", "frames", "model", "engine", "started", "busy", "refused")
+    __slots__ = ("request_id", "sink", "frames", "model", "engine", "started", "busy", "refused", "add", "generated",
+                 "migrations", "wait_until")
 
-    def __init__(self, request_id: str, sink: OutputSink, frames: list[bytes], model: str | None):
+    def __init__(self, request_id: str, sink: OutputSink, frames: list[bytes], model: str | None,
+                 add: AddRequest | None = None):
         self.request_id = request_id
         self.sink = sink
         self.frames = frames  # the encoded request, resent on a hand-back
@@ -250,6 +263,10 @@ class _Stream:
         self.started = False  # the engine has sent output for it
         self.busy = 0  # engines that refused it for a full queue
         self.refused: set[str] = set()  # endpoints that refused or lost it before any output
+        self.add = add  # a generation request (None: pooling, which never migrates)
+        self.generated: list[int] = []  # the tokens its sink has been given (with migration on)
+        self.migrations = 0  # times it moved to another engine
+        self.wait_until: float | None = None  # migrating with no engine left: waits for one until then
 
 
 class EngineClient:
@@ -271,6 +288,15 @@ class EngineClient:
         # left (the gateway's --scaling-wait while a restart or resize holds the model; 0: fail it at once).
         self.hold: Callable[[str | None], float] | None = None
         self._parked: list[tuple[_Stream, float]] = []  # (handed back with no engine left, until when)
+        # Migration (the gateway's --migration-limit, --migration-max-len, --scaling-wait): moves per request (0:
+        # off), the longest prompt + generated tokens re-sent (None: any the engine takes), how long a migrating
+        # request waits for an engine when none is left.
+        self.migration_limit = 0
+        self.migration_max_len: int | None = None
+        self.migration_wait = 0.0
+        # Told of every request that lost its engine while streaming: (cause of MIGRATION_CAUSES, whether it moved;
+        # False: it had exhausted its migrations, or is too long to re-send) — the gateway's metrics.
+        self.on_migration: Callable[[str, bool], None] | None = None
 
     # -- membership ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -307,7 +333,7 @@ class EngineClient:
         self.engines.pop(eng.endpoint, None)
         self._update_ready()
         if any(st.engine is eng for st in self._streams.values()):
-            await asyncio.sleep(DISCONNECT_GRACE)  # let already-received outputs through first
+            await self._settle(eng)
         self._fail_streams(eng, why)
         for t in eng.tasks:
             t.cancel()
@@ -371,10 +397,14 @@ class EngineClient:
             try:
                 self._send(st)
             except NoEngineAvailable as e:
-                if now < until and self._may_wait(st.model) > 0:
+                if now < until and (st.wait_until is not None or self._may_wait(st.model) > 0):
                     self._parked.append((st, until))
                 else:  # its wait is over, or what it waited for is gone (the hold ended, the engine left)
                     self._end(st, e)
+                continue
+            if st.wait_until is not None:
+                st.wait_until = None
+                self._moved(st, None, "after waiting for an engine")
 
     async def close(self) -> None:
         for eng in list(self.engines.values()):
@@ -465,12 +495,22 @@ class EngineClient:
                 eng.tasks.append(asyncio.get_running_loop().create_task(self._lost(eng, was)))
 
     async def _lost(self, eng: EngineConnection, was: int | None) -> None:
-        # The monitor and the data socket are not ordered: give the reader a moment to
-        # deliver what the engine sent before it went (a drained engine's last tokens).
-        await asyncio.sleep(DISCONNECT_GRACE)
+        await self._settle(eng)
         n = self._fail_streams(eng, f"lost engine {was} while serving the request")
-        log.warning("lost the connection to engine %s at %s; failed its %d in-flight request(s)", was,
-                    eng.endpoint, n)
+        log.warning("lost the connection to engine %s at %s; its %d in-flight request(s) %s", was, eng.endpoint, n,
+                    "moved to other engines or failed" if self.migration_limit else "failed")
+
+    async def _settle(self, eng: EngineConnection) -> None:
+        """Before acting on a lost engine's requests: deliver what it sent before it went (a drained engine's last
+        tokens). The monitor and the data socket are not ordered. Without migration a request then fails, so the
+        reader gets ``DISCONNECT_GRACE``; a migrating one moves as soon as the socket holds nothing more (an output
+        that still came later would only be dropped, and its tokens generated again where the request moved)."""
+        if not self.migration_limit:
+            await asyncio.sleep(DISCONNECT_GRACE)
+            return
+        for _ in range(2):
+            self._pump(eng)
+            await asyncio.sleep(0)
 
     def _dispatch(self, eng: EngineConnection, frames: list[bytes]) -> None:
         try:
@@ -497,8 +537,12 @@ class EngineClient:
         elif kind is ErrorMessage:
             st = self._streams.get(msg.request_id) if msg.request_id else None  # type: ignore[union-attr]
             if st is not None and st.engine is eng:
-                if msg.code in (DRAINING, ERR_ENGINE_BUSY):  # type: ignore[union-attr]
-                    self._hand_back(st, eng, busy=msg.code == ERR_ENGINE_BUSY)  # type: ignore[union-attr]
+                code = msg.code  # type: ignore[union-attr]
+                if code == ERR_GROUP_LOST or (code == DRAINING and st.started):  # handed back while it ran
+                    self._migrate(st, eng, "group_lost" if code == ERR_GROUP_LOST else "drain_timeout",
+                                  msg.message, exclude=code == DRAINING)  # type: ignore[union-attr]
+                elif code in (DRAINING, ERR_ENGINE_BUSY):
+                    self._hand_back(st, eng, busy=code == ERR_ENGINE_BUSY)
                 else:
                     self._end(st, EngineRequestError(msg.message))  # type: ignore[union-attr]
             elif msg.request_id and msg.code in (DRAINING, ERR_ENGINE_BUSY):  # type: ignore[union-attr]
@@ -517,7 +561,12 @@ class EngineClient:
             if finish == "error":
                 self._end(st, EngineRequestError(out.error or "the engine failed the request", out.error_code))
                 return
+            if self.migration_limit:
+                st.generated += out.new_token_ids
             if finish is not None:
+                if st.migrations:
+                    log.info("request %s finished on engine %s after %d migration(s)%s", st.request_id,
+                             st.engine.rank if st.engine else "?", st.migrations, _trace(st))
                 self._forget(st)  # finished by the engine: nothing to abort
         else:
             self._forget(st)
@@ -566,11 +615,70 @@ class EngineClient:
         for st in list(self._streams.values()):
             if st.engine is eng:
                 if st.started:
-                    self._end(st, EngineRequestError(why))
+                    self._migrate(st, eng, "engine_lost", why)
                 else:  # nothing was produced yet: safe to send it to another engine
                     self._hand_back(st, eng)
                 n += 1
         return n
+
+    def _migrate(self, st: _Stream, eng: EngineConnection, cause: str, why: str, exclude: bool = True) -> None:
+        """``eng`` lost a request (``cause``: one of MIGRATION_CAUSES). One it had sent no output for is handed back
+        as it is. One that had produced output moves: its prompt and the tokens its sink was given go to another
+        engine of its model (``exclude``: not ``eng``, which may come back as the model's engine once its
+        expert-parallel group re-forms), which goes on after them. It fails with ``why`` instead when it has moved
+        ``--migration-limit`` times, is longer than ``--migration-max-len``, or finds no engine within
+        ``--scaling-wait``."""
+        if not st.started:  # nothing of it came from this engine: what it holds (frames) is still what to send
+            if exclude:
+                self._hand_back(st, eng)
+            else:
+                self._resend(st, eng, cause, exclude)
+            return
+        add, n = st.add, len(st.generated)
+        total = 0 if add is None else len(add.prompt_token_ids) + n
+        if add is None or st.migrations >= self.migration_limit or n >= add.sampling.max_tokens or (
+                self.migration_max_len is not None and total > self.migration_max_len):
+            if add is not None and self.migration_limit:
+                log.warning("request %s lost engine %s (%s) after %d tokens and %d migration(s): %s%s", st.request_id,
+                            eng.rank, cause, n, st.migrations, "no migration left" if st.migrations
+                            >= self.migration_limit else f"{total} tokens exceed --migration-max-len", _trace(st))
+                if self.on_migration is not None:
+                    self.on_migration(cause, False)
+            self._end(st, EngineRequestError(why))
+            return
+        st.migrations += 1
+        st.started = False  # until the engine it moves to sends output (before that, a refusal is a hand-back)
+        st.frames = encode(replace(add, output_token_ids=tuple(st.generated)))
+        if self.on_migration is not None:
+            self.on_migration(cause, True)
+        self._resend(st, eng, cause, exclude)
+
+    def _resend(self, st: _Stream, eng: EngineConnection, cause: str, exclude: bool) -> None:
+        """Send a request ``eng`` gave back (its ``frames`` say what to send now) to another engine of its model, or
+        park it for up to ``--scaling-wait`` when none is there."""
+        eng.outstanding -= 1
+        st.engine = None
+        st.busy = 0
+        st.refused = {eng.endpoint} if exclude else set()
+        try:
+            self._send(st)
+        except NoEngineAvailable as e:
+            st.refused = set()  # the one to wait for may be its replacement, on the same endpoint
+            if self.migration_wait <= 0:
+                self._end(st, e)
+                return
+            st.wait_until = asyncio.get_running_loop().time() + self.migration_wait
+            log.info("request %s lost engine %s (%s) after %d tokens; waiting up to %.0fs for another engine%s",
+                     st.request_id, eng.rank, cause, len(st.generated), self.migration_wait, _trace(st))
+            self._park(st, self.migration_wait)
+            return
+        self._moved(st, eng, cause)
+
+    def _moved(self, st: _Stream, lost: EngineConnection | None, cause: str) -> None:
+        if st.migrations:
+            log.info("request %s moved from engine %s to engine %s after %d tokens (%s; migration %d of %d)%s",
+                     st.request_id, lost.rank if lost else "?", st.engine.rank if st.engine else "?",
+                     len(st.generated), cause, st.migrations, self.migration_limit, _trace(st))
 
     def _hand_back(self, st: _Stream, eng: EngineConnection, busy: bool = False) -> None:
         """``eng`` refused (draining, a full queue) or lost the request before any output: another engine of its
@@ -584,11 +692,13 @@ class EngineClient:
         except NoEngineAvailable as e:
             # The engine is leaving while admission is held (a rolling restart of a model's only engine, an
             # expert-parallel resize): wait for its replacement, which takes the same endpoint.
-            wait = 0.0 if busy else self._may_wait(st.model)
+            wait = 0.0 if busy else self.migration_wait if st.migrations else self._may_wait(st.model)
             if wait <= 0:
                 self._end(st, e)
                 return
             st.refused.discard(eng.endpoint)
+            if st.migrations:  # a migrated request waits for an engine whatever the holds say
+                st.wait_until = asyncio.get_running_loop().time() + wait
             self._park(st, wait)
 
     def _may_wait(self, model: str | None) -> float:
@@ -638,11 +748,12 @@ class EngineClient:
         """Send a generation request; its outputs go to ``sink``. Raises ``NoEngineAvailable`` when no engine
         of ``model`` can take it now (nothing is left in flight then)."""
         # Encoded (and so checked) before it is registered: a request the wire refuses must not stay in flight.
-        self._submit(request_id, encode(AddRequest(request_id, tuple(prompt_token_ids), sampling,
-                                                   REQUEST_ID.get())), sink, model)
+        add = AddRequest(request_id, tuple(prompt_token_ids), sampling, REQUEST_ID.get())
+        self._submit(request_id, encode(add), sink, model, add)
 
-    def _submit(self, request_id: str, frames: list[bytes], sink: OutputSink, model: str | None) -> None:
-        st = _Stream(request_id, sink, frames, model)
+    def _submit(self, request_id: str, frames: list[bytes], sink: OutputSink, model: str | None,
+                add: AddRequest | None = None) -> None:
+        st = _Stream(request_id, sink, frames, model, add)
         try:
             self._send(st)
         except EnginesBusy:
@@ -700,6 +811,11 @@ class EngineClient:
         if out.error is not None:
             raise EngineRequestError(out.error)
         return out
+
+
+def _trace(st: _Stream) -> str:
+    trace = st.add.trace_id if st.add is not None else None
+    return f" (X-Request-Id {trace})" if trace else ""
 
 
 class ModelEngines:

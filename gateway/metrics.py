@@ -144,8 +144,20 @@ class Recorder:
         self.in_flight = BufferedGauge(Gauge(
             "zserve_requests_in_flight", "Generation requests being served by gateways.",
             multiprocess_mode="livesum", registry=registry))
+        self.migrations = BufferedCounter(Counter(
+            "zserve_migrations_total", "Requests moved to another engine, with the tokens they had generated, when "
+            "their engine was lost while they streamed; by cause (engine_lost, drain_timeout, group_lost).",
+            ["cause"], registry=registry))
+        self.migrations_exhausted = BufferedCounter(Counter(
+            "zserve_migrations_exhausted_total", "Requests that lost their engine while streaming and failed instead "
+            "of moving: --migration-limit moves already made, or longer than --migration-max-len; by cause.",
+            ["cause"], registry=registry))
         self._all = (self.http_requests, self.http_duration, self.ttft, self.inter_token, self.prompt_tokens,
-                     self.generation_tokens, self.in_flight)
+                     self.generation_tokens, self.in_flight, self.migrations, self.migrations_exhausted)
+
+    def migration(self, cause: str, moved: bool) -> None:
+        """A request lost its engine while streaming (``EngineClient.on_migration``)."""
+        (self.migrations if moved else self.migrations_exhausted).inc(labels=(cause,))
 
     def flush(self) -> None:
         """Add everything recorded since the last flush to the prometheus_client metrics."""

@@ -33,6 +33,7 @@ from .admission import Guard
 from .app import ROUTE_FAMILIES, build_app
 from .config import GatewayLaunch
 from .engine_client import EngineClient, ModelEngines
+from .metrics import RECORDER
 from .plugins import PluginContext, check_disabled, describe, installed_plugin_names, load_plugins
 from .security import CorsPolicy, Keys
 from .state import GatewayState, ServedModel, load_text
@@ -101,6 +102,8 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
                          render_only=cfg.render_only, default_max_model_len=cfg.max_model_len,
                          stream_interval=cfg.stream_interval, scaling_wait=cfg.scaling_wait)
     engines.hold = state.wait_for
+    engines.migration_limit, engines.migration_max_len = cfg.migration_limit, cfg.migration_max_len
+    engines.migration_wait, engines.on_migration = cfg.scaling_wait, RECORDER.migration
     with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
         app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
                         PluginContext(state, cfg),

@@ -207,7 +207,16 @@ across_hosts_options = _options(
 @click.option("--scaling-wait", type=float, default=_GATEWAY.scaling_wait, show_default=True,
               help="Seconds a request is held, then served, while a model's engines are briefly unavailable: an "
                    "expert-parallel resize or recovery, or a rolling restart (launch reload, SIGHUP) replacing a "
-                   "model's only engine. Past it, 503 with Retry-After (0: refused at once, as during /pause).")
+                   "model's only engine. Past it, 503 with Retry-After (0: refused at once, as during /pause). A "
+                   "request moving to another engine waits as long for one when none is left.")
+@click.option("--migration-limit", type=click.IntRange(0, 100), default=_GATEWAY.migration_limit, show_default=True,
+              help="Times one request may move to another engine when its engine is lost while it streams (dies, "
+                   "hangs, its host is cut off, its drain reaches --shutdown-timeout, its expert-parallel group loses "
+                   "a member): the prompt and the tokens generated so far go to another engine of the model, which "
+                   "goes on from the next token; the client sees nothing. 0: such a request fails.")
+@click.option("--migration-max-len", type=click.IntRange(1, 1 << 20), default=_GATEWAY.migration_max_len,
+              help="The longest request (prompt + generated tokens) a migration re-sends; a longer one fails as its "
+                   "engine does. Default: any the engines take.")
 def api_server(**options) -> None:
     """Serve MODEL(s) over HTTP with COUNT gateways in front of each model's ENGINES engine workers."""
     serve(**options)

@@ -2,11 +2,11 @@
 
 Frame 0 is an orjson header ``{"v": PROTOCOL_VERSION, "t": <type>, ...fields}``. Token ids and
 logprobs follow as raw little-endian int32 / float32 frames (AddRequest and PoolRequest: the prompt's
-tokens; StepOutputs: one frame holding eight arrays back to back, whose sizes the header's ``lens``
-gives: tokens, logprobs, top ids, top logprobs, then the same three for prompt logprobs and the prompt
-tokens' ranks; PoolOutputs:
-every output's vector, one after another), so a 4k-token prompt costs one memcpy instead of a JSON
-array. Nothing here can execute code from a frame: no pickle, no eval.
+tokens, and a migrated AddRequest's generated tokens after them, ``n_output`` of them; StepOutputs: one
+frame holding eight arrays back to back, whose sizes the header's ``lens`` gives: tokens, logprobs,
+top ids, top logprobs, then the same three for prompt logprobs and the prompt tokens' ranks;
+PoolOutputs: every output's vector, one after another), so a 4k-token prompt costs one memcpy instead
+of a JSON array. Nothing here can execute code from a frame: no pickle, no eval.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ def encode(msg: Message) -> list[bytes]:
             "sampling": msg.sampling.to_wire(),
             "trace_id": msg.trace_id,
         }
+        if msg.output_token_ids:  # a migrated request: its generated tokens follow the prompt's in the frame
+            head["n_output"] = len(msg.output_token_ids)
+            return [_header(msg, head), _pack("i", msg.prompt_token_ids + msg.output_token_ids)]
         return [_header(msg, head), _pack("i", msg.prompt_token_ids)]
     if isinstance(msg, StepOutputs):
         return _encode_outputs(msg)
@@ -189,12 +192,12 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         raise ProtocolError(f"bad {cls.TYPE} message: {e}", rid) from None
 
 
-def _prompt_frame(head: dict, frames: Sequence[bytes | memoryview], what: str) -> tuple[int, ...]:
+def _prompt_frame(head: dict, frames: Sequence[bytes | memoryview], what: str, extra: int = 0) -> tuple[int, ...]:
     if len(frames) != 2:
         raise ProtocolError(f"{what} takes a header and one token frame")
     ids = _unpack("i", frames[1], "prompt")
-    if len(ids) != head["n_prompt"]:
-        raise ProtocolError("prompt frame length does not match n_prompt")
+    if len(ids) != head["n_prompt"] + extra:
+        raise ProtocolError("prompt frame length does not match n_prompt" + (" + n_output" if extra else ""))
     if ids and min(ids) < 0:
         raise ProtocolError("negative token id in prompt")
     return tuple(ids)
@@ -231,10 +234,18 @@ def _decode_pooled(head: dict, frames: Sequence[bytes | memoryview]) -> PoolOutp
 
 
 def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:
-    if set(head) != {"request_id", "n_prompt", "sampling", "trace_id"}:
-        raise ProtocolError("add needs exactly request_id, n_prompt, sampling, trace_id")
-    ids = _prompt_frame(head, frames, "add")
-    return AddRequest(head["request_id"], ids, SamplingParams.from_wire(head["sampling"]), head["trace_id"])
+    if set(head) - {"n_output"} != {"request_id", "n_prompt", "sampling", "trace_id"}:
+        raise ProtocolError("add needs exactly request_id, n_prompt, sampling, trace_id (and n_output)")
+    n_output = head.get("n_output", 0)
+    if not isinstance(n_output, int) or isinstance(n_output, bool) or n_output < 0 or ("n_output" in head
+                                                                                         and not n_output):
+        raise ProtocolError("n_output must be a positive int")
+    if not isinstance(head["n_prompt"], int) or isinstance(head["n_prompt"], bool):
+        raise ProtocolError("n_prompt must be an int")
+    ids = _prompt_frame(head, frames, "add", n_output)
+    n = len(ids) - n_output
+    return AddRequest(head["request_id"], ids[:n], SamplingParams.from_wire(head["sampling"]), head["trace_id"],
+                      ids[n:])
 
 
 def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOutputs:

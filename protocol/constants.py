@@ -17,12 +17,22 @@ every gateway's (aiohttp calls listen() again on the inherited socket, with its 
 
 # -- error codes in ErrorMessage.code ------------------------------------------------------------
 ERR_ENGINE_DRAINING = "engine_draining"
-"""An engine refused a request because it is draining; the gateway hands it to another engine."""
+"""An engine refused a request because it is draining, or handed back one it had not finished when its drain timeout
+came; the gateway sends it to another engine (one that had produced tokens continues there: a migration)."""
+ERR_GROUP_LOST = "group_lost"
+"""An expert-parallel engine's group lost a member while the request ran there; the gateway re-submits it, with the
+tokens it had produced, once an engine of its model is ready again (the group re-formed)."""
 ERR_ENGINE_BUSY = "engine_busy"
 """An engine refused a request because its queue holds ``max_waiting`` requests already; the gateway tries
 another engine of the model, and answers 429 when every one is full."""
 ERR_BAD_FRAME = "bad_frame"
 """An engine could not decode a frame that named no request."""
+
+# -- why a gateway moved a running request to another engine (the label of zserve_migrations_total) --------------
+MIGRATION_CAUSES = ("engine_lost", "drain_timeout", "group_lost")
+"""engine_lost: its connection dropped (the engine died, hung and was killed, or its host was cut off);
+drain_timeout: a draining engine handed it back at its --shutdown-timeout (ERR_ENGINE_DRAINING);
+group_lost: its expert-parallel group lost a member (ERR_GROUP_LOST)."""
 
 # -- error codes in RequestOutput.error_code (with finish_reason "error") -------------------------
 ERR_STRUCTURED_OUTPUT = "structured_output"

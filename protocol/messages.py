@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 from .validate import ProtocolError, check, is_int, is_num
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TOKENS_LIMIT = 1 << 20
@@ -255,6 +255,11 @@ class AddRequest(Message):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trace_id: str | None = None  # the HTTP request's X-Request-Id, for the engine's log lines about it
+    # A migrated request (its engine was lost, drained past its timeout, or left its expert-parallel group): the
+    # tokens it already generated there. The engine computes prompt + these and goes on after them as if it had
+    # generated them itself: they count against max_tokens and min_tokens, feed the penalties, replay into a fresh
+    # grammar matcher, and a seeded request's next draw is the one for the position after them.
+    output_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
@@ -262,6 +267,9 @@ class AddRequest(Message):
               "prompt_token_ids must not be empty")
         check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
         check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
+        _check_token_ids(self.output_token_ids, "output_token_ids")
+        check(len(self.output_token_ids) < self.sampling.max_tokens,
+              "output_token_ids must leave at least one token of max_tokens to generate")
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,9 @@ class EngineLaunch:
     config: EngineConfig = field(default_factory=EngineConfig)
     device: int | None = None  # CUDA device index; None: the default choice
     heartbeat_interval: float = 1.0
+    # Seconds a drain (SIGTERM: scale-down, a rolling restart) lets running requests finish before the engine hands
+    # the rest back to their gateways, which move them to another engine (--shutdown-timeout).
+    shutdown_timeout: float = 30.0
     # Expert parallel: (member, size), the share of the experts of a group of ``size`` this engine loads (the
     # supervisor forms the group later); None: no group.
     expert_share: tuple[int, int] | None = None
@@ -113,6 +116,7 @@ class EngineLaunch:
         check(isinstance(self.config, EngineConfig), "config must be an EngineConfig")
         check(self.device is None or is_int(self.device, 0, 1023), "device must be a CUDA device index or null")
         check(is_seconds(self.heartbeat_interval, 0.01, 3600), "heartbeat_interval must be seconds in 0.01..3600")
+        check(is_seconds(self.shutdown_timeout, 0, 86400), "shutdown_timeout must be seconds in 0..86400")
         if self.expert_share is not None:
             share = tuple(self.expert_share) if isinstance(self.expert_share, (list, tuple)) else ()
             check(len(share) == 2 and is_int(share[1], 1, 1 << 16) and is_int(share[0], 0, share[1] - 1),

@@ -145,7 +145,8 @@ class Supervisor:
             engine = handoff.engine_launch(
                 index, a.engine_endpoint(index), mt.source, mt.spec.engine, threads=a.engine_threads(),
                 device=engine_device(mt.first_device + index - mt.base, a.num_gpus),
-                heartbeat_interval=c.heartbeat_interval, expert_share=group.share(index) if group else None,
+                heartbeat_interval=c.heartbeat_interval, shutdown_timeout=c.shutdown_timeout,
+                expert_share=group.share(index) if group else None,
                 keys_dir=c.keys_dir if c.bind is not None else None)
             return spawn(slot, "engine_worker", handoff.argv(engine))
         assert self.listener is not None

@@ -83,10 +83,11 @@ def test_a_child_with_a_bad_launch_value_exits_with_a_usage_error(capsys):
 
 def test_handoff_makes_the_supervisors_choices():
     told = handoff.engine_launch(1, "ipc:///e.sock", SOURCE, EngineConfig(threads=3), threads=8, device=None,
-                                 heartbeat_interval=1.0, keys_dir="")
+                                 heartbeat_interval=1.0, shutdown_timeout=7.5, keys_dir="")
     shared = handoff.engine_launch(1, "ipc:///e.sock", SOURCE, EngineConfig(), threads=8, device=0,
-                                   heartbeat_interval=1.0, expert_share=(1, 2))
+                                   heartbeat_interval=1.0, shutdown_timeout=30, expert_share=(1, 2))
     assert (told.config.threads, told.keys_dir, shared.config.threads, shared.expert_share) == (3, None, 8, (1, 2))
+    assert told.shutdown_timeout == 7.5 and EngineLaunch.from_json(told.to_json()) == told  # the drain deadline
     gw = handoff.gateway_launch(0, 4, [(SOURCE, ("a",)), (OTHER, ())], GatewayConfig(), render_only=True,
                                 cache_dir="/c", control_socket="/s", shutdown_timeout=30.0, heartbeat_interval=1.0,
                                 responses_db="/r.db")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine_worker.sampler import Sampler
+from engine_worker.sampler import Sampler, seeded_uniform
 from protocol.messages import SamplingParams
 
 CPU = torch.device("cpu")
@@ -22,7 +22,6 @@ class Row:
     sampling: SamplingParams
     prompt_ids: list[int] = field(default_factory=list)
     past_output_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     grammar: object | None = None
 
 
@@ -61,12 +60,13 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 
 def _seeded_run(sampler: Sampler, logits_steps: list[torch.Tensor], target: int, mates: list[Row]) -> list[int]:
     """Sample the seeded row ``target`` over several steps with ``mates`` around it."""
-    row = Row(SamplingParams(temperature=1.0, seed=42), generator=sampler.make_generator(42))
+    row = Row(SamplingParams(temperature=1.0, seed=42))
     got = []
     for logits in logits_steps:
         rows = list(mates)
         rows.insert(target, row)
         got.append(sampler.sample(logits.clone(), rows)[target].token_id)
+        row.past_output_ids.append(got[-1])
     return got
 
 
@@ -78,7 +78,7 @@ def test_seeded_rows_repeat_regardless_of_batch_mates():
     s = make_sampler(vocab)
     mates = [
         Row(SamplingParams(temperature=1.0)),  # unseeded: shared generator
-        Row(SamplingParams(temperature=0.7, seed=7), generator=s.make_generator(7)),
+        Row(SamplingParams(temperature=0.7, seed=7)),
         Row(SamplingParams(temperature=0.0)),
         Row(SamplingParams(temperature=1.0, top_p=0.9)),
     ]
@@ -88,8 +88,38 @@ def test_seeded_rows_repeat_regardless_of_batch_mates():
     assert batched == alone
     # The draws really are random: another seed gives another sequence.
     other = make_sampler(vocab)
-    row = Row(SamplingParams(temperature=1.0, seed=43), generator=other.make_generator(43))
+    row = Row(SamplingParams(temperature=1.0, seed=43))
     assert [other.sample(st[None].clone(), [row])[0].token_id for st in steps] != alone
+
+
+def test_a_seeded_request_resumed_elsewhere_draws_what_it_would_have_drawn():
+    """A migration: the first tokens come from one engine, the rest from another (a fresh sampler whose shared
+    generator is elsewhere, other batch mates), given only the tokens generated so far."""
+    vocab = 5000
+    steps = [random_logits(1, vocab, seed=60 + i)[0] * 0.3 for i in range(8)]
+    whole = _seeded_run(make_sampler(vocab), [st[None] for st in steps], 0, [])
+    other = Sampler(vocab, [EOS], CPU, seed=999)
+    other.sample(random_logits(4, vocab), [Row(SamplingParams()) for _ in range(4)])  # its shared stream moved on
+    row = Row(SamplingParams(temperature=1.0, seed=42), past_output_ids=whole[:5])
+    rest = []
+    for st in steps[5:]:
+        rows = [Row(SamplingParams(temperature=0.9)), row]
+        rest.append(other.sample(torch.cat([random_logits(1, vocab, seed=3), st[None]]), rows)[1].token_id)
+        row.past_output_ids.append(rest[-1])
+    assert rest == whole[5:]
+
+
+def test_seeded_uniforms_are_uniform_and_differ_by_seed_and_position():
+    draws = [seeded_uniform(7, i) for i in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.01
+    # Kolmogorov-Smirnov distance from the uniform distribution (critical value at 1%: 1.63 / sqrt(n) = 0.0115).
+    ordered = sorted(draws)
+    assert max(max((i + 1) / len(ordered) - u, u - i / len(ordered)) for i, u in enumerate(ordered)) < 0.0115
+    assert len(set(draws)) == len(draws)
+    assert [seeded_uniform(8, i) for i in range(100)] != draws[:100]
+    assert seeded_uniform(-1, 0) == seeded_uniform((1 << 64) - 1, 0)  # seeds are taken modulo 2^64 (OpenAI's range)
+    assert seeded_uniform(7, 5) == draws[5]  # a function of (seed, position) alone
 
 
 def test_sampling_follows_the_distribution():
@@ -304,17 +334,18 @@ def test_seeded_rows_repeat_alone_and_in_a_mixed_batch(method):
 
     def mixed_of(sampler, st, row):
         mates = [Row(SamplingParams(temperature=1.0, top_k=5000)), Row(SamplingParams(temperature=0.0)),
-                 Row(SamplingParams(temperature=0.5, top_p=0.95, seed=3), generator=sampler.make_generator(3)),
+                 Row(SamplingParams(temperature=0.5, top_p=0.95, seed=3)),
                  Row(SamplingParams(temperature=1.0, min_p=0.2))]
         rows = mates[:1] + [row] + mates[1:]
         return torch.cat([random_logits(1, vocab, seed=7), st[None], random_logits(3, vocab, seed=8) * 0.2]), rows, 1
 
     def run(sampler: Sampler, batch_of) -> list[int]:
-        row = Row(params, generator=sampler.make_generator(11))
+        row = Row(params)
         got = []
         for st in steps:
             logits, rows, at = batch_of(sampler, st, row)
             got.append(sampler.sample(logits, rows)[at].token_id)
+            row.past_output_ids.append(got[-1])
         return got
 
     alone = run(make_sampler(vocab), alone_of)

@@ -18,9 +18,6 @@ class FakeRunner:
     num_blocks: int = 64
     block_size: int = 4
 
-    def make_generator(self, seed):
-        return ("gen", seed)
-
 
 def _seq(rid, n_prompt=3, **sp):
     return Sequence(rid, list(range(10, 10 + n_prompt)), SamplingParams(**{"max_tokens": 4, **sp}))

@@ -253,3 +253,34 @@ def test_a_grammar_needing_a_byte_no_token_holds_ends_with_a_structured_output_e
     written = [t for o in outs["r"][:-1] for t in o.new_token_ids]
     assert text(smollm2_tokenizer, written) in ("", "a", "b")
     assert outs["ok"][-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("cut", [1, 5, 12])
+def test_a_migrated_request_replays_its_tokens_and_goes_on_under_its_grammar(runner, grammars, prompt,
+                                                                             smollm2_tokenizer, cut):
+    """The tokens a request generated on an engine it lost come with it (``Sequence.output_ids``): a fresh matcher
+    takes them, and the seeded draws after them are the ones the uninterrupted run made."""
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=200, structured=("json", json.dumps(SCHEMAS[1])))
+    whole = run(runner, grammars, [sp], prompt)["r0"]
+    assert len(whole) > cut
+    sched = Scheduler(runner, 8, 256, grammars=grammars)
+    assert sched.add(Sequence("moved", list(prompt), sp, output_ids=whole[:cut])) is None
+    outs = run_until_done(sched)["moved"]
+    assert whole[:cut] + [t for o in outs for t in o.new_token_ids] == whole
+    assert outs[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(text(smollm2_tokenizer, whole)), SCHEMAS[1])
+
+
+def test_generated_tokens_the_grammar_refuses_fail_the_migrated_request_not_the_engine(runner, grammars, prompt,
+                                                                                       smollm2_tokenizer):
+    sp = SamplingParams(temperature=0.0, max_tokens=50, structured=("regex", r"\d+"))
+    sched = Scheduler(runner, 8, 256, grammars=grammars)
+    assert sched.add(Sequence("bad", list(prompt), sp, output_ids=smollm2_tokenizer.encode("abc"))) is None
+    assert sched.add(Sequence("good", list(prompt), sp, output_ids=smollm2_tokenizer.encode("12"))) is None
+    done: dict = {}
+    while sched.has_work:
+        for o in sched.step():
+            done.setdefault(o.request_id, []).append(o)
+    assert done["bad"][-1].finish_reason == "error" and done["bad"][-1].error_code == ERR_STRUCTURED_OUTPUT
+    assert "does not continue the grammar" in done["bad"][-1].error
+    assert re.fullmatch(r"\d+", "12" + text(smollm2_tokenizer, [t for o in done["good"] for t in o.new_token_ids]))
