@@ -565,8 +565,8 @@ class EngineClient:
                 st.generated += out.new_token_ids
             if finish is not None:
                 if st.migrations:
-                    log.info("request %s finished on engine %s after %d migration(s)%s", st.request_id,
-                             st.engine.rank if st.engine else "?", st.migrations, _trace(st))
+                    log.info("request %s finished on %s after %d migration(s)%s", st.request_id, _engine(st.engine),
+                         st.migrations, _trace(st))
                 self._forget(st)  # finished by the engine: nothing to abort
         else:
             self._forget(st)
@@ -676,9 +676,9 @@ class EngineClient:
 
     def _moved(self, st: _Stream, lost: EngineConnection | None, cause: str) -> None:
         if st.migrations:
-            log.info("request %s moved from engine %s to engine %s after %d tokens (%s; migration %d of %d)%s",
-                     st.request_id, lost.rank if lost else "?", st.engine.rank if st.engine else "?",
-                     len(st.generated), cause, st.migrations, self.migration_limit, _trace(st))
+            log.info("request %s moved from %s to %s after %d tokens (%s; migration %d of %d)%s", st.request_id,
+                     _engine(lost), _engine(st.engine), len(st.generated), cause, st.migrations, self.migration_limit,
+                     _trace(st))
 
     def _hand_back(self, st: _Stream, eng: EngineConnection, busy: bool = False) -> None:
         """``eng`` refused (draining, a full queue) or lost the request before any output: another engine of its
@@ -811,6 +811,11 @@ class EngineClient:
         if out.error is not None:
             raise EngineRequestError(out.error)
         return out
+
+
+def _engine(eng: EngineConnection | None) -> str:
+    """An engine as log lines name it: its rank and endpoint (engine hosts number their engines alike)."""
+    return "an engine" if eng is None else f"engine {eng.rank} at {eng.endpoint}"
 
 
 def _trace(st: _Stream) -> str:

@@ -10,11 +10,13 @@ shipped config (deploy/haproxy/haproxy.cfg).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 
 import httpx
 import openai
@@ -22,7 +24,21 @@ import pytest
 import zmq
 
 from protocol import ClientHello, EngineHello, decode, encode
-from tests.helpers import LAUNCH, ROOT, Server, Traffic, free_port, free_ports, procs, ready_pids, status, wait_until
+from tests.helpers import (
+    LAUNCH,
+    ROOT,
+    Server,
+    StreamResult,
+    Traffic,
+    free_port,
+    free_ports,
+    procs,
+    ready_pids,
+    run_stream,
+    status,
+    stream_body,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -137,6 +153,49 @@ def test_reloading_an_engine_host_with_one_engine_drops_no_request_of_a_gateway_
             gw.stop()
     finally:
         eng.stop()
+
+
+def test_streams_move_off_an_engine_host_that_is_cut_off(engine_host, keys):
+    """An engine host stops answering with its connections open, as behind a cut cable (SIGSTOP on its every
+    process: no reset, no FIN): the gateway host drops its engines once its registry has been silent for
+    --heartbeat-timeout, and the streams they served move to the other engine host's engines and go on."""
+    port = free_ports(4)
+    lone = Server(command=[*LAUNCH, "engine", *MODEL, "--bind", f"tcp://127.0.0.1:{port}", "--keys", str(keys)],
+                  log_name="cut-engine-host")
+    frozen: list[int] = []
+    try:
+        gw = Server(*MODEL, "--count", "1", "--engine", engine_host.url, "--engine", lone.url, "--keys", str(keys),
+                    "--heartbeat-timeout", "3", log_name="cut-gateway-host")
+        try:
+            wait_until(lambda: len([p for p in procs(gw, "engine") if p["state"] == "ready"]) == 3, 60, 0.2,
+                       "the gateway host to see both engine hosts' engines")
+            results = [StreamResult() for _ in range(6)]
+            threads = [threading.Thread(target=run_stream, args=(gw.url, stream_body(1500), r)) for r in results]
+            for t in threads:
+                t.start()
+            wait_until(lambda: all(r.error or r.chunks > 3 for r in results), 60, what="the streams to flow")
+            wait_until(lambda: procs(lone, "engine")[0].get("running"), 30, 0.1, "the cut host to serve streams")
+            frozen = [lone.proc.pid, *(p.pid for p in lone.descendants())]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            at = [r.chunks for r in results]
+            wait_until(lambda: all(r.error or r.chunks > n + 20 for r, n in zip(results, at)), 60,
+                       what="every stream to go on after the cut")
+            for r in results:
+                r.leave.set()
+            for t in threads:
+                t.join(timeout=60)
+            assert not [r.error for r in results if r.error]
+            moved = [ln for ln in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines()
+                     if ln.startswith('zserve_migrations_total{cause="engine_lost"}')]
+            assert moved and float(moved[0].split()[-1]) >= 1, moved
+        finally:
+            gw.stop()
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        lone.stop()
 
 
 # -- who may connect --------------------------------------------------------------------------------------

@@ -36,8 +36,11 @@ from tests.helpers import (
 )
 
 
-def test_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins():
-    s = Server("--count", "2", "--engines", "2", "--max-model-len", "8192", *TINY, log_name="engine-death")
+def test_without_migration_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins():
+    """``--migration-limit 0``: what every stream on a dead engine got before migration (tests/e2e/test_migration.py),
+    an error event within a second."""
+    s = Server("--count", "2", "--engines", "2", "--max-model-len", "8192", "--migration-limit", "0", *TINY,
+               log_name="engine-death")
     try:
         results = [StreamResult() for _ in range(4)]
         threads = [threading.Thread(target=run_stream, args=(s.url, stream_body(6000), r)) for r in results]
