@@ -2,7 +2,8 @@
 
 Starts `launch api-server --engines 2`, runs 4 long streams, kills the engine serving the most,
 and reports (over --rounds rounds):
-  - death → error event on each stream that was on the dead engine (client-side clock);
+  - death → error event on each stream that was on the dead engine (client-side clock), with migration off
+    (``--migration-limit 0``; with it on, the streams move instead: ``bench_migration.py`` times that);
   - death → the replacement engine ready (as `launch status` reports it);
   - death → the replacement engine answering a request routed to it.
 Then scales gateways 2→3→1 and engines 1→2→1 under a client loop and reports failed requests.
@@ -100,7 +101,8 @@ def main() -> None:
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    s = Server("--count", "2", "--engines", "2", "--model", a.model, "--dtype", "float32", log_name="bench-failover")
+    s = Server("--count", "2", "--engines", "2", "--model", a.model, "--dtype", "float32", "--migration-limit", "0",
+               log_name="bench-failover")
     try:
         fails, ready, serving = [], [], []
         for _ in range(a.rounds):

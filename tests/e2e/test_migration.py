@@ -2,8 +2,9 @@
 its stream goes on, with the official ``openai`` client reading it.
 
 One server (2 gateways, 2 engines of the tiny random model) takes 64 streams of four kinds (greedy completions,
-seeded chat, JSON-schema constrained chat, forced tool calls), first uninterrupted, then with one engine killed
-(SIGKILL) while they stream: every stream completes with the text and usage of its uninterrupted run. A stream
+seeded chat, JSON-schema constrained chat, forced tool calls) and 12 of the other families (Anthropic Messages,
+Responses, completions with n=2 and logprobs), first uninterrupted, then with one engine killed (SIGKILL) while
+they stream: every stream completes with the text (logprobs included) and usage of its uninterrupted run. A stream
 moves at most ``--migration-limit`` times; an engine that hangs is killed by the supervisor and its streams move;
 a scale-down whose drain reaches ``--shutdown-timeout`` hands its streams to the engine that stays. With SmolLM2,
 the real default model, the same kinds survive the loss of the server's only engine: they wait for its
@@ -22,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -30,6 +32,9 @@ from tests.helpers import LAUNCH, ROOT, TINY, Server, procs, ready_pids, wait_un
 from zserve.catalog import DEFAULT_CHAT_MODEL
 
 KINDS = ("greedy", "seeded", "schema", "tools")
+# Every other generation family, through its own SDK: Anthropic Messages and Responses (greedy), and completions
+# with n=2 and logprobs (seeded; each choice is an engine request of its own and moves on its own).
+FAMILIES = ("messages", "responses", "n2-logprobs")
 SCHEMA = {"type": "object", "properties": {
     "words": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 12, "maxItems": 16},
     "done": {"type": "boolean"}}, "required": ["words", "done"], "additionalProperties": False}
@@ -42,6 +47,7 @@ class Stream:
 
     text: str = ""
     calls: dict[int, list[str]] = field(default_factory=dict)  # tool calls by index: [name, arguments]
+    logprobs: dict[int, list[float]] = field(default_factory=dict)  # every logprob of each choice, in order
     finish: str | None = None
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens
     error: str | None = None
@@ -72,7 +78,55 @@ def _request(client: openai.OpenAI, model: str, kind: str, i: int, max_tokens: i
                                           tool_choice={"type": "function", "function": {"name": "record"}})
 
 
+def _other_family(url: str, model: str, kind: str, i: int, max_tokens: int, out: Stream) -> None:
+    question = f"Request {i}: tell a story about town number {i * 7 % 13}."
+    if kind == "messages":
+        client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=300)
+        with client.messages.stream(model=model, max_tokens=max_tokens, extra_body={"temperature": 0},
+                                    messages=[{"role": "user", "content": question}]) as events:
+            for piece in events.text_stream:
+                out.text += piece
+                out.chunks += 1
+            final = events.get_final_message()
+        u = final.usage  # (input_tokens leaves out what the prefix cache held, which the first run filled)
+        out.finish, out.usage = final.stop_reason, (u.input_tokens + (u.cache_read_input_tokens or 0), u.output_tokens)
+        return
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+    if kind == "responses":
+        for event in client.responses.create(model=model, input=question, max_output_tokens=max_tokens,
+                                             temperature=0, stream=True):
+            if event.type == "response.output_text.delta":
+                out.text += event.delta
+                out.chunks += 1
+            elif event.type in ("response.completed", "response.incomplete"):
+                u = event.response.usage
+                out.finish, out.usage = event.response.status, (u.input_tokens, u.output_tokens)
+        return
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model=model, prompt=question, max_tokens=max_tokens, n=2, logprobs=2,
+                                           temperature=1.0, seed=4000 + i, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            out.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        for c in chunk.choices:
+            out.chunks += 1
+            lps = c.logprobs
+            texts[c.index] = texts.get(c.index, "") + c.text + (repr([lps.tokens, [sorted(t) for t in
+                                                                                   lps.top_logprobs]]) if lps else "")
+            if lps:  # compared within float tolerance: the moved request's KV cache was computed in one prefill
+                out.logprobs.setdefault(c.index, []).extend(
+                    [x for t in lps.top_logprobs for x in sorted(t.values())] + lps.token_logprobs)
+            out.finish = c.finish_reason or out.finish
+    out.text = repr(sorted(texts.items()))
+
+
 def stream(url: str, model: str, kind: str, i: int, max_tokens: int, out: Stream) -> Stream:
+    if kind in FAMILIES:
+        try:
+            _other_family(url, model, kind, i, max_tokens, out)
+        except (openai.APIError, anthropic.APIError) as e:
+            out.error = str(e)
+        return out
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
     try:
         for chunk in _request(client, model, kind, i, max_tokens):
@@ -96,9 +150,12 @@ def stream(url: str, model: str, kind: str, i: int, max_tokens: int, out: Stream
     return out
 
 
-def run_all(url: str, model: str, per_kind: int, max_tokens: int, during=None) -> dict[tuple[str, int], Stream]:
-    """``per_kind`` streams of every kind at once; ``during(streams)`` runs meanwhile (the kill)."""
+def run_all(url: str, model: str, per_kind: int, max_tokens: int, during=None,
+            families: int = 0) -> dict[tuple[str, int], Stream]:
+    """``per_kind`` streams of every kind and ``families`` of every other family at once; ``during(streams)`` runs
+    meanwhile (the kill)."""
     streams = {(k, i): Stream() for k in KINDS for i in range(per_kind)}
+    streams |= {(k, i): Stream() for k in FAMILIES for i in range(families)}
     with ThreadPoolExecutor(len(streams)) as pool:
         futures = [pool.submit(stream, url, model, k, i, max_tokens, s) for (k, i), s in streams.items()]
         if during is not None:
@@ -113,6 +170,8 @@ def check_kinds(streams: dict[tuple[str, int], Stream], max_tokens: int) -> None
         assert s.error is None and s.finish is not None and s.usage is not None, (kind, i, s)
         if kind in ("greedy", "seeded"):
             assert s.finish == "length" and s.usage[1] == max_tokens, (kind, i, s)
+        elif kind in FAMILIES:
+            assert s.text and s.usage[1] > 0, (kind, i, s)
         elif kind == "schema":
             jsonschema.validate(json.loads(s.text), SCHEMA)
         else:
@@ -155,7 +214,7 @@ def server():
 
 def test_streams_of_every_kind_survive_a_killed_engine_and_write_what_they_would_have(server):
     tokens = 160
-    reference = run_all(server.url, "tiny-random", 16, tokens)
+    reference = run_all(server.url, "tiny-random", 16, tokens, families=4)
     check_kinds(reference, tokens)
     before = metric(server.url, 'zserve_migrations_total{cause="engine_lost"}')
     # Least-loaded routing spreads the 64 streams over both engines: either one holds a share of them.
@@ -165,10 +224,13 @@ def test_streams_of_every_kind_survive_a_killed_engine_and_write_what_they_would
         wait_until(lambda: sum(s.chunks >= 3 for s in streams.values()) >= 48, 120, 0.02, "the streams to flow")
         os.kill(victim["pid"], signal.SIGKILL)
 
-    moved = run_all(server.url, "tiny-random", 16, tokens, kill)
+    moved = run_all(server.url, "tiny-random", 16, tokens, kill, families=4)
     check_kinds(moved, tokens)
     for key, s in moved.items():
-        assert s.written == reference[key].written, key  # text, finish reason and usage
+        assert s.written == reference[key].written, key  # text (tokens, top tokens), finish reason and usage
+        assert s.logprobs.keys() == reference[key].logprobs.keys(), key
+        for index, lps in s.logprobs.items():
+            assert lps == pytest.approx(reference[key].logprobs[index], abs=1e-4), (key, index)
     migrations = metric(server.url, 'zserve_migrations_total{cause="engine_lost"}') - before
     assert migrations >= 8, f"only {migrations} streams moved"  # the killed engine held a share of the 64
     assert "moved from engine" in server.tail(200000)
