@@ -706,10 +706,14 @@ class EngineClient:
         that waits covers the model (``hold``: --scaling-wait), or while an engine of it is ready by the
         supervisor's word but has not yet greeted this gateway (``CONNECT_WAIT``); else 0."""
         wait = self.hold(model) if self.hold is not None else 0.0
-        if wait <= 0 and any(e.cluster_state == "ready" and e.hello is None and not e.closed and e.serves(model)
-                             for e in self.engines.values()):
+        if wait <= 0 and self.connecting(model):
             wait = CONNECT_WAIT
         return wait
+
+    def connecting(self, model: str | None) -> bool:
+        """Whether an engine of ``model`` is ready by the supervisor's word but has not greeted this gateway yet."""
+        return any(e.cluster_state == "ready" and e.hello is None and not e.closed and e.serves(model)
+                   for e in self.engines.values())
 
     def _park(self, st: _Stream, wait: float) -> None:
         loop = asyncio.get_running_loop()
@@ -862,6 +866,12 @@ class ModelEngines:
     def has_ready(self) -> bool:
         self._view()
         return bool(self._ready)
+
+    @property
+    def coming(self) -> bool:
+        """An engine of the model is ready by the supervisor's word and about to greet this gateway: a request
+        sent now waits for it (``CONNECT_WAIT``) rather than finding no engine."""
+        return self.client.connecting(self.model)
 
     @property
     def engines(self) -> dict[str, EngineConnection]:

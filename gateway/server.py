@@ -133,6 +133,10 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
     await engines.start()
     if not cfg.render_only:  # a render-only gateway has no engine to wait for
         await asyncio.wait_for(engines.any_ready.wait(), a.engine_timeout)
+        # Serve once every engine the supervisor calls ready has greeted this gateway too (a hello follows its
+        # connection within milliseconds), not at the first: a gateway started while serving (a rolling restart,
+        # a scale-up) otherwise answered a request of another model that instant with a 503, no engine being ready.
+        await engines.wait_hello([ep for ep, e in engines.engines.items() if e.cluster_state == "ready"], HELLO_WAIT)
 
     async def heartbeat() -> None:
         while True:

@@ -60,7 +60,7 @@ def admit(state: ModelState, task: str = "generate", parts: int = 1, param: str 
     hold = state.hold
     if hold is not None:
         raise refusal(hold, state.model.model_id)
-    if not state.engines.has_ready:
+    if not state.engines.has_ready and not state.engines.coming:
         raise engine_error(NoEngineAvailable("no engine is ready"))
     state.check_task(task)
     limit = state.engines.max_waiting

@@ -105,3 +105,30 @@ def test_a_waiting_request_fails_as_soon_as_its_engine_leaves_the_cluster(endpoi
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_admission_lets_a_request_through_to_wait_for_an_engine_on_its_way(endpoint):
+    """Admission refused with a 503 before the engine client could wait: a gateway started while serving (a rolling
+    restart) answered a request of a model whose engines had not greeted it yet (tests/e2e/test_holds_per_model)."""
+    from types import SimpleNamespace
+
+    from gateway.engine_client import ModelEngines
+    from gateway.errors import APIError
+    from gateway.serving.admission import admit
+
+    async def scenario() -> None:
+        client = EngineClient([])
+        engines = ModelEngines(client, MODEL)
+        state = SimpleNamespace(render_only=False, hold=None, engines=engines, check_task=lambda *_: None)
+        await client.apply_cluster(ready_at(endpoint))
+        assert not engines.has_ready and engines.coming
+        admit(state)  # admitted: the request waits for the greeting
+        await client.apply_cluster(ClusterState(version=3, engines=(EngineInfo(0, endpoint, "draining",
+                                                                                 model=MODEL),)))
+        assert not engines.coming
+        with pytest.raises(APIError) as refused:
+            admit(state)
+        assert refused.value.status == 503
+        await client.close()
+
+    asyncio.run(scenario())
