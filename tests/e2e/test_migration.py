@@ -300,8 +300,8 @@ def test_a_scale_down_whose_drain_times_out_moves_its_streams_to_the_engine_that
 def test_with_smollm2_streams_of_every_kind_wait_for_the_replacement_of_the_only_engine(smollm_server):
     """The real model, whose text tool calls and schemas depend on (its only engine: the streams wait for the
     replacement, up to --scaling-wait)."""
-    model, tokens = DEFAULT_CHAT_MODEL, 48
-    reference = run_all(smollm_server.url, model, 2, tokens)
+    model, tokens = DEFAULT_CHAT_MODEL, 40
+    reference = run_all(smollm_server.url, model, 1, tokens, families=1)
     check_kinds(reference, tokens)
 
     (victim,) = [p for p in procs(smollm_server, "engine") if p["state"] == "ready"]
@@ -312,7 +312,7 @@ def test_with_smollm2_streams_of_every_kind_wait_for_the_replacement_of_the_only
         wait_replaced(smollm_server, victim)
 
     started = time.monotonic()
-    moved = run_all(smollm_server.url, model, 2, tokens, kill)
+    moved = run_all(smollm_server.url, model, 1, tokens, kill, families=1)
     check_kinds(moved, tokens)
     for key, s in moved.items():
         assert s.written == reference[key].written, (key, time.monotonic() - started)
