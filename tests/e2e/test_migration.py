@@ -38,6 +38,11 @@ FAMILIES = ("messages", "responses", "n2-logprobs")
 SCHEMA = {"type": "object", "properties": {
     "words": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 12, "maxItems": 16},
     "done": {"type": "boolean"}}, "required": ["words", "done"], "additionalProperties": False}
+# Seeded requests sample among their 40 best tokens. Over the tiny random model's whole vocabulary (49,152 nearly
+# equal probabilities) the draw would sit near some token's boundary in the cumulative sum at every step, and an
+# engine's float32 sums are not the same bit for bit in every batch (nor is a rerun's: tests/bench/bench_migration.py
+# --rerun saw one part before any kill); among 40 candidates a near tie is rare.
+TOP_K = 40
 TOOL = {"type": "function", "function": {"name": "record", "description": "Record some words.", "parameters": SCHEMA}}
 
 
@@ -70,11 +75,14 @@ def _request(client: openai.OpenAI, model: str, kind: str, i: int, max_tokens: i
                                          stream=True, stream_options={"include_usage": True},
                                          extra_body={"ignore_eos": True})
     if kind == "seeded":
-        return client.chat.completions.create(**chat, temperature=1.0, seed=1000 + i, extra_body={"ignore_eos": True})
+        return client.chat.completions.create(**chat, temperature=1.0, seed=1000 + i,
+                                              extra_body={"ignore_eos": True, "top_k": TOP_K})
     if kind == "schema":
-        return client.chat.completions.create(**chat, temperature=1.0, seed=2000 + i, response_format={
-            "type": "json_schema", "json_schema": {"name": "words", "schema": SCHEMA, "strict": True}})
-    return client.chat.completions.create(**chat, temperature=1.0, seed=3000 + i, tools=[TOOL],
+        return client.chat.completions.create(**chat, temperature=1.0, seed=2000 + i, extra_body={"top_k": TOP_K},
+                                              response_format={"type": "json_schema", "json_schema": {
+                                                  "name": "words", "schema": SCHEMA, "strict": True}})
+    return client.chat.completions.create(**chat, temperature=1.0, seed=3000 + i, extra_body={"top_k": TOP_K},
+                                          tools=[TOOL],
                                           tool_choice={"type": "function", "function": {"name": "record"}})
 
 
@@ -104,7 +112,7 @@ def _other_family(url: str, model: str, kind: str, i: int, max_tokens: int, out:
         return
     texts: dict[int, str] = {}
     for chunk in client.completions.create(model=model, prompt=question, max_tokens=max_tokens, n=2, logprobs=2,
-                                           temperature=1.0, seed=4000 + i, stream=True,
+                                           temperature=1.0, seed=4000 + i, stream=True, extra_body={"top_k": TOP_K},
                                            stream_options={"include_usage": True}):
         if chunk.usage is not None:
             out.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
