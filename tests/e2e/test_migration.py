@@ -1,8 +1,8 @@
 """Requests survive their engine: a running request whose engine is lost moves to another engine of its model and
 its stream goes on, with the official ``openai`` client reading it.
 
-One server (2 gateways, 2 engines of the tiny random model) takes 64 streams of four kinds (greedy completions,
-seeded chat, JSON-schema constrained chat, forced tool calls) and 12 of the other families (Anthropic Messages,
+One server (2 gateways, 2 engines of the tiny random model) takes 32 streams of four kinds (greedy completions,
+seeded chat, JSON-schema constrained chat, forced tool calls) and 6 of the other families (Anthropic Messages,
 Responses, completions with n=2 and logprobs), first uninterrupted, then with one engine killed (SIGKILL) while
 they stream: every stream completes with the text (logprobs included) and usage of its uninterrupted run. A stream
 moves at most ``--migration-limit`` times; an engine that hangs is killed by the supervisor and its streams move;
@@ -196,6 +196,16 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
+def settled_metric(url: str, name: str, since: float, enough) -> float:
+    """How much ``name`` grew from ``since``, once ``enough(growth)`` holds: the scrape's gateway flushes its own
+    counts first, but another gateway's lag up to its FLUSH_INTERVAL (gateway/metrics.py). The growth is returned as
+    read when the deadline passes, for the test's assertion to show."""
+    deadline = time.monotonic() + 10
+    while not enough(grown := metric(url, name) - since) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return grown
+
+
 def busiest_engine(server: Server, at_least: int = 1) -> dict:
     def loaded():
         e = [p for p in procs(server, "engine") if p["state"] == "ready"]
@@ -213,7 +223,7 @@ def wait_replaced(server: Server, victim: dict) -> None:
 @pytest.fixture(scope="module")
 def server():
     s = Server("--count", "2", "--engines", "2", *TINY, "--max-num-seqs", "64", "--max-model-len", "4096",
-               "--tool-call-parser", "hermes", "--migration-limit", "2", "--shutdown-timeout", "1",
+               "--tool-call-parser", "hermes", "--migration-limit", "1", "--shutdown-timeout", "1",
                "--heartbeat-timeout", "4",
                log_name="migration")
     yield s
@@ -221,32 +231,33 @@ def server():
 
 
 def test_streams_of_every_kind_survive_a_killed_engine_and_write_what_they_would_have(server):
-    tokens = 160
-    reference = run_all(server.url, "tiny-random", 16, tokens, families=4)
+    tokens = 128
+    reference = run_all(server.url, "tiny-random", 8, tokens, families=2)
     check_kinds(reference, tokens)
     before = metric(server.url, 'zserve_migrations_total{cause="engine_lost"}')
-    # Least-loaded routing spreads the 64 streams over both engines: either one holds a share of them.
+    # Least-loaded routing spreads the 38 streams over both engines: either one holds a share of them.
     victim = next(p for p in procs(server, "engine") if p["state"] == "ready")
 
     def kill(streams):
-        wait_until(lambda: sum(s.chunks >= 3 for s in streams.values()) >= 48, 120, 0.02, "the streams to flow")
+        wait_until(lambda: sum(s.chunks >= 3 for s in streams.values()) >= 30, 120, 0.02, "the streams to flow")
         os.kill(victim["pid"], signal.SIGKILL)
 
-    moved = run_all(server.url, "tiny-random", 16, tokens, kill, families=4)
+    moved = run_all(server.url, "tiny-random", 8, tokens, kill, families=2)
     check_kinds(moved, tokens)
     for key, s in moved.items():
         assert s.written == reference[key].written, key  # text (tokens, top tokens), finish reason and usage
         assert s.logprobs.keys() == reference[key].logprobs.keys(), key
         for index, lps in s.logprobs.items():
             assert lps == pytest.approx(reference[key].logprobs[index], abs=1e-4), (key, index)
-    migrations = metric(server.url, 'zserve_migrations_total{cause="engine_lost"}') - before
-    assert migrations >= 8, f"only {migrations} streams moved"  # the killed engine held a share of the 64
+    migrations = settled_metric(server.url, 'zserve_migrations_total{cause="engine_lost"}', before, lambda g: g >= 4)
+    assert migrations >= 4, f"only {migrations} streams moved"  # the killed engine held a share of the 38
     assert "moved from engine" in server.tail(200000)
     wait_replaced(server, victim)
 
 
 def test_a_stream_moves_as_often_as_the_limit_allows_then_fails(server):
-    """Two moves (one after a kill, one after a hang the supervisor ends), then the third loss fails it."""
+    """A hang the supervisor ends moves the hung engine's streams; the next loss of their engine fails them
+    (--migration-limit 1) and moves the streams that had not moved yet."""
     streams = [Stream() for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(stream, server.url, "tiny-random", "greedy", i, 3000, s)
@@ -254,15 +265,14 @@ def test_a_stream_moves_as_often_as_the_limit_allows_then_fails(server):
         wait_until(lambda: all(s.error or s.chunks > 3 for s in streams), 60, what="the streams to flow")
         assert not any(s.error for s in streams), [s.error for s in streams]
         exhausted = metric(server.url, "zserve_migrations_exhausted_total")
-        for n, loss in enumerate(("kill", "hang", "kill")):
+        for loss in ("hang", "kill"):
             victim = busiest_engine(server, 4)  # every stream is on it after the first loss
             at = [s.chunks for s in streams]
             if loss == "hang":  # stopped: no heartbeat, so the supervisor kills it (--heartbeat-timeout 4)
                 os.kill(victim["pid"], signal.SIGSTOP)
+                wait_replaced(server, victim)  # the kill's streams that had not moved move to the replacement
             else:
                 os.kill(victim["pid"], signal.SIGKILL)
-            if n < 2:  # the next loss needs an engine to move to (after the last, the streams left move to the other)
-                wait_replaced(server, victim)
             wait_until(lambda at=at: all(s.error or s.chunks > n + 20 for s, n in zip(streams, at)), 60,
                        what=f"the streams to go on after the {loss}")
             if loss == "hang":
@@ -272,10 +282,10 @@ def test_a_stream_moves_as_often_as_the_limit_allows_then_fails(server):
             s.leave.set()
         for f in futures:
             f.result(timeout=120)
-    # Streams that were on the first victim moved twice already: the third loss fails them, as --migration-limit 2
-    # says; the others moved once or twice and flow on.
+    # The hung engine's streams had moved once: the kill fails them, as --migration-limit 1 says; the others moved.
     assert failed and all("lost engine" in s.error for s in failed)
-    assert metric(server.url, "zserve_migrations_exhausted_total") - exhausted == len(failed)
+    assert settled_metric(server.url, "zserve_migrations_exhausted_total", exhausted,
+                          lambda g: g >= len(failed)) == len(failed)
     assert "no migration left" in server.tail(400000)
 
 
@@ -300,7 +310,7 @@ def test_a_scale_down_whose_drain_times_out_moves_its_streams_to_the_engine_that
         for f in futures:
             f.result(timeout=120)
     assert not [s.error for s in streams if s.error]
-    assert metric(server.url, 'zserve_migrations_total{cause="drain_timeout"}') - before >= 1
+    assert settled_metric(server.url, 'zserve_migrations_total{cause="drain_timeout"}', before, lambda g: g >= 1) >= 1
     assert "drain timeout (1s) reached; handed" in server.tail(400000)
 
 
