@@ -32,7 +32,15 @@ from zserve.catalog import ModelSource
 from zserve.config import EngineConfig
 from zserve.curve import CurveKeys
 from zserve.launch_spec import ChildPipes, EngineLaunch, parse_child_argv
-from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
+from zserve.proc import (
+    StatusPipe,
+    boot_phase,
+    die_with_parent,
+    exit_now,
+    ignore_terminal_signals,
+    set_title,
+    setup_logging,
+)
 
 from .device import configure_cpu_threads, parse_memory, resolve_dtype, select_device
 from .grammar import Grammars, tokenizer_json_loader
@@ -189,6 +197,7 @@ class Engine:
         if not self.expert_parallel and self.grammars is not None:
             self.grammars.prepare()
         server.serve_forever()
+        server.close()
 
     @classmethod
     def run(cls, launch: EngineLaunch, pipes: ChildPipes | None = None) -> None:
@@ -233,3 +242,4 @@ def main(argv: list[str] | None = None) -> None:
     set_title(f"zserve: engine {launch.rank}")
     setup_logging(f"engine {launch.rank}")
     Engine.run(launch, pipes)
+    exit_now(0)

@@ -41,6 +41,8 @@ from .sequence import Sequence
 
 log = logging.getLogger("zserve.engine")
 
+CLOSE_LINGER_MS = 2000  # at exit, how long queued outputs may wait for a gateway to read them
+
 
 class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
@@ -232,6 +234,11 @@ class EngineServer:
             self.publish_stats()
         self.publish_stats()
         log.info("engine %d drained; exiting", self.rank)
+
+    def close(self) -> None:
+        """Close every socket of this process once what they queued is sent (the last outputs and hand-backs go
+        out), waiting at most ``CLOSE_LINGER_MS`` for a gateway that no longer reads."""
+        self.ctx.destroy(linger=CLOSE_LINGER_MS)
 
     def start_draining(self, *_) -> None:
         """SIGTERM: take no new requests, finish the running ones (until ``drain_timeout``: ``hand_back``), then

@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 
 import uvloop
 from aiohttp import web
@@ -26,7 +25,15 @@ from protocol.constants import EXIT_CUT_OFF, LISTEN_BACKLOG
 from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready
 from zserve.curve import CurveKeys
 from zserve.launch_spec import ChildPipes, parse_child_argv
-from zserve.proc import StatusPipe, boot_phase, die_with_parent, ignore_terminal_signals, set_title, setup_logging
+from zserve.proc import (
+    StatusPipe,
+    boot_phase,
+    die_with_parent,
+    exit_now,
+    ignore_terminal_signals,
+    set_title,
+    setup_logging,
+)
 
 from . import logs
 from .admission import Guard
@@ -211,4 +218,4 @@ def main(argv: list[str] | None = None) -> None:
     set_title(f"zserve: gateway {a.index}")
     setup_logging(f"gateway {a.index}")
     logs.install()
-    sys.exit(uvloop.run(serve(a, pipes)))
+    exit_now(uvloop.run(serve(a, pipes)))  # its sockets and stores were closed by serve

@@ -255,6 +255,7 @@ class Arbiter:
             log.error("%s (pid %d): SIGABRT for a traceback of where it hangs; SIGKILL in %.0fs", c.name, c.pid,
                       ABORT_GRACE)
             c.signal(signal.SIGABRT)
+            c.signal(signal.SIGCONT)  # a stopped process (SIGSTOP, a frozen host) handles it now, not at the SIGKILL
 
     def _match_counts(self, now: float) -> None:
         for tier, wanted, live in self.wanted():
