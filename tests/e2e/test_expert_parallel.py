@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -123,9 +124,9 @@ def engine_cpu(server: Server) -> float:
 def test_an_idle_group_spends_no_cpu(ep):
     wait_until(lambda: len(engines(ep)) == 2 and group(ep)["phase"] is None, 60, what="the group to serve")
     before = engine_cpu(ep)
-    time.sleep(5)  # the measured interval itself
+    time.sleep(3)  # the measured interval itself
     spent = engine_cpu(ep) - before
-    assert spent < 0.5, f"two idle members spent {spent:.2f}s of CPU in 5s"
+    assert spent < 0.3, f"two idle members spent {spent:.2f}s of CPU in 3s"
 
 
 def test_two_members_give_the_reference_tokens(ep, reference):
@@ -240,7 +241,7 @@ def test_a_member_killed_while_serving_loses_no_request_they_go_on_once_the_grou
     def long_stream(i: int) -> None:
         try:
             text = ""
-            for n, chunk in enumerate(client.completions.create(model=MODEL, prompt=f"story {i}", max_tokens=300,
+            for n, chunk in enumerate(client.completions.create(model=MODEL, prompt=f"story {i}", max_tokens=160,
                                                                 temperature=0, stream=True,
                                                                 extra_body={"ignore_eos": True})):
                 if n == 0:
@@ -266,10 +267,12 @@ def test_a_member_killed_while_serving_loses_no_request_they_go_on_once_the_grou
     assert ended == ["length"] * 4, ended
     st = group(ep)
     assert st["size"] == 2 and st["generation"] > generation and "died" in st["last_error"]
-    for i, text in texts.items():  # uninterrupted, now that the group is back
-        again = client.completions.create(model=MODEL, prompt=f"story {i}", max_tokens=300, temperature=0,
-                                          extra_body={"ignore_eos": True})
-        assert again.choices[0].text == text, i
+    # Uninterrupted, now that the group is back
+    with ThreadPoolExecutor(4) as pool:
+        again = dict(zip(texts, pool.map(lambda i: client.completions.create(
+            model=MODEL, prompt=f"story {i}", max_tokens=160, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0].text, texts)))
+    assert again == texts
     moved = httpx.get(ep.url + "/metrics", timeout=30).text
     assert 'zserve_migrations_total{cause="group_lost"}' in moved or 'cause="engine_lost"' in moved
     assert greedy(ep.url) == reference
