@@ -106,6 +106,21 @@ def wait_until(cond, timeout: float, interval: float = 0.05, what: str = "condit
         time.sleep(interval)
 
 
+def streams_go_on(streams, at: list[int], what: str, more: int = 20, timeout: float = 60) -> None:
+    """Wait until every stream has failed or read ``more`` chunks past ``at`` (the counts at some event: a kill, a
+    drain), as streams read by ``run_stream`` (or any object with ``chunks`` and ``error``) do."""
+    wait_until(lambda: all(s.error or s.chunks > n + more for s, n in zip(streams, at)), timeout, what=what)
+
+
+def close_streams(streams, readers) -> None:
+    """Have every stream's client close it at its next chunk (``leave``), then wait for its reader: a thread or a
+    future."""
+    for s in streams:
+        s.leave.set()
+    for r in readers:
+        r.join(timeout=120) if isinstance(r, threading.Thread) else r.result(timeout=120)
+
+
 def read_line(proc: subprocess.Popen, timeout: float, what: str = "a line of output") -> str:
     """The next line ``proc`` writes to its stdout pipe; AssertionError if none comes within ``timeout``."""
     assert proc.stdout is not None

@@ -28,7 +28,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import LAUNCH, ROOT, TINY, Server, procs, ready_pids, wait_until
+from tests.helpers import LAUNCH, ROOT, TINY, Server, close_streams, procs, ready_pids, streams_go_on, wait_until
 from zserve.catalog import DEFAULT_CHAT_MODEL
 
 KINDS = ("greedy", "seeded", "schema", "tools")
@@ -273,15 +273,11 @@ def test_a_stream_moves_as_often_as_the_limit_allows_then_fails(server):
                 wait_replaced(server, victim)  # the kill's streams that had not moved move to the replacement
             else:
                 os.kill(victim["pid"], signal.SIGKILL)
-            wait_until(lambda at=at: all(s.error or s.chunks > n + 20 for s, n in zip(streams, at)), 60,
-                       what=f"the streams to go on after the {loss}")
+            streams_go_on(streams, at, f"the streams to go on after the {loss}")
             if loss == "hang":
                 assert not any(s.error for s in streams), [s.error for s in streams]
         failed = [s for s in streams if s.error]
-        for s in streams:
-            s.leave.set()
-        for f in futures:
-            f.result(timeout=120)
+        close_streams(streams, futures)
     # The hung engine's streams had moved once: the kill fails them, as --migration-limit 1 says; the others moved.
     assert failed and all("lost engine" in s.error for s in failed)
     assert settled_metric(server.url, "zserve_migrations_exhausted_total", exhausted,
@@ -303,12 +299,8 @@ def test_a_scale_down_whose_drain_times_out_moves_its_streams_to_the_engine_that
                            capture_output=True, text=True, timeout=90)
         assert r.returncode == 0, r.stderr
         at = [s.chunks for s in streams]
-        wait_until(lambda: all(s.error or s.chunks > n + 20 for s, n in zip(streams, at)), 60,
-                   what="the streams to go on after the drain")
-        for s in streams:
-            s.leave.set()
-        for f in futures:
-            f.result(timeout=120)
+        streams_go_on(streams, at, "the streams to go on after the drain")
+        close_streams(streams, futures)
     assert not [s.error for s in streams if s.error]
     assert settled_metric(server.url, 'zserve_migrations_total{cause="drain_timeout"}', before, lambda g: g >= 1) >= 1
     assert "drain timeout (1s) reached; handed" in server.tail(400000)

@@ -30,6 +30,7 @@ from tests.helpers import (
     Server,
     StreamResult,
     Traffic,
+    close_streams,
     free_port,
     free_ports,
     procs,
@@ -37,6 +38,7 @@ from tests.helpers import (
     run_stream,
     status,
     stream_body,
+    streams_go_on,
     wait_until,
 )
 
@@ -179,12 +181,8 @@ def test_streams_move_off_an_engine_host_that_is_cut_off(engine_host, keys):
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)
             at = [r.chunks for r in results]
-            wait_until(lambda: all(r.error or r.chunks > n + 20 for r, n in zip(results, at)), 60,
-                       what="every stream to go on after the cut")
-            for r in results:
-                r.leave.set()
-            for t in threads:
-                t.join(timeout=60)
+            streams_go_on(results, at, "every stream to go on after the cut")
+            close_streams(results, threads)
             assert not [r.error for r in results if r.error]
             moved = [ln for ln in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines()
                      if ln.startswith('zserve_migrations_total{cause="engine_lost"}')]

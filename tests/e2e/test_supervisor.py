@@ -26,12 +26,14 @@ from tests.helpers import (
     TINY,
     Server,
     StreamResult,
+    close_streams,
     complete,
     procs,
     ready_pids,
     run_stream,
     status,
     stream_body,
+    streams_go_on,
     wait_until,
 )
 
@@ -61,12 +63,8 @@ def test_without_migration_engine_death_fails_its_requests_within_a_second_and_a
         wait_until(lambda: httpx.get(s.url + "/health").json()["status"] == "degraded", 2, what="/health: degraded")
         at_kill = [r.chunks for r in results]
         # The streams on the surviving engine flow on (far from their 6,000 tokens): seen, they are closed.
-        wait_until(lambda: all(r.error or r.chunks > n + 50 for r, n in zip(results, at_kill)), 60,
-                   what="the surviving streams to flow on after the kill")
-        for r in results:
-            r.leave.set()
-        for t in threads:
-            t.join(timeout=60)
+        streams_go_on(results, at_kill, "the surviving streams to flow on after the kill", more=50)
+        close_streams(results, threads)
         failed = [r for r in results if r.error]
         assert failed, "no stream was on the killed engine"
         for r in failed:
