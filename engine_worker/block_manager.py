@@ -6,12 +6,14 @@ hashes; the tensors live in ``kv_cache.PagedKVCache``.
 
 Prefix caching: once a block is full, its content is identified by a hash chained with the
 hash of the block before it, ``h_i = hash((h_{i-1}, tokens_i))``, so one hash names a whole
-prefix. Full blocks stay registered under their hash after their request ends; a later request
-whose prompt starts with the same tokens takes those blocks (reference-counted, shared, never
-written again) and skips their prefill. Free blocks wait in one LRU queue; a cached block is
-evicted (its hash forgotten) only when the queue reaches it and a block is needed. Hash keys
-hold the full ``(parent, tokens)`` tuple, so two different prefixes never share a block even if
-their 64-bit hashes collide.
+prefix. The first block's parent is the chain's *root*: None for the base model, an adapter's own
+value for a LoRA request (``LoraManager.prefix_root``), since the same tokens computed through
+other weights are other keys and values. Full blocks stay registered under their hash after
+their request ends; a later request whose prompt starts with the same tokens takes those blocks
+(reference-counted, shared, never written again) and skips their prefill. Free blocks wait in
+one LRU queue; a cached block is evicted (its hash forgotten) only when the queue reaches it and
+a block is needed. Hash keys hold the full ``(parent, tokens)`` tuple, so two different prefixes
+never share a block even if their 64-bit hashes collide.
 """
 
 from __future__ import annotations
@@ -72,13 +74,14 @@ class BlockManager:
 
     # -- prefix cache ------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def lookup(self, token_ids: Sequence[int], max_tokens: int, root: int | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of ``token_ids`` (at most ``max_tokens``
-        tokens, whole blocks only). Does not take references; ``allocate`` does."""
+        tokens, whole blocks only) in the chain that starts at ``root``. Does not take references;
+        ``allocate`` does."""
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        parent: int | None = None
+        parent = root
         bs = self.block_size
         for i in range(max_tokens // bs):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))

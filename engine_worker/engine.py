@@ -121,7 +121,8 @@ class Engine:
         grammars = (Grammars(tokenizer_json, runner.vocab_size, runner.eos_token_ids)
                     if tokenizer_json is not None else None)
         scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-                              enable_prefix_caching=cfg.enable_prefix_caching, grammars=grammars)
+                              enable_prefix_caching=cfg.enable_prefix_caching, grammars=grammars,
+                              loras=runner.loras)
         hello = EngineHello(
             rank=rank,
             model_id=loaded.model_id,

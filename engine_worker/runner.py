@@ -11,6 +11,10 @@ The runner owns the paged KV cache and sizes it (``kv_cache_bytes`` or enough fo
 ``BlockManager`` hands the blocks out, how big the pool is. The runner itself only reads the block
 tables each step's ``SeqInput``s carry. The attention backend that reads the cache is chosen once,
 here (``attention.select_backend``).
+
+With ``max_loras`` the runner serves LoRA adapters (``engine_worker.lora``): ``loras`` holds them, and each
+step hands it the token rows of every adapter among the step's sequences. A step with adapters runs eagerly
+(the decode graphs were captured without them).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from engine_worker.cuda_graphs import DecodeGraphs
 from engine_worker.grammar import GrammarHandle, start_masks
 from engine_worker.kv_cache import PagedKVCache
 from engine_worker.loader import LoadedModel
+from engine_worker.lora import LoraError, LoraManager, LoraStep
 from engine_worker.sampler import PromptLogprobs, SampleOut, Sampler
 from protocol.messages import SamplingParams
 
@@ -51,6 +56,7 @@ class SeqInput:
     # Prompt logprobs of the tokens following the first ``prompt_logprobs_rows`` new tokens.
     prompt_logprobs_rows: int = 0
     pool: bool = False  # an embedding request: at its last token, return the hidden state, sample nothing
+    lora: str | None = None  # the LoRA adapter its tokens run through; None: the base model
 
 
 class ModelRunner:
@@ -59,7 +65,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_bytes: int | None = None,
                  num_blocks: int | None = None, cuda_graphs: bool | None = None,
-                 attention: str | None = None, expert_parallel: bool = False, fit_context: bool = False):
+                 attention: str | None = None, expert_parallel: bool = False, fit_context: bool = False,
+                 max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
         """``cuda_graphs``: capture decode steps (default: on CUDA when the attention backend reads
         the pool through block tables, i.e. Triton). ``True`` on a CPU runs the graph path in
         emulation, for tests. ``attention``: a backend name of ``attention.BACKENDS`` instead of
@@ -67,7 +74,8 @@ class ModelRunner:
         across a group (``set_group``); every step is then a group step, and no decode graphs are captured
         (the MoE collectives run between the graph's kernels). ``fit_context``: a KV cache that holds fewer tokens
         than ``max_model_len`` lowers it to what the cache holds (the server's default context, vLLM's rule)
-        instead of refusing to start."""
+        instead of refusing to start. ``max_loras``: serve LoRA adapters, up to this many in one step, of rank up to
+        ``max_lora_rank``, with ``max_cpu_loras`` kept read in host memory (``LoraManager``; 0: none)."""
         cfg = loaded.config
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
@@ -122,6 +130,7 @@ class ModelRunner:
         self.num_blocks = num_blocks  # the pool the scheduler's block manager hands out
         self.kv_cache_bytes = num_blocks * per_block
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids, device)
+        self.loras = LoraManager(model, max_loras, max_lora_rank, max_cpu_loras) if max_loras else None
         self.graphs: DecodeGraphs | None = None
         if want_graphs and self.attention.paged:
             self.graphs = self._capture_graphs(-(-max_model_len // block_size), scratch_block=num_blocks)
@@ -182,6 +191,19 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _lora_step(self, seqs: list[SeqInput], order: list[int], first: list[int]) -> LoraStep | None:
+        """The step's adapters and their token rows (sequences in flat-batch ``order``); None without any."""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for i in order:
+            s = seqs[i]
+            if s.lora is not None:
+                spans.setdefault(s.lora, []).append((first[i], first[i] + len(s.new_token_ids)))
+        if not spans:
+            return None
+        if self.loras is None:
+            raise LoraError("this engine serves no LoRA adapters")
+        return self.loras.step(spans)
+
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> list[SampleOut | None]:
         """Run every sequence through the model in one forward pass.
@@ -208,14 +230,15 @@ class ModelRunner:
             self.group.begin_step(len(flat))
         pooled = [i for i, s in enumerate(seqs) if s.sample and s.pool]
         sampled = [i for i, s in enumerate(seqs) if s.sample and not s.pool]
+        lora = self._lora_step(seqs, layout.order, layout.first_token_index)
         constrained = [seqs[i].grammar for i in sampled if seqs[i].grammar is not None]
         masks = start_masks(constrained, self.vocab_size) if constrained else None  # during the forward pass
-        if (self.graphs is not None and layout.num_decode == len(seqs)
+        if (lora is None and self.graphs is not None and layout.num_decode == len(seqs)
                 and self.graphs.fits(len(seqs), layout.decode_tables.shape[1])):
             hidden = self.graphs.run(flat, layout.positions, layout.slot_mapping, layout.decode_tables,
                                      layout.decode_lens)
         else:
-            hidden = self.model(ids.to(self.device), layout, self.attention)
+            hidden = self.model(ids.to(self.device), layout, self.attention, lora)
 
         with_prompt = [i for i, s in enumerate(seqs) if s.prompt_logprobs_rows > 0]
         results: list[SampleOut | None] = [None] * len(seqs)

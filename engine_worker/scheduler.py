@@ -24,6 +24,11 @@ grammar has compiled on the compile thread (``grammar.Grammars``); one whose gra
 an error output. After every sampled token the scheduler feeds the token to the request's matcher:
 a complete grammar ends the request with "stop".
 
+A request for a LoRA adapter (``Sequence.lora``) is admitted only while the running sequences use fewer than
+``max_loras`` distinct adapters, or already use its own; otherwise it waits (skipped, not blocking the others), so
+no step holds more adapters than the runner has compute slots. Its prefix-cache chain starts at its adapter's
+root, so KV computed through one adapter is never reused by another or by the base model.
+
 Requests with the same prompt (``n > 1`` fanned out by the gateway) share the prompt's full
 blocks: a request whose next uncached block is being computed by a running request waits one
 step until that block is cached, instead of computing it twice.
@@ -38,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from protocol import PoolOutput, PoolRequest, RequestOutput, SamplingParams, TopLogprobs
 from protocol.constants import ERR_STRUCTURED_OUTPUT
@@ -49,6 +54,9 @@ from .grammar import Grammars
 from .pooling import shape_embedding
 from .runner import SampleOut, SeqInput
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .lora import LoraManager
 
 log = logging.getLogger("zserve.engine")
 
@@ -79,7 +87,9 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, runner: Executor, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 enable_prefix_caching: bool = True, grammars: Grammars | None = None):
+                 enable_prefix_caching: bool = True, grammars: Grammars | None = None,
+                 loras: LoraManager | None = None):
+        """``loras``: the runner's adapters (``ModelRunner.loras``); None: requests for adapters are refused."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
@@ -90,6 +100,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self.grammars = grammars
+        self.loras = loras
         self._failed: list[Sequence] = []  # ended while waiting (their grammar failed), reported by step()
         # Hashes of full prompt blocks that running sequences are computing right now.
         self._inflight: Counter[int] = Counter()
@@ -108,8 +119,12 @@ class Scheduler:
         if seq.total_len >= max_len:
             resumed = f" and {len(seq.output_ids)} generated" if seq.output_ids else ""
             return f"prompt has {len(seq.prompt_ids)} tokens{resumed}; this engine's context is {max_len}"
+        if seq.lora is not None and (self.loras is None or seq.lora not in self.loras):
+            return (f"LoRA adapter {seq.lora!r} is not loaded on this engine" if self.loras is not None
+                    else "this engine serves no LoRA adapters")
         if self.block_manager.enable_prefix_caching:
-            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size)
+            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size,
+                                                   self._root(seq))
         if seq.sampling.structured is not None and seq.grammar is None:
             if self.grammars is None:
                 return "structured output is not available on this engine"
@@ -247,9 +262,15 @@ class Scheduler:
         return ScheduledStep(seqs, inputs)
 
     def _next_waiting(self) -> Sequence | None:
-        """The first waiting sequence that can run: not still compiling its grammar. Those whose
-        grammar failed leave the queue here, to be reported by ``step``."""
+        """The first waiting sequence that can run: not still compiling its grammar, and not needing
+        an adapter slot while all are taken. Those whose grammar failed leave the queue here, to be
+        reported by ``step``."""
+        loras = self.loras
+        adapters = {s.lora for s in self.running if s.lora is not None} if loras is not None else set()
         for seq in list(self.waiting):
+            if (loras is not None and seq.lora is not None and seq.lora not in adapters
+                    and len(adapters) >= loras.max_loras):
+                continue
             g = seq.grammar
             if g is None:
                 return seq
@@ -286,7 +307,8 @@ class Scheduler:
         bm = self.block_manager
         use_cache = bm.enable_prefix_caching and not seq.wants_prompt_logprobs
         all_tokens = seq.tokens(0, seq.total_len)
-        hit = bm.lookup(all_tokens, seq.total_len - 1) if use_cache else []
+        root = self._root(seq)
+        hit = bm.lookup(all_tokens, seq.total_len - 1, root) if use_cache else []
         hashes = seq.prompt_block_hashes
         if use_cache and len(hit) < len(hashes) and self._inflight[hashes[len(hit)]] > 0:
             return None  # a running request is computing this very block: share it next step
@@ -297,7 +319,7 @@ class Scheduler:
             return None
         bm.take(hit)
         seq.block_table = hit + bm.allocate(need)
-        seq.block_hashes = block_hashes(all_tokens[:cached], bm.block_size) if hit else []
+        seq.block_hashes = block_hashes(all_tokens[:cached], bm.block_size, root) if hit else []
         seq.num_computed = cached
         if seq.status is SequenceStatus.WAITING:  # first admission
             seq.num_cached_tokens = cached
@@ -339,6 +361,7 @@ class Scheduler:
             grammar=seq.grammar,  # type: ignore[arg-type]
             pool=seq.pool is not None,
             prompt_logprobs_rows=prompt_rows,
+            lora=seq.lora,
         )
 
     def update(self, step: ScheduledStep, results: list[SampleOut | None]) -> list[tuple[Sequence, RequestOutput]]:
@@ -424,11 +447,15 @@ class Scheduler:
         bs = bm.block_size
         while len(seq.block_hashes) < seq.num_computed // bs:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq)
             h = bm.register(seq.block_table[i], parent, tuple(seq.tokens(i * bs, (i + 1) * bs)))
             seq.block_hashes.append(h)
             if h in seq.inflight:
                 self._drop_inflight(seq, h)
+
+    def _root(self, seq: Sequence) -> int | None:
+        """Where ``seq``'s prefix-cache chain starts: None for the base model, its adapter's own root."""
+        return None if seq.lora is None or self.loras is None else self.loras.prefix_root(seq.lora)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling

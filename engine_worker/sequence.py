@@ -36,6 +36,7 @@ class Sequence:
     inflight: set[int] = field(default_factory=set)  # its prompt-block hashes counted in Scheduler._inflight
     grammar: object | None = None  # structured output: its ``grammar.GrammarHandle``
     pool: PoolRequest | None = None  # an embedding request: run the prompt, return its last hidden state
+    lora: str | None = None  # the LoRA adapter it runs with (``engine_worker.lora``); None: the base model
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     # Prompt logprobs gathered chunk by chunk until they go out with the first token.

@@ -5,6 +5,7 @@ that runs on oneDNN-prepacked weights on CPUs.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,13 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
+class StepAdapters(Protocol):
+    """What a linear layer needs of one step's LoRA adapters (``engine_worker.lora.LoraStep``): to add their
+    low-rank updates to its output ``y`` for input ``x``, each on its own token rows."""
+
+    def add(self, linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)``.
 
@@ -141,6 +149,9 @@ class Linear(nn.Module):
     2x faster than ``F.linear`` (MKL) at batch 1 and 3-4x at batch 8 on SmolLM2's shapes, because
     it streams the weights at close to memory bandwidth. Packing drops the plain copy unless
     asked to keep it (the tied LM head shares its weight with the embedding lookup).
+
+    A step serving LoRA adapters passes them (``StepAdapters``), which add each adapter's low-rank update on that
+    adapter's rows after the base matmul (``engine_worker.lora``); without one, a linear costs one None check more.
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
@@ -152,10 +163,14 @@ class Linear(nn.Module):
         )
         self.packed_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: StepAdapters | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if lora is not None:
+            lora.add(self, x, y)
+        return y
 
     def pack(self, keep_plain: bool = False) -> None:
         if self.packed_weight is None:

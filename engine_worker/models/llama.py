@@ -31,6 +31,7 @@ from engine_worker.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    StepAdapters,
     apply_rope,
     copy_checkpoint,
     new_weight,
@@ -89,10 +90,10 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, attn: AttentionBackend,
-        layout: StepLayout, rope: RotaryEmbedding,
+        layout: StepLayout, rope: RotaryEmbedding, lora: StepAdapters | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, lora)
         qk_heads = self.n_heads + self.n_kv
         if self.native:
             # One native pass: rotate q and k in place, store k and v in the paged cache.
@@ -101,13 +102,13 @@ class LlamaAttention(nn.Module):
                                        self.n_kv, self.head_dim)
             heads = qkv.view(n, qk_heads + self.n_kv, self.head_dim)
             q, k, v = heads[:, : self.n_heads], heads[:, self.n_heads : qk_heads], heads[:, qk_heads:]
-            return self.o_proj(attn.attend(self.layer, q, k, v, layout))
+            return self.o_proj(attn.attend(self.layer, q, k, v, layout), lora)
         # Rotate q and k together: one set of elementwise kernels instead of two.
         qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(n, qk_heads, self.head_dim), cos, signed_sin)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(n, self.n_kv, self.head_dim)
         attn.write_kv(self.layer, k, v, layout)
-        return self.o_proj(attn.attend(self.layer, q, k, v, layout))
+        return self.o_proj(attn.attend(self.layer, q, k, v, layout), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -118,12 +119,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         self.native = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: StepAdapters | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
         if self.native:
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up), lora)
         gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
     def linears(self) -> tuple[Linear, ...]:
@@ -141,7 +142,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor,
-        attn: AttentionBackend, layout: StepLayout, rope: RotaryEmbedding,
+        attn: AttentionBackend, layout: StepLayout, rope: RotaryEmbedding, lora: StepAdapters | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``: their sum is the layer's output. Keeping them
         apart lets the next layer fuse the add into its first norm (``RMSNorm.add_forward``)."""
@@ -149,9 +150,9 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, signed_sin, attn, layout, rope)
+        h = self.self_attn(h, cos, signed_sin, attn, layout, rope, lora)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,17 +189,30 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP)):
                 m.native = on
 
-    def forward(self, input_ids: torch.Tensor, layout: StepLayout, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, layout: StepLayout, attn: AttentionBackend,
+                lora: StepAdapters | None = None) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` (before the final norm) for the step's flat token batch,
-        laid out by ``attn.plan``."""
+        laid out by ``attn.plan``; ``lora``: the step's LoRA adapters, by token row (``engine_worker.lora``)."""
         x = F.embedding(input_ids, self.embed_weight)
         cos = signed_sin = None
         if not self.native:
             cos, signed_sin = self.rope(layout.positions, self.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, signed_sin, attn, layout, self.rope)
+            x, residual = layer(x, residual, cos, signed_sin, attn, layout, self.rope, lora)
         return x + residual
+
+    def lora_targets(self) -> list[dict[str, Linear]]:
+        """Per layer, the linears a LoRA adapter can adapt, by ``engine_worker.lora.FUSED`` kind. Experts are left
+        out (``SparseMoE`` ignores the step's adapters): their MLP takes none."""
+        out = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = {"qkv": a.qkv_proj, "o": a.o_proj}
+            if isinstance(m, LlamaMLP):
+                linears.update(gate_up=m.gate_up_proj, down=m.down_proj)
+            out.append(linears)
+        return out
 
     # -- expert parallelism ----------------------------------------------------------------------
     def set_expert_group(self, group) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.models.layers import Linear, copy_checkpoint
+from engine_worker.models.layers import Linear, StepAdapters, copy_checkpoint
 
 
 class Expert(nn.Module):
@@ -61,7 +61,9 @@ class SparseMoE(nn.Module):
         w, idx = probs.topk(self.top_k, dim=-1)
         return w / w.sum(dim=-1, keepdim=True), idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: StepAdapters | None = None) -> torch.Tensor:
+        """``lora``: the step's adapters, ignored: experts take none (``engine_worker.lora`` refuses MLP adapters
+        on a mixture of experts)."""
         group = self.group
         if group is not None:
             x = group.dispatch(x)

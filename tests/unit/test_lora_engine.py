@@ -1,0 +1,318 @@
+"""Batched multi-LoRA in the engine: greedy tokens equal transformers + PEFT in fp32, token for token.
+
+Adapters are written by PEFT itself (``get_peft_model`` → random non-zero A and B → ``save_pretrained``) on a
+Hugging Face Llama with the catalog's tiny-random shape, and the oracle reads them back with
+``PeftModel.from_pretrained``: a wrong scaling, fused-projection block, row map, slot swap or prefix-cache key
+changes the tokens. The adapters differ in rank, target modules (list and regex forms, per-layer), and one uses
+rsLoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_worker import cpu_kernels
+from engine_worker.engine import Engine
+from engine_worker.loader import load_model
+from engine_worker.lora import LoraError, LoraManager, read_adapter
+from engine_worker.models.llama import LlamaConfig
+from engine_worker.scheduler import run_until_done
+from engine_worker.sequence import Sequence
+from protocol.messages import SamplingParams
+from zserve.catalog import TINY_RANDOM_CONFIG, ModelSource
+from zserve.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+CPU = torch.device("cpu")
+NEW_TOKENS = 32
+EOS = 2
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)  # min: as min_new_tokens
+# name -> LoraConfig keywords: different ranks, list / regex / per-layer targets, one rsLoRA.
+ADAPTERS = {
+    "qv": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "all-rs": {"r": 4, "lora_alpha": 8, "use_rslora": True,
+               "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+    "mlp-o": {"r": 16, "lora_alpha": 32, "target_modules": ["o_proj", "gate_proj", "down_proj"]},
+    "regex": {"r": 2, "lora_alpha": 4, "target_modules": r".*\.layers\.1\.self_attn\.k_proj|.*\.mlp\.up_proj"},
+}
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712],
+    [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30, 378, 2365],
+    [1604, 3987, 46477, 24, 94, 727, 472, 585, 304, 2067, 216, 34, 42, 448, 1003, 304, 472],
+    [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28],
+    [3, 17, 42, 5, 77],
+]
+BACKENDS = [pytest.param("native", marks=pytest.mark.skipif(not cpu_kernels.available(),
+                                                              reason="native CPU kernels did not build here")),
+            "gather"]
+
+
+# -- the base model and the adapters, written once ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    """An HF Llama directory with the tiny-random shape (weights drawn by transformers, wide enough that the
+    greedy choice is decisive)."""
+    transformers = pytest.importorskip("transformers")
+    rc = dict(TINY_RANDOM_CONFIG)
+    cfg = transformers.LlamaConfig(
+        vocab_size=rc["vocab_size"], hidden_size=rc["hidden_size"], intermediate_size=rc["intermediate_size"],
+        num_hidden_layers=rc["num_layers"], num_attention_heads=rc["num_heads"], num_key_value_heads=rc["num_kv_heads"],
+        max_position_embeddings=2048, rope_theta=rc["rope_theta"], rms_norm_eps=rc["rms_norm_eps"],
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=EOS, initializer_range=0.2)
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("tiny-llama-hf")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root, safe_serialization=True)
+    return root
+
+
+def hf_base(base_dir: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
+
+
+def write_adapter(base, root: Path, seed: int, **lora_config) -> Path:
+    """A PEFT adapter on ``base`` with random, output-changing A and B (PEFT starts B at zero)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(base, peft.LoraConfig(**lora_config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: write_adapter(hf_base(base_dir), root / name, seed, **kw)
+            for seed, (name, kw) in enumerate(ADAPTERS.items())}
+
+
+class Reference:
+    """transformers (+ PEFT) greedy tokens per ``(adapter or None, prompt index)``, each computed on first use."""
+
+    def __init__(self, base_dir: Path, adapters: dict[str, Path]):
+        self.base_dir, self.adapters = base_dir, adapters
+        self.models: dict[str | None, object] = {}
+        self.tokens: dict[tuple[str | None, int], list[int]] = {}
+
+    def __getitem__(self, key: tuple[str | None, int]) -> list[int]:
+        if key not in self.tokens:
+            name, i = key
+            if name not in self.models:
+                model = hf_base(self.base_dir)
+                if name is not None:
+                    import peft
+
+                    model = peft.PeftModel.from_pretrained(model, str(self.adapters[name])).eval()
+                self.models[name] = model
+            ids = torch.tensor([PROMPTS[i]])
+            with torch.inference_mode():
+                gen = self.models[name].generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                                 pad_token_id=EOS)
+            self.tokens[key] = gen[0, ids.shape[1]:].tolist()
+        return self.tokens[key]
+
+
+@pytest.fixture(scope="module")
+def reference(base_dir, adapters) -> Reference:
+    pytest.importorskip("peft")
+    return Reference(base_dir, adapters)
+
+
+def test_every_adapter_changes_the_reference_output(reference, adapters):
+    for name in adapters:
+        for i in (0, 1):
+            assert reference[(name, i)] != reference[(None, i)], (name, i)
+
+
+# -- the engine --------------------------------------------------------------------------------------------
+
+
+def make_engine(base_dir: Path, adapters: dict[str, Path], max_loras: int = 4, budget: int = 512,
+                attention: str | None = None, **lora_options) -> Engine:
+    loaded = load_model(ModelSource(base_dir.name, "hf", str(base_dir), str(base_dir)), torch.float32, CPU)
+    engine = Engine.generation(loaded, CPU, torch.float32,
+                               EngineConfig(max_num_seqs=8, max_model_len=128, block_size=4,
+                                            max_num_batched_tokens=budget),
+                               num_blocks=256, attention=attention, max_loras=max_loras, max_lora_rank=16,
+                               **lora_options)
+    for name, path in adapters.items():
+        engine.runner.loras.load(name, path)
+    return engine
+
+
+def generate(engine: Engine, requests: list[tuple[str | None, int]]) -> list[list[int]]:
+    """Greedy tokens for ``(adapter, prompt index)`` requests, all queued at once."""
+    sched = engine.scheduler
+    for j, (name, i) in enumerate(requests):
+        assert sched.add(Sequence(f"r{j}", list(PROMPTS[i]), GREEDY, lora=name)) is None
+    outs = run_until_done(sched)
+    return [[t for o in outs[f"r{j}"] for t in o.new_token_ids] for j in range(len(requests))]
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_an_adapter_alone_matches_peft(base_dir, adapters, reference, name):
+    engine = make_engine(base_dir, adapters)
+    for i in (0, 1):
+        assert generate(engine, [(name, i)]) == [reference[(name, i)]], (name, i)
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+@pytest.mark.parametrize("budget", [512, 7], ids=["whole-prefill", "chunked-prefill"])
+def test_four_adapters_and_the_base_model_in_one_batch_match_peft(base_dir, adapters, reference, attention,
+                                                                  budget):
+    engine = make_engine(base_dir, adapters, attention=attention, budget=budget)
+    # "qv" twice and the base model twice, apart: an adapter's rows are not one range (the index path).
+    requests = [("qv", 0), ("all-rs", 1), (None, 2), ("qv", 3), ("mlp-o", 4), ("regex", 0), (None, 1)]
+    got = generate(engine, requests)
+    for req, tokens in zip(requests, got):
+        assert tokens == reference[(req[0], req[1])], req
+
+
+def test_the_prefix_cache_is_not_shared_across_adapters(base_dir, adapters, reference):
+    engine = make_engine(base_dir, adapters)
+    cached = []
+    for name in ("qv", None, "all-rs", "qv"):
+        seq = Sequence(f"r-{len(cached)}", list(PROMPTS[0]), GREEDY, lora=name)
+        assert engine.scheduler.add(seq) is None
+        outs = run_until_done(engine.scheduler)[seq.request_id]
+        assert [t for o in outs for t in o.new_token_ids] == reference[(name, 0)], name
+        cached.append(outs[0].num_cached_tokens)
+    # Only the second "qv" request finds blocks: the first one's, not the base model's or "all-rs"'s.
+    assert cached[:3] == [0, 0, 0] and cached[3] > 0
+
+
+def test_two_slots_serve_four_adapters_by_swapping_between_steps(base_dir, adapters, reference):
+    engine = make_engine(base_dir, adapters, max_loras=2)
+    runner = engine.runner
+    per_step: list[set[str]] = []
+    execute = runner.execute
+
+    def spy(seqs):
+        per_step.append({s.lora for s in seqs if s.lora is not None})
+        return execute(seqs)
+
+    runner.execute = spy
+    requests = [("qv", 0), ("all-rs", 1), ("mlp-o", 2), ("regex", 3), (None, 4)]
+    got = generate(engine, requests)
+    for req, tokens in zip(requests, got):
+        assert tokens == reference[req], req
+    assert max(len(s) for s in per_step) == 2
+    assert runner.loras.slot_fills >= 4
+
+
+def test_an_adapter_evicted_from_host_memory_is_read_again_and_stays_exact(base_dir, adapters, reference):
+    engine = make_engine(base_dir, {}, max_loras=1, max_cpu_loras=1)
+    loras = engine.runner.loras
+    loras.load("qv", adapters["qv"])
+    loras.load("mlp-o", adapters["mlp-o"])  # "qv" leaves host memory
+    assert loras.reads == 2
+    assert generate(engine, [("qv", 0)]) == [reference[("qv", 0)]]
+    assert loras.reads == 3  # read again from its directory
+    assert generate(engine, [("mlp-o", 1)]) == [reference[("mlp-o", 1)]]  # evicted by "qv": read again, new slot
+    assert generate(engine, [("qv", 2)]) == [reference[("qv", 2)]]
+    assert loras.reads == 5 and loras.slot_fills == 3
+    loras.unload("qv")
+    assert loras.names() == ["mlp-o"]
+    assert engine.scheduler.add(Sequence("gone", [1, 2, 3], GREEDY, lora="qv")) == \
+        "LoRA adapter 'qv' is not loaded on this engine"
+
+
+# -- what an adapter must be -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def manager(base_dir) -> LoraManager:
+    loaded = load_model(ModelSource(base_dir.name, "hf", str(base_dir), str(base_dir)), torch.float32, CPU)
+    return LoraManager(loaded.model, max_loras=2, max_lora_rank=8)
+
+
+def edited(src: Path, dest: Path, config: dict | None = None, tensors=None) -> Path:
+    """A copy of adapter ``src`` with ``config`` keys replaced and ``tensors(dict)`` applied to its weights."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    if config:
+        cfg = json.loads((dest / "adapter_config.json").read_text())
+        (dest / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors:
+        weights = load_file(str(dest / "adapter_model.safetensors"))
+        tensors(weights)
+        save_file(weights, str(dest / "adapter_model.safetensors"))
+    return dest
+
+
+A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def _widen(weights: dict) -> None:
+    weights[A0] = torch.zeros(8, 96)  # an adapter for a model with hidden size 96
+
+
+def _third_layer(weights: dict) -> None:
+    for key in [k for k in weights if ".layers.1." in k]:
+        weights[key.replace(".layers.1.", ".layers.2.")] = weights[key].clone()
+
+
+BAD = {
+    "no-directory": (None, None, "is not a directory"),
+    "no-weights": ("drop-weights", None, "has no adapter_model.safetensors"),
+    "bad-json": ("bad-json", None, "adapter_config.json is not valid JSON"),
+    "lm-head": ({"target_modules": ["q_proj", "lm_head"]}, None, "targets 'lm_head'; supported target modules"),
+    "dora": ({"use_dora": True}, None, r"uses DoRA \(use_dora\), which is not supported"),
+    "bias": ({"bias": "all"}, None, r"trains biases \(bias='all'\); only bias='none'"),
+    "modules-to-save": ({"modules_to_save": ["lm_head"]}, None, "uses modules_to_save"),
+    "rank": ({"r": 32}, None, "has rank 32, above this engine's max_lora_rank=8"),
+    "hidden-size": (None, _widen, r"has shape \(8, 96\), expected \(8, 64\) for rank 8 on this base model"),
+    "layers": (None, _third_layer, "for layer 2, but the base model has 2 layers"),
+    "missing": (None, lambda w: w.pop(A0), r"1 tensors missing from adapter_model.safetensors, e.g. layer 0 "
+                                            r"q_proj.lora_A"),
+    "no-match": ({"target_modules": r"nothing\.here"}, None, "matches none of this model's"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_adapter_is_refused_with_a_clear_message_and_changes_nothing(manager, adapters, tmp_path, case):
+    config, tensors, message = BAD[case]
+    path = tmp_path / "adapter"
+    if config == "drop-weights":
+        edited(adapters["qv"], path).joinpath("adapter_model.safetensors").unlink()
+    elif config == "bad-json":
+        edited(adapters["qv"], path).joinpath("adapter_config.json").write_text("{not json")
+    elif case != "no-directory":
+        edited(adapters["qv"], path, config, tensors)
+    with pytest.raises(LoraError, match=message):
+        manager.load("x", path)
+    assert manager.names() == [] and "x" not in manager
+
+
+def test_adapters_for_the_mlp_of_a_mixture_of_experts_are_refused(adapters):
+    moe = LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                      vocab_size=49152, max_position_embeddings=2048, architecture="MixtralForCausalLM",
+                      num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(LoraError, match="MLP is a mixture of experts; only attention projections"):
+        read_adapter("mlp-o", adapters["mlp-o"], moe, 16, torch.float32)
+    assert read_adapter("qv", adapters["qv"], moe, 16, torch.float32).modules == ("q_proj", "v_proj")
+
+
+def test_a_name_is_loaded_once_and_unknown_names_are_refused(manager, adapters):
+    manager.load("qv", adapters["qv"])
+    with pytest.raises(LoraError, match="'qv' is already loaded"):
+        manager.load("qv", adapters["all-rs"])
+    with pytest.raises(LoraError, match="'nope' is not loaded"):
+        manager.unload("nope")
+    with pytest.raises(LoraError, match="'nope' is not loaded"):
+        manager.step({"nope": [(0, 1)]})
