@@ -308,21 +308,28 @@ def test_a_scale_down_whose_drain_times_out_moves_its_streams_to_the_engine_that
 
 @pytest.mark.slow
 def test_with_smollm2_streams_of_every_kind_wait_for_the_replacement_of_the_only_engine(smollm_server):
-    """The real model, whose text tool calls and schemas depend on (its only engine: the streams wait for the
-    replacement, up to --scaling-wait)."""
-    model, tokens = DEFAULT_CHAT_MODEL, 40
-    reference = run_all(smollm_server.url, model, 1, tokens, families=1)
+    """The real model, on which the text of tool calls and schemas depends: one stream of each kind (the other
+    families move alike, above). Its only engine: the streams wait for the replacement, up to --scaling-wait."""
+    model, tokens = DEFAULT_CHAT_MODEL, 48
+    reference = run_all(smollm_server.url, model, 1, tokens)
     check_kinds(reference, tokens)
-
+    before = metric(smollm_server.url, 'zserve_migrations_total{cause="engine_lost"}')
     (victim,) = [p for p in procs(smollm_server, "engine") if p["state"] == "ready"]
+    unfinished: list[tuple[str, int]] = []
 
     def kill(streams):
-        wait_until(lambda: all(s.chunks >= 2 for s in streams.values()), 120, 0.02, "the streams to flow")
+        # Every stream has begun, and the greedy one (a chunk a token) is a few tokens in: none is near its end.
+        wait_until(lambda: all(s.chunks for s in streams.values()) and streams["greedy", 0].chunks >= 3, 120, 0.01,
+                   "the streams to flow")
         os.kill(victim["pid"], signal.SIGKILL)
+        unfinished.extend(key for key, s in streams.items() if s.finish is None)
         wait_replaced(smollm_server, victim)
 
     started = time.monotonic()
-    moved = run_all(smollm_server.url, model, 1, tokens, kill, families=1)
+    moved = run_all(smollm_server.url, model, 1, tokens, kill)
     check_kinds(moved, tokens)
+    assert sorted(unfinished) == sorted(moved), "a stream had ended before the kill"
+    assert settled_metric(smollm_server.url, 'zserve_migrations_total{cause="engine_lost"}', before,
+                          lambda g: g >= len(moved)) >= len(moved)
     for key, s in moved.items():
         assert s.written == reference[key].written, (key, time.monotonic() - started)

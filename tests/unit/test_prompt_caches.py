@@ -292,7 +292,7 @@ def test_render_ids_equals_render_then_encode_cold_cached_and_mixed() -> None:
     cached = smollm2_template()
     plain = uncached(cached)
     rng = random.Random(7)
-    cases = [(random_messages(rng), random_kwargs(rng)) for _ in range(200)]
+    cases = [(random_messages(rng), random_kwargs(rng)) for _ in range(80)]
     for i, (messages, kwargs) in enumerate(cases):
         if i % 3 == 0:
             cached.render(messages, **kwargs)  # an entry with the text only
