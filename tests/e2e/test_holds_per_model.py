@@ -1,9 +1,10 @@
-"""Holds are per model: a rolling restart (`launch reload`) that replaces model A's only engine holds A's new
-requests until the replacement is ready, and only A's. Model B (two engines, so it never stops serving) streams
-throughout: no request of B waits anywhere near A's hold, measured as each request's time to first token against
-an unloaded baseline taken in the same test; A's requests are held, never failed. Also: `/pause` of one model
-refuses that model's requests and serves the other's, and `launch status` lists the hold with its reason; a model
-whose engines all crash-loop is marked failed while the other serves on."""
+"""Holds are per model: a rolling restart (SIGHUP to the supervisor, as systemd's ExecReload sends it; `launch
+reload` runs the same, tests/e2e/test_remote_engines.py) replaces every process, and while it replaces model A's
+only engine it holds A's new requests until the replacement is ready, and only A's. Model B (two engines, so it
+never stops serving) streams throughout: no request of B waits anywhere near A's hold, measured as each request's
+time to first token against an unloaded baseline taken in the same test; A's requests are held, never failed.
+Also: `/pause` of one model refuses that model's requests and serves the other's, and `launch status` lists the
+hold with its reason; a model whose engines all crash-loop is marked failed while the other serves on."""
 
 from __future__ import annotations
 
@@ -102,6 +103,12 @@ def two_models(scripted_model) -> Server:
     s.stop()
 
 
+def pids(server: Server) -> dict[tuple[str, int, str], int]:
+    """The ready processes' pids by tier, index and model."""
+    return {(p["tier"], p["index"], p.get("model", "")): p["pid"] for p in status(server)["processes"]
+            if p["state"] == "ready"}
+
+
 def model_a(server: Server) -> str:
     ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
     return next(m for m in ids if m != B)
@@ -119,13 +126,16 @@ def test_a_reload_holds_only_the_model_whose_only_engine_is_replaced(two_models)
     with Load(s.url, {a: 2, B: 2}) as load:
         wait_until(lambda: len([x for x in load.sent if x.end]) >= 8, 60, what="the load to flow")
         watcher.start()
-        r = subprocess.run([*LAUNCH, "reload", "--port", str(s.port)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+        before = pids(s)
+        assert len(before) == 5  # 2 gateways, A's engine, B's two
+        os.kill(s.proc.pid, signal.SIGHUP)  # systemd's ExecReload: the supervisor replaces every process in turn
+        wait_until(lambda: "reload: done" in s.tail(1 << 20), 180, 0.2, "the rolling restart to finish")
+        now = pids(s)
+        assert len(now) == 5 and not set(now.values()) & set(before.values()), (before, now)
         settled = len(load.sent)
         wait_until(lambda: len(load.sent) > settled + 4, 60, what="traffic after the reload")
     stop_watch.set()
     watcher.join(10)
-    assert r.returncode == 0 and "reloaded: 5 process(es) replaced" in r.stdout, r.stdout + r.stderr
     held_times = [t for t, holds in seen if any(h["model"] == a and h["reason"] == "reloading" for h in holds)]
     assert held_times, "no gateway ever held model A while its only engine was replaced"
     assert not [h for _, holds in seen for h in holds if h["model"] in (B, None)], "model B was held"
