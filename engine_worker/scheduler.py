@@ -119,9 +119,8 @@ class Scheduler:
         if seq.total_len >= max_len:
             resumed = f" and {len(seq.output_ids)} generated" if seq.output_ids else ""
             return f"prompt has {len(seq.prompt_ids)} tokens{resumed}; this engine's context is {max_len}"
-        if seq.lora is not None and (self.loras is None or seq.lora not in self.loras):
-            return (f"LoRA adapter {seq.lora!r} is not loaded on this engine" if self.loras is not None
-                    else "this engine serves no LoRA adapters")
+        if seq.lora is not None and (missing := self.lora_missing(seq.lora)) is not None:
+            return missing
         if self.block_manager.enable_prefix_caching:
             seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size,
                                                    self._root(seq))
@@ -132,6 +131,12 @@ class Scheduler:
         self._enqueue(seq, front=False)
         self.by_id[seq.request_id] = seq
         return None
+
+    def lora_missing(self, name: str) -> str | None:
+        """Why a request for LoRA adapter ``name`` cannot run here (None: it can)."""
+        if self.loras is None:
+            return f"LoRA adapter {name!r} is not loaded: this engine serves no LoRA adapters (--enable-lora)"
+        return None if name in self.loras else f"LoRA adapter {name!r} is not loaded on this engine"
 
     def add_pool(self, req: PoolRequest) -> str | None:
         """An embedding request on a generating model: its prompt runs like any other (chunked, in

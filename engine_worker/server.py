@@ -33,7 +33,7 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING
+from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING, ERR_LORA_NOT_LOADED
 from zserve.curve import CurveKeys, secure_server
 
 from .scheduler import Scheduler
@@ -139,18 +139,22 @@ class EngineServer:
     def add(self, client: bytes, msg: AddRequest) -> None:
         if self._refused(client, msg):
             return
-        err = self._check_ids(msg.prompt_token_ids)
-        if err is None:
-            add = getattr(self.scheduler, "add", None)
-            err = ("this model does not generate (it serves: " + ", ".join(self.hello.tasks) + ")" if add is None
-                   else add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
-                                     output_ids=list(msg.output_token_ids))))
+        err, code = self._check_ids(msg.prompt_token_ids), None
+        add = getattr(self.scheduler, "add", None)
+        if err is None and add is None:
+            err = "this model does not generate (it serves: " + ", ".join(self.hello.tasks) + ")"
+        elif err is None and msg.lora is not None and (err := self.scheduler.lora_missing(msg.lora)) is not None:
+            code = ERR_LORA_NOT_LOADED  # the gateway's 404, as for a model it does not know
+        elif err is None:
+            err = add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
+                               output_ids=list(msg.output_token_ids), lora=msg.lora))
             if err is None:
                 self.requests[msg.request_id] = client
         if err is not None:
             log.info("request %s%s failed: %s", msg.request_id, f" (X-Request-Id {msg.trace_id})" if msg.trace_id
                      else "", err)
-            self.send(client, StepOutputs(self.rank, (RequestOutput(msg.request_id, (), "error", error=err),)))
+            self.send(client, StepOutputs(self.rank, (RequestOutput(msg.request_id, (), "error", error=err,
+                                                                    error_code=code),)))
 
     def add_pool(self, client: bytes, msg: PoolRequest) -> None:
         if self._refused(client, msg):

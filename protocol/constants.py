@@ -40,6 +40,10 @@ ERR_STRUCTURED_OUTPUT = "structured_output"
 or it reached a point that no token of the vocabulary continues (it needs a byte no token holds). The request's
 grammar is at fault, not the server: the gateway answers 400 (in a stream, an error event of that status)."""
 
+ERR_LORA_NOT_LOADED = "lora_not_loaded"
+"""The request names a LoRA adapter (``AddRequest.lora``) that the engine has not loaded (or the engine serves no
+adapters): the gateway answers 404 ``model_not_found``, as for a model name it does not know."""
+
 # -- limits shared by the HTTP schemas and the engine protocol -----------------------------------
 MAX_LOGIT_BIAS = 1024
 

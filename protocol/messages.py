@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 from .validate import ProtocolError, check, is_int, is_num
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 MAX_REQUEST_ID_LEN = 128
+MAX_LORA_NAME_LEN = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_LOGPROBS = 20
@@ -58,6 +59,12 @@ def valid_trace_id(value: object) -> bool:
     """A client's request id as logs may carry it: 1..128 printable ASCII characters, no spaces."""
     return isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_LEN and value.isascii() and value.isprintable() \
         and " " not in value
+
+
+def valid_lora_name(value: object) -> bool:
+    """A LoRA adapter's name as requests and the command line give it (it is also a served model name):
+    1..256 printable characters."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_LORA_NAME_LEN and value.isprintable()
 
 
 def _check_request_id(rid: object) -> None:
@@ -260,6 +267,8 @@ class AddRequest(Message):
     # generated them itself: they count against max_tokens and min_tokens, feed the penalties, replay into a fresh
     # grammar matcher, and a seeded request's next draw is the one for the position after them.
     output_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter (loaded on the engine by this name) the request runs through; None: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
@@ -270,6 +279,8 @@ class AddRequest(Message):
         _check_token_ids(self.output_token_ids, "output_token_ids")
         check(len(self.output_token_ids) < self.sampling.max_tokens,
               "output_token_ids must leave at least one token of max_tokens to generate")
+        check(self.lora is None or valid_lora_name(self.lora),
+              f"lora must be an adapter name of 1..{MAX_LORA_NAME_LEN} printable characters, or null")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ SAMPLES = [
     ErrorMessage("bad_frame", "nope"),
     ErrorMessage("bad_frame", "nope", request_id="r"),
     AddRequest("req-4", (7,), SamplingParams(structured=("json", '{"type": "object"}'))),
+    AddRequest("req-5", (7, 8), lora="sql-lora"),
+    AddRequest("req-6", (7, 8), SamplingParams(max_tokens=9), output_token_ids=(4, 5), lora="org/adapter v2"),
     EngineHello(rank=0, model_id="e", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
                 pid=42, device="cpu", dtype="float32", tasks=("embed",), embed_size=384),
     EngineHello(rank=0, model_id="c", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
@@ -78,6 +80,21 @@ def test_token_ids_travel_as_binary_frames():
     frames = encode(AddRequest("r", tuple(range(1000))))
     assert len(frames) == 2 and len(frames[1]) == 4000
     assert b"999" not in frames[0]
+
+
+def test_an_add_requests_lora_adapter_travels_in_its_header_only_when_set():
+    plain, named = encode(AddRequest("r", (1, 2))), encode(AddRequest("r", (1, 2), lora="sql"))
+    assert b"lora" not in plain[0] and orjson.loads(named[0])["lora"] == "sql" and named[1] == plain[1]
+    assert decode(named).lora == "sql" and decode(plain).lora is None
+    h = orjson.loads(named[0])
+    for bad, words in [("", "lora must be an adapter name"), ("a\nb", "lora must be an adapter name"),
+                       ("x" * 257, "lora must be an adapter name"), (None, "lora must be an adapter name when"),
+                       (7, "lora must be an adapter name when")]:
+        with pytest.raises(ProtocolError, match=words) as ei:
+            decode([orjson.dumps({**h, "lora": bad}), named[1]])
+        assert ei.value.request_id == "r"
+    with pytest.raises(ProtocolError, match="lora must be"):
+        AddRequest("r", (1,), lora="")
 
 
 def _header(**kw) -> bytes:
