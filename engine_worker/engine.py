@@ -101,14 +101,17 @@ class Engine:
         """A generating engine for a loaded model: a paged KV cache sized by ``config``, a continuous-batching
         scheduler, and (with ``tokenizer_json``, the model's ``tokenizers`` JSON) structured output.
         ``runner_options``: ``ModelRunner`` keywords that replace what ``config`` chooses (``num_blocks``,
-        ``attention``, ``cuda_graphs``: tests and benchmarks)."""
+        ``attention``, ``cuda_graphs``: tests and benchmarks). With ``enable_lora``, the configuration's
+        ``lora_modules`` are loaded before it returns: a bad adapter is a ``LoraError`` (a ``ValueError``, so a boot
+        error in ``build``) that names it."""
         cfg = config or EngineConfig()
         own = loaded.config.max_position_embeddings
         options: dict[str, Any] = {
             "block_size": cfg.block_size,
             "kv_cache_bytes": parse_memory(cfg.kv_cache_memory, device) if cfg.kv_cache_memory is not None else None,
             "cuda_graphs": False if cfg.enforce_eager else None, "expert_parallel": expert_parallel,
-            "fit_context": cfg.max_model_len is None, **runner_options}
+            "fit_context": cfg.max_model_len is None, "max_loras": cfg.max_loras if cfg.enable_lora else 0,
+            "max_lora_rank": cfg.max_lora_rank, "max_cpu_loras": cfg.max_cpu_loras, **runner_options}
         runner = ModelRunner(loaded, device, dtype, cfg.max_num_seqs,
                              own if cfg.max_model_len is None else min(cfg.max_model_len, own), **options)
         max_model_len = runner.max_model_len
@@ -118,6 +121,12 @@ class Engine:
                  rank, runner.num_blocks, runner.block_size, runner.kv_cache_bytes / (1 << 20),
                  "on" if cfg.enable_prefix_caching else "off", max_model_len,
                  _context_origin(cfg.max_model_len, own, max_model_len))
+        if runner.loras is not None:
+            for name, path in cfg.lora_modules:
+                runner.loras.load(name, path)
+            log.info("engine %d LoRA: %d adapter(s) of rank <= %d, %d per step, %d kept in host memory%s", rank,
+                     len(cfg.lora_modules), runner.loras.max_lora_rank, runner.loras.max_loras,
+                     runner.loras.max_cpu_loras, f" ({', '.join(runner.loras.names())})" if cfg.lora_modules else "")
         grammars = (Grammars(tokenizer_json, runner.vocab_size, runner.eos_token_ids)
                     if tokenizer_json is not None else None)
         scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),

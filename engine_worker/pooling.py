@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine_worker.models.bert import ENCODER_MODEL_TYPES, BertEncoder, EncoderLayout, load_encoder
+from engine_worker.models.bert import BertEncoder, EncoderLayout, load_encoder
+from zserve.catalog import is_encoder_dir
 
 __all__ = ["PoolingConfig", "PoolingRunner", "is_pooling_model", "read_pooling_config", "shape_embedding",
            "truncate_dimensions"]
@@ -64,11 +65,7 @@ _ST_UNSUPPORTED_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_
 def is_pooling_model(model_dir: str | Path) -> bool:
     """Whether a Hugging Face directory holds an encoder that ``PoolingRunner`` serves (rather than
     a causal LM for ``loader.load_model``); decided by ``config.json``'s ``model_type``."""
-    try:
-        d = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(d, dict) and d.get("model_type") in ENCODER_MODEL_TYPES
+    return is_encoder_dir(model_dir)
 
 
 @dataclass(frozen=True)

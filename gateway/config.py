@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from protocol.messages import valid_lora_name
 from zserve.catalog import ModelSource
 from zserve.config import EngineConfig, config_from_json
 from zserve.launch_spec import (
@@ -133,10 +134,12 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class GatewayModel:
-    """One model a gateway serves: where its files are (tokenizer, chat template) and every name clients use."""
+    """One model a gateway serves: where its files are (tokenizer, chat template), every name clients use, and
+    its LoRA adapters (``EngineConfig.lora_modules``: each name is served too, through the model's engines)."""
 
     source: ModelSource
     names: tuple[str, ...] = ()  # () = the model id
+    loras: tuple[tuple[str, str], ...] = ()  # (name, path) of each adapter its engines load at start
 
     def __post_init__(self) -> None:
         check(isinstance(self.source, ModelSource), "a served model's source must be a ModelSource")
@@ -144,16 +147,21 @@ class GatewayModel:
         check(names is not None and all(is_text(n) for n in names), "a served model's names must be non-empty "
                                                                    "strings")
         object.__setattr__(self, "names", names)
+        loras = self.loras if isinstance(self.loras, (list, tuple)) else None
+        check(loras is not None and all(isinstance(m, (list, tuple)) and len(m) == 2 and valid_lora_name(m[0])
+                                        and is_text(m[1]) for m in loras),
+              "a served model's loras must be [name, path] pairs")
+        object.__setattr__(self, "loras", tuple((name, path) for name, path in loras))  # type: ignore[union-attr]
 
     def to_json(self) -> dict:
-        return {"source": self.source.to_json(), "names": list(self.names)}
+        return {"source": self.source.to_json(), "names": list(self.names), "loras": [list(m) for m in self.loras]}
 
     @classmethod
     def from_json(cls, data: object) -> GatewayModel:
-        check(isinstance(data, dict) and set(data) <= {"source", "names"},
-              "a served model is a JSON object with source and names")
+        check(isinstance(data, dict) and set(data) <= {"source", "names", "loras"},
+              "a served model is a JSON object with source, names and loras")
         assert isinstance(data, dict)
-        return cls(source_from_json(data.get("source")), data.get("names") or ())
+        return cls(source_from_json(data.get("source")), data.get("names") or (), data.get("loras") or ())
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ from protocol.control import (
     StopReply,
 )
 from zserve import control
-from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, resolve
-from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, EngineConfig, ModelSpec
+from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, pools_only, resolve
+from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, EngineConfig, ModelSpec, parse_lora_module
 from zserve.proc import redact_url, set_title, setup_logging
 
 from .sockets import ListenError
@@ -80,7 +80,8 @@ server_options = _options(
     click.option("--model", "models", multiple=True, default=(DEFAULT_CHAT_MODEL,), show_default=True,
                  help="Model id from the catalog, 'tiny-random', a .gguf file or an HF directory; repeat it to serve "
                       "several models behind one endpoint, each with its own engines and options: "
-                      "ID:engines=2,max_num_seqs=64,name=NAME (keys: engines, name and the engine options' names)."),
+                      "ID:engines=2,max_num_seqs=64,name=NAME,lora=NAME=PATH (keys: engines, name, lora and the "
+                      "engine options' names)."),
     click.option("--host", default="127.0.0.1", show_default=True,
                  help="Address the gateways listen on; an IPv6 address works too (::1; :: for every interface)."),
     click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
@@ -139,6 +140,45 @@ server_options = _options(
 )
 
 
+def _lora_modules(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules' values as (name, path) pairs."""
+    try:
+        return tuple(parse_lora_module(v) for v in values)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+SEVERAL_VALUES = frozenset({"--lora-modules"})
+"""Options that take several values after one flag, as vLLM's argparse ``nargs='+'`` does."""
+
+
+def spread_values(args: list[str], options: frozenset[str] = SEVERAL_VALUES) -> list[str]:
+    """``--lora-modules a=/x b=/y`` as click reads it: ``--lora-modules a=/x --lora-modules b=/y`` (every argument
+    after such an option's value, up to the next option, is one more value of it)."""
+    out: list[str] = []
+    current: str | None = None  # the option that the bare arguments that follow belong to
+    value_next = False  # its first value is the next argument
+    for arg in args:
+        if value_next:
+            out.append(arg)
+            value_next = False
+        elif current is not None and not arg.startswith("-"):
+            out += [current, arg]
+        else:
+            name = arg.partition("=")[0]
+            current = name if name in options else None
+            value_next = current is not None and "=" not in arg
+            out.append(arg)
+    return out
+
+
+class SeveralValuesCommand(click.Command):
+    """A command whose SEVERAL_VALUES options take vLLM's form (each is ``multiple`` for click)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_values(args))
+
+
 # What every command that runs engines takes: each option is a field of zserve.config.EngineConfig (named
 # after it).
 engine_options = _options(
@@ -170,6 +210,22 @@ engine_options = _options(
     click.option("--seed", type=int, default=_ENGINE.seed,
                  help="Seed of the generator unseeded requests sample from (engine rank r uses seed + r), so a run "
                       "can be repeated; default: a fresh seed from the OS."),
+    # -- LoRA adapters (engine_worker.lora), with vLLM's names and defaults ------------------------------
+    click.option("--enable-lora", is_flag=True, default=_ENGINE.enable_lora,
+                 help="Serve LoRA adapters (PEFT directories) in the same batches as the base model; "
+                      "--lora-modules gives them and implies this."),
+    click.option("--max-loras", type=int, default=_ENGINE.max_loras, show_default=True,
+                 help="LoRA adapters one engine step runs at once; requests for others wait for a slot."),
+    click.option("--max-lora-rank", type=int, default=_ENGINE.max_lora_rank, show_default=True,
+                 help="The largest adapter rank an engine takes (a higher one is refused)."),
+    click.option("--max-cpu-loras", type=int, default=_ENGINE.max_cpu_loras,
+                 help="Adapters an engine keeps read in host memory; others are read again from their directory "
+                      "when used (default: --max-loras)."),
+    click.option("--lora-modules", "lora_modules", multiple=True, callback=_lora_modules, metavar="NAME=PATH",
+                 help="LoRA adapters loaded at start: each NAME is served as a model name (its requests run the "
+                      "base model with the adapter at PATH). Several after one --lora-modules, or repeated; vLLM's "
+                      "JSON form {\"name\": NAME, \"path\": PATH} too. Implies --enable-lora. With several --model, "
+                      "give each model its adapters as ID:lora=NAME=PATH."),
 )
 
 
@@ -184,7 +240,7 @@ across_hosts_options = _options(
 )
 
 
-@main.command("api-server")
+@main.command("api-server", cls=SeveralValuesCommand)
 @server_options
 @click.option("--engines", type=click.IntRange(1, MAX_ENGINES_PER_MODEL), default=1, show_default=True,
               help="Engine worker processes per model (ID:engines=N sets one model's).")
@@ -233,7 +289,7 @@ def render(**options) -> None:
     serve(engines=0, **options)
 
 
-@main.command("engine")
+@main.command("engine", cls=SeveralValuesCommand)
 @click.option("--count", "engines", type=click.IntRange(1, MAX_ENGINES_PER_MODEL), default=1, show_default=True,
               help="Engine worker processes per model (ID:engines=N sets one model's).")
 @click.option("--model", "models", multiple=True, default=(DEFAULT_CHAT_MODEL,), show_default=True,
@@ -400,7 +456,7 @@ def _start_line() -> str:
         if p.name in SECRET_OPTIONS:
             shown = f"<{len(value)} redacted>"
         elif isinstance(value, (tuple, list)):
-            shown = ",".join(map(str, value))
+            shown = ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value)  # (name, path) pairs
         else:
             shown = redact_url(str(value)) if isinstance(value, str) else str(value)
         given.append(f"{p.opts[-1] if p.opts else p.name}={shown}")
@@ -409,7 +465,11 @@ def _start_line() -> str:
 
 def _models(models: tuple[str, ...], engine: EngineConfig, engines: int, names: tuple[str, ...]
             ) -> list[tuple[ModelSource, ModelSpec]]:
-    """Each --model as its resolved files and its spec; ids and served names must not repeat."""
+    """Each --model as its resolved files and its spec; ids, served names and adapter names must not repeat, and
+    adapters go only to models that generate."""
+    if engine.lora_modules and len(models) > 1:
+        raise click.UsageError("--lora-modules gives adapters to one model; with several --model, give each model "
+                               "its adapters as ID:lora=NAME=PATH")
     try:
         specs = [ModelSpec.parse(m, engine, engines) for m in models]
     except ValueError as e:
@@ -431,6 +491,16 @@ def _models(models: tuple[str, ...], engine: EngineConfig, engines: int, names: 
             if name in seen:
                 raise click.BadParameter(f"{name!r} names two models; each model id and name must be unique",
                                          param_hint="--model")
+            seen.add(name)
+    for source, spec in served:  # adapters after every model's names: a clash names the adapter
+        if spec.engine.lora_modules and pools_only(source):
+            raise click.BadParameter(f"{source.model_id!r} only pools (embed, classify): LoRA adapters need a model "
+                                     "that generates", param_hint="--lora-modules")
+        for name, _ in spec.engine.lora_modules:
+            if name in seen:
+                raise click.BadParameter(f"LoRA adapter {name!r} has the name of another model or adapter; each "
+                                         "adapter name must be unique among the served names",
+                                         param_hint="--lora-modules")
             seen.add(name)
     return served
 

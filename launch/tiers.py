@@ -56,6 +56,11 @@ class ModelTier:
         return self.spec.names or (self.model_id,)
 
     @property
+    def loras(self) -> tuple[tuple[str, str], ...]:
+        """(name, path) of each LoRA adapter its engines load at start: gateways serve each name too."""
+        return self.spec.engine.lora_modules
+
+    @property
     def ranks(self) -> range:
         return range(self.base, self.base + self.desired)
 

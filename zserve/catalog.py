@@ -11,6 +11,7 @@ Model packages are found without importing them (their ``__init__`` imports depe
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,25 @@ TINY_RANDOM_CONFIG: tuple[tuple[str, int | float], ...] = (
     ("rms_norm_eps", 1e-5),
     ("seed", 0),
 )
+
+
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+"""The ``model_type``s of Hugging Face directories the pooling engine serves (encoders: embed, classify)."""
+
+
+def is_encoder_dir(model_dir: str | Path) -> bool:
+    """Whether a Hugging Face directory holds an encoder (the pooling engine's, which only embeds or classifies)
+    rather than a causal LM; decided by ``config.json``'s ``model_type``. Torch-free: launch checks it too."""
+    try:
+        d = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("model_type") in ENCODER_MODEL_TYPES
+
+
+def pools_only(source: ModelSource) -> bool:
+    """Whether ``source``'s engines only pool (embed, classify) and never generate."""
+    return source.weights == "hf" and is_encoder_dir(source.path)
 
 
 def resolve(model: str) -> ModelSource:

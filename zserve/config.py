@@ -10,11 +10,14 @@ and the code that uses it — nothing in between repeats it. Torch-free: the sup
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
+
+from protocol.messages import MAX_LORA_NAME_LEN, valid_lora_name
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MEMORY = re.compile(r"^(\d+(\.\d+)?)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?$", re.I)
@@ -52,6 +55,15 @@ class EngineConfig:
     # A mixture-of-experts model's engines form one expert-parallel group: each holds a share of the experts,
     # attention stays data parallel (engine_worker.expert_parallel); resized with /scale_elastic_ep.
     expert_parallel: bool = False
+    # LoRA adapters served in the batch (engine_worker.lora), as vLLM's options: up to max_loras adapters in one
+    # step, each of rank up to max_lora_rank, max_cpu_loras of them (None: max_loras) kept read in host memory.
+    # lora_modules, (name, path) pairs, are loaded before the engine says ready (a bad one is a boot error); giving
+    # any turns enable_lora on. Each name is a model name requests may use (the gateways serve it).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,10 +80,18 @@ class EngineConfig:
             (self.seed is None or _int(self.seed, 0, (1 << 63) - 1), "seed must be a non-negative integer"),
             (self.max_waiting is None or _int(self.max_waiting, 1, 1 << 20), "max_waiting must be an integer in "
                                                                                  "1..1048576"),
+            (isinstance(self.enable_lora, bool), "enable_lora must be true or false"),
+            (_int(self.max_loras, 1, 256), "max_loras must be an integer in 1..256"),
+            (_int(self.max_lora_rank, 1, 1024), "max_lora_rank must be an integer in 1..1024"),
+            (self.max_cpu_loras is None or _int(self.max_cpu_loras, self.max_loras, 1 << 16),
+             f"max_cpu_loras must be an integer in max_loras..65536 (max_loras is {self.max_loras})"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        object.__setattr__(self, "lora_modules", _lora_modules(self.lora_modules))
+        if self.lora_modules and not self.enable_lora:  # adapters given at start imply --enable-lora, as in vLLM
+            object.__setattr__(self, "enable_lora", True)
         if self.kv_cache_memory is not None:
             if not isinstance(self.kv_cache_memory, str):
                 raise ValueError("kv_cache_memory must be a string such as 2GiB or 0.3")
@@ -114,6 +134,44 @@ def _int(value: Any, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One adapter as ``--lora-modules`` or a model's ``lora=`` key gives it: ``NAME=PATH``, or vLLM's JSON
+    ``{"name": NAME, "path": PATH}``; the path made absolute (engines may start in another directory)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            data = orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"{text!r} is not JSON: {e}") from None
+        if not isinstance(data, dict) or set(data) != {"name", "path"}:
+            raise ValueError(f"{text!r}: a JSON adapter is {{\"name\": NAME, \"path\": PATH}} (its parent is the "
+                             "model it is given to)")
+        name, path = data["name"], data["path"]
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"{text!r}: expected NAME=PATH (or JSON {{\"name\": NAME, \"path\": PATH}})")
+    if not valid_lora_name(name):
+        raise ValueError(f"{text!r}: an adapter's name is 1..{MAX_LORA_NAME_LEN} printable characters")
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{text!r}: the adapter's path is missing")
+    return name, os.path.abspath(os.path.expanduser(path))
+
+
+def _lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
+    """``lora_modules`` as (name, path) pairs (JSON gives lists), each name once."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(m, (list, tuple)) and len(m) == 2 and valid_lora_name(m[0]) and isinstance(m[1], str) and m[1]
+            for m in value):
+        raise ValueError("lora_modules must be a list of [name, path] pairs")
+    modules = tuple((m[0], m[1]) for m in value)
+    names = [name for name, _ in modules]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ValueError(f"lora_modules names adapter {twice!r} twice")
+    return modules
+
+
 # -- several models behind one endpoint --------------------------------------------------------------
 
 MAX_ENGINES_PER_MODEL = 64
@@ -129,7 +187,8 @@ class ModelSpec:
 
     ``launch api-server --model SmolLM2-135M-Instruct:engines=2 --model all-MiniLM-L6-v2:max_num_seqs=64``
     runs one engine tier per model; each key is ``engines``, ``name`` (repeatable: every name clients may
-    use) or a field of ``EngineConfig``, and a key not given takes the command line's value."""
+    use), ``lora`` (repeatable: ``lora=NAME=PATH``, an adapter loaded at start, its name served too) or a field
+    of ``EngineConfig``, and a key not given takes the command line's value."""
 
     model: str
     engines: int = 1  # 0: no engines (a render server)
@@ -147,7 +206,8 @@ class ModelSpec:
             raise ValueError(f"{text!r}: the model id is missing before ':'")
         changes: dict[str, Any] = {}
         names: list[str] = []
-        types = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+        loras: list[tuple[str, str]] = []
+        types = {f.name: f.type for f in dataclasses.fields(EngineConfig) if f.name != "lora_modules"}  # (lora=)
         for item in filter(None, options.split(",")):
             key, _, value = item.partition("=")
             if key == "engines":
@@ -160,11 +220,18 @@ class ModelSpec:
                 if not value:
                     raise ValueError(f"{text!r}: name must not be empty")
                 names.append(value)
+            elif key == "lora":
+                try:
+                    loras.append(parse_lora_module(value))
+                except ValueError as e:
+                    raise ValueError(f"{text!r}: lora {e}") from None
             elif key in types:
                 changes[key] = _typed(value, str(types[key]), f"{text!r}: {key}")
             else:
-                raise ValueError(f"{text!r}: unknown key {key!r}; keys are engines, name and the engine options "
-                                 f"({', '.join(sorted(types))})")
+                raise ValueError(f"{text!r}: unknown key {key!r}; keys are engines, name, lora and the engine "
+                                 f"options ({', '.join(sorted(types))})")
+        if loras:  # the model's own adapters replace the command line's --lora-modules
+            changes["lora_modules"] = tuple(loras)
         try:
             config = engine.replace(**changes)
         except ValueError as e:

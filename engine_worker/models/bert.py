@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.models.layers import Linear, copy_checkpoint, onednn_packing_available
+from zserve.catalog import ENCODER_MODEL_TYPES
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 _ROBERTA_TYPES = ("roberta", "xlm-roberta")
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),

@@ -152,7 +152,7 @@ class Supervisor:
         assert self.listener is not None
         fd = self.listener.fileno()
         gateway = handoff.gateway_launch(
-            index, fd, [(t.source, t.names) for t in self.tiers], c.gateway, render_only=self.render_only,
+            index, fd, [(t.source, t.names, t.loras) for t in self.tiers], c.gateway, render_only=self.render_only,
             cache_dir=self.cache_dir, control_socket=self.control_path, shutdown_timeout=c.shutdown_timeout,
             heartbeat_interval=c.heartbeat_interval, responses_db=os.path.join(self.run_dir, "responses.db"),
             key_file=self.key_file if c.api_keys or c.admin_keys else None,

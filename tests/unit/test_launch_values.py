@@ -28,12 +28,14 @@ def test_an_engine_launch_survives_its_json_round_trip():
     value = EngineLaunch(65, "tcp://0.0.0.0:5601", SOURCE, EngineConfig(max_num_seqs=4, seed=7, expert_parallel=True),
                          device=1, heartbeat_interval=0.5, expert_share=(1, 3), keys_dir="/keys")
     assert EngineLaunch.from_json(value.to_json()) == value
+    lora = EngineLaunch(0, "ipc:///e.sock", SOURCE, EngineConfig(max_loras=2, lora_modules=(("a", "/x"), ("b", "/y"))))
+    assert EngineLaunch.from_json(lora.to_json()) == lora and lora.config.enable_lora  # (given adapters: enabled)
     plain = EngineLaunch(0, "ipc:///run/e-0.sock", SOURCE)
     assert EngineLaunch.from_json(plain.to_json()) == plain and plain.config == EngineConfig()
 
 
 def test_a_gateway_launch_survives_its_json_round_trip():
-    value = GatewayLaunch(2, 5, (GatewayModel(SOURCE, ("chat", "default")), GatewayModel(OTHER)),
+    value = GatewayLaunch(2, 5, (GatewayModel(SOURCE, ("chat", "default"), (("a", "/x"),)), GatewayModel(OTHER)),
                           GatewayConfig(scaling_wait=5.0, allowed_origins=("https://a.example",)),
                           cache_dir="/cache", control_socket="/run/control.sock", shutdown_timeout=3.0,
                           heartbeat_interval=0.2, key_file="/run/keys.json", keys_dir="/keys",
@@ -61,6 +63,7 @@ def test_a_malformed_engine_launch_is_refused_naming_the_field(change, message):
 @pytest.mark.parametrize(("change", "message"), [
     ({"models": []}, "models must name at least one"),
     ({"models": [{"source": SOURCE.to_json(), "names": [""]}]}, "names must be non-empty"),
+    ({"models": [{"source": SOURCE.to_json(), "loras": [["a"]]}]}, "loras must be \\[name, path\\] pairs"),
     ({"fd": -1}, "fd must be"),
     ({"config": {"disabled_families": ["core"]}}, "'core' cannot be disabled"),
     ({"config": {"disabled_families": ["nonesuch"]}}, "unknown route family 'nonesuch'"),
@@ -88,10 +91,11 @@ def test_handoff_makes_the_supervisors_choices():
                                    heartbeat_interval=1.0, shutdown_timeout=30, expert_share=(1, 2))
     assert (told.config.threads, told.keys_dir, shared.config.threads, shared.expert_share) == (3, None, 8, (1, 2))
     assert told.shutdown_timeout == 7.5 and EngineLaunch.from_json(told.to_json()) == told  # the drain deadline
-    gw = handoff.gateway_launch(0, 4, [(SOURCE, ("a",)), (OTHER, ())], GatewayConfig(), render_only=True,
-                                cache_dir="/c", control_socket="/s", shutdown_timeout=30.0, heartbeat_interval=1.0,
-                                responses_db="/r.db")
+    gw = handoff.gateway_launch(0, 4, [(SOURCE, ("a",), (("l", "/l"),)), (OTHER, (), ())], GatewayConfig(),
+                                render_only=True, cache_dir="/c", control_socket="/s", shutdown_timeout=30.0,
+                                heartbeat_interval=1.0, responses_db="/r.db")
     assert gw.config.render_only and [m.names for m in gw.models] == [("a",), ()] and gw.key_file is None
+    assert [m.loras for m in gw.models] == [(("l", "/l"),), ()]
     assert handoff.argv(gw)[0] == "--launch" and GatewayLaunch.from_json(handoff.argv(gw)[1]) == gw
 
 
@@ -110,8 +114,8 @@ def test_the_supervisor_process_imports_no_router_nor_torch():
         "from gateway.config import GatewayConfig\n"
         "from zserve.catalog import ModelSource\n"
         "src = ModelSource('m', 'random', '', '/t')\n"
-        "handoff.gateway_launch(0, 3, [(src, ())], GatewayConfig(disabled_families=('anthropic',)), render_only=False,"
-        " cache_dir='/c', control_socket='/s', shutdown_timeout=1.0, heartbeat_interval=1.0,"
+        "handoff.gateway_launch(0, 3, [(src, (), ())], GatewayConfig(disabled_families=('anthropic',)),"
+        " render_only=False, cache_dir='/c', control_socket='/s', shutdown_timeout=1.0, heartbeat_interval=1.0,"
         " responses_db='/r').to_json()\n"
         "print('\\n'.join(sorted(sys.modules)))\n"
     )

@@ -1,10 +1,10 @@
 """Batched multi-LoRA in the engine: greedy tokens equal transformers + PEFT in fp32, token for token.
 
-Adapters are written by PEFT itself (``get_peft_model`` → random non-zero A and B → ``save_pretrained``) on a
-Hugging Face Llama with the catalog's tiny-random shape, and the oracle reads them back with
-``PeftModel.from_pretrained``: a wrong scaling, fused-projection block, row map, slot swap or prefix-cache key
-changes the tokens. The adapters differ in rank, target modules (list and regex forms, per-layer), and one uses
-rsLoRA.
+Adapters are written by PEFT itself (``get_peft_model`` → random non-zero A and B → ``save_pretrained``, in
+``tests.lora_adapters``) on a Hugging Face Llama with the catalog's tiny-random shape, and the oracle reads them
+back with ``PeftModel.from_pretrained``: a wrong scaling, fused-projection block, row map, slot swap or
+prefix-cache key changes the tokens. The adapters differ in rank, target modules (list and regex forms,
+per-layer), and one uses rsLoRA.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from engine_worker.models.llama import LlamaConfig
 from engine_worker.scheduler import run_until_done
 from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
-from zserve.catalog import TINY_RANDOM_CONFIG, ModelSource
+from tests.lora_adapters import hf_llama_config, write_adapter
+from zserve.catalog import ModelSource
 from zserve.config import EngineConfig
 
 pytestmark = pytest.mark.slow
@@ -61,12 +62,7 @@ def base_dir(tmp_path_factory) -> Path:
     """An HF Llama directory with the tiny-random shape (weights drawn by transformers, wide enough that the
     greedy choice is decisive)."""
     transformers = pytest.importorskip("transformers")
-    rc = dict(TINY_RANDOM_CONFIG)
-    cfg = transformers.LlamaConfig(
-        vocab_size=rc["vocab_size"], hidden_size=rc["hidden_size"], intermediate_size=rc["intermediate_size"],
-        num_hidden_layers=rc["num_layers"], num_attention_heads=rc["num_heads"], num_key_value_heads=rc["num_kv_heads"],
-        max_position_embeddings=2048, rope_theta=rc["rope_theta"], rms_norm_eps=rc["rms_norm_eps"],
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=EOS, initializer_range=0.2)
+    cfg = hf_llama_config(max_position_embeddings=2048, eos_token_id=EOS, initializer_range=0.2)
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("tiny-llama-hf")
     transformers.LlamaForCausalLM(cfg).save_pretrained(root, safe_serialization=True)
@@ -77,19 +73,6 @@ def hf_base(base_dir: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
-
-
-def write_adapter(base, root: Path, seed: int, **lora_config) -> Path:
-    """A PEFT adapter on ``base`` with random, output-changing A and B (PEFT starts B at zero)."""
-    peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(base, peft.LoraConfig(**lora_config))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    model.save_pretrained(root)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +299,44 @@ def test_a_name_is_loaded_once_and_unknown_names_are_refused(manager, adapters):
         manager.unload("nope")
     with pytest.raises(LoraError, match="'nope' is not loaded"):
         manager.step({"nope": [(0, 1)]})
+
+
+# -- adapters given at start, and requests that name one -----------------------------------------------------
+
+
+def test_an_engine_configured_with_adapters_loads_them_before_it_serves(base_dir, adapters):
+    loaded = load_model(ModelSource(base_dir.name, "hf", str(base_dir), str(base_dir)), torch.float32, CPU)
+    cfg = EngineConfig(max_model_len=128, max_loras=2, max_lora_rank=8,
+                       lora_modules=(("qv", str(adapters["qv"])), ("rs", str(adapters["all-rs"]))))
+    loras = Engine.generation(loaded, CPU, torch.float32, cfg, num_blocks=64).runner.loras
+    assert loras.names() == ["qv", "rs"] and (loras.max_loras, loras.max_lora_rank, loras.max_cpu_loras) == (2, 8, 2)
+    assert Engine.generation(loaded, CPU, torch.float32, EngineConfig(max_model_len=128),
+                             num_blocks=64).runner.loras is None  # (without --enable-lora: no slots at all)
+    with pytest.raises(LoraError, match="adapter 'big' has rank 16, above this engine's max_lora_rank=8"):
+        Engine.generation(loaded, CPU, torch.float32, cfg.replace(lora_modules=(("big", str(adapters["mlp-o"])),)),
+                          num_blocks=64)
+
+
+def test_a_request_for_an_adapter_the_engine_lacks_ends_with_the_code_a_gateway_answers_404(base_dir, adapters,
+                                                                                              tmp_path):
+    from engine_worker.server import EngineServer
+    from gateway.engine_client import EngineRequestError
+    from gateway.serving.engine_errors import engine_error
+    from protocol import AddRequest
+    from protocol.constants import ERR_LORA_NOT_LOADED
+
+    engine = make_engine(base_dir, {"qv": adapters["qv"]}, max_loras=1)
+    server = EngineServer(0, f"ipc://{tmp_path}/engine.sock", engine.runner, engine.scheduler, engine.hello)
+    sent = []
+    server.send = lambda client, msg: sent.append(msg)  # type: ignore[method-assign]
+    try:
+        server.add(b"gw", AddRequest("r1", (1, 2, 3), GREEDY, lora="nope"))
+        server.add(b"gw", AddRequest("r2", (1, 2, 3), GREEDY, lora="qv"))
+    finally:
+        server.sock.close()
+    [failed] = [o for msg in sent for o in msg.outputs]
+    assert (failed.request_id, failed.finish_reason, failed.error_code) == ("r1", "error", ERR_LORA_NOT_LOADED)
+    assert failed.error == "LoRA adapter 'nope' is not loaded on this engine"
+    assert engine.scheduler.by_id["r2"].lora == "qv"  # a known one is queued with its adapter
+    answer = engine_error(EngineRequestError(failed.error, failed.error_code))
+    assert (answer.status, answer.code, answer.message) == (404, "model_not_found", failed.error)
