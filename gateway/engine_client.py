@@ -748,11 +748,12 @@ class EngineClient:
             return
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, sink: OutputSink,
-               model: str | None = None) -> None:
-        """Send a generation request; its outputs go to ``sink``. Raises ``NoEngineAvailable`` when no engine
-        of ``model`` can take it now (nothing is left in flight then)."""
+               model: str | None = None, lora: str | None = None) -> None:
+        """Send a generation request (through LoRA adapter ``lora`` of ``model``'s engines, or the base model); its
+        outputs go to ``sink``. Raises ``NoEngineAvailable`` when no engine of ``model`` can take it now (nothing is
+        left in flight then)."""
         # Encoded (and so checked) before it is registered: a request the wire refuses must not stay in flight.
-        add = AddRequest(request_id, tuple(prompt_token_ids), sampling, REQUEST_ID.get())
+        add = AddRequest(request_id, tuple(prompt_token_ids), sampling, REQUEST_ID.get(), lora=lora)
         self._submit(request_id, encode(add), sink, model, add)
 
     def _submit(self, request_id: str, frames: list[bytes], sink: OutputSink, model: str | None,
@@ -781,12 +782,13 @@ class EngineClient:
                 self._abort(eng, request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       model: str | None = None, coalesce: bool = True) -> AsyncIterator[RequestOutput]:
+                       model: str | None = None, coalesce: bool = True,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """``submit`` as an async iterator: the request's outputs until one carries a finish reason (a failure is
         raised); with ``coalesce``, outputs that queued up while the consumer was busy come merged
         (``_Inbox.take_outputs``). Leaving early aborts the request in the engine."""
         inbox = _Inbox()
-        self.submit(request_id, prompt_token_ids, sampling, inbox, model)
+        self.submit(request_id, prompt_token_ids, sampling, inbox, model, lora)
         finished = False
         try:
             while not finished:
@@ -828,14 +830,16 @@ def _trace(st: _Stream) -> str:
 
 
 class ModelEngines:
-    """One model's engines: what a ``ModelState`` calls ``engines`` (routing, readiness, tasks).
+    """One model's engines: what a ``ModelState`` calls ``engines`` (routing, readiness, tasks). ``lora``: the
+    LoRA adapter every generation request sent through it runs with (``with_lora``); None: the base model.
 
     What requests read of the membership (ready engines, their tasks, context, EOS ids) is computed
     once per membership change (``EngineClient.version``), not on every request."""
 
-    def __init__(self, client: EngineClient, model: str | None):
+    def __init__(self, client: EngineClient, model: str | None, lora: str | None = None):
         self.client = client
         self.model = model
+        self.lora = lora
         self._version = -1
         self._ready: list[EngineConnection] = []
         self._tasks: frozenset[str] = frozenset()
@@ -914,16 +918,20 @@ class ModelEngines:
     def in_flight(self) -> int:
         return self.client.in_flight
 
+    def with_lora(self, name: str) -> ModelEngines:
+        """The same engines, with generation requests run through their LoRA adapter ``name``."""
+        return ModelEngines(self.client, self.model, name)
+
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                sink: OutputSink) -> None:
-        self.client.submit(request_id, prompt_token_ids, sampling, sink, self.model)
+        self.client.submit(request_id, prompt_token_ids, sampling, sink, self.model, self.lora)
 
     def cancel(self, request_id: str) -> None:
         self.client.cancel(request_id)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  coalesce: bool = True) -> AsyncIterator[RequestOutput]:
-        return self.client.generate(request_id, prompt_token_ids, sampling, self.model, coalesce)
+        return self.client.generate(request_id, prompt_token_ids, sampling, self.model, coalesce, self.lora)
 
     async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
                    normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0) -> PoolOutput:

@@ -98,7 +98,7 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
         source = entry.source
         tokenizer, template = await loop.run_in_executor(None, load_text, source, a.cache_dir)
         models.append(ServedModel(source, list(entry.names or [source.model_id]), tokenizer, template,
-                                  ModelEngines(engines, source.model_id)))
+                                  ModelEngines(engines, source.model_id), dict(entry.loras)))
     cfg = a.config
     state = GatewayState(a.index, models, engines, control_socket=a.control_socket,
                          tool_parser=get_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None,

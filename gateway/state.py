@@ -1,11 +1,12 @@
 """Everything a gateway's handlers share, built once at start-up (``gateway.server`` builds it).
 
 A gateway serves every model of its server. ``GatewayState`` is the gateway's own state (its engines,
-cluster state, parsers, stored responses) plus one ``ServedModel`` per model (names, tokenizer, chat
-template, token texts). A handler binds ``state = state.for_model(req.model)`` once it has read the
+cluster state, parsers, stored responses) plus one ``ServedModel`` per model (names, LoRA adapters, tokenizer,
+chat template, token texts). A handler binds ``state = state.for_model(req.model)`` once it has read the
 body: the ``ModelState`` it gets is seen through that model, so ``state.tokenizer`` is the model's tokenizer
 and ``state.engines`` routes only to the model's engines, and it names the few gateway settings a request
-reads (``state.gateway`` is the rest).
+reads (``state.gateway`` is the rest). A LoRA adapter's name is a model name too: its view is its base model's
+(tokenizer, template, context, engines), with ``lora`` set, and its engines send every request through it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .text.tool_parsers import ToolParser
 
 # The context of a render server's model whose files do not say (none of the catalog's models).
 FALLBACK_MAX_MODEL_LEN = 4096
+LORA_TASKS = frozenset({"generate"})  # what a LoRA adapter's requests can do (engine_worker.lora adapts generation)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ServedModel:
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     engines: ModelEngines
+    loras: dict[str, str] = field(default_factory=dict)  # each LoRA adapter's name -> its directory
 
     @property
     def model_id(self) -> str:
@@ -75,9 +78,11 @@ class GatewayState:
     _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._by_name = {name: m for m in self.models for name in m.names}
-        # One view per name a request may use, made once: requests only read them.
+        self._by_name = {name: m for m in self.models for name in [*m.names, *m.loras]}
+        # One view per name a request may use (a model's names, then its adapters), made once: requests only read
+        # them.
         self._views = {name: ModelState(self, m, name) for m in self.models for name in m.names}
+        self._views.update({name: ModelState(self, m, name, lora=name) for m in self.models for name in m.loras})
 
     @property
     def can_serve(self) -> bool:
@@ -134,6 +139,11 @@ class GatewayState:
     def served_names(self) -> list[str]:
         return list(self._by_name)
 
+    @property
+    def views(self) -> list[ModelState]:
+        """A view per name a request may use: every model's names, then its LoRA adapters (/v1/models' order)."""
+        return list(self._views.values())
+
     def for_model(self, name: str | None, task: str | tuple[str, ...] = ()) -> ModelState:
         """The state as a request for model ``name`` sees it: 404 ``model_not_found`` for a name no model has,
         400 ``unsupported_task`` for a model whose engines do none of ``task``. A request that names no model
@@ -162,11 +172,12 @@ class ModelState:
     few settings of the gateway that serving a request of it reads (each named here, nothing forwarded, so a
     reader and a type checker can follow every attribute; anything else is ``gateway``'s)."""
 
-    def __init__(self, gateway: GatewayState, model: ServedModel, name: str):
+    def __init__(self, gateway: GatewayState, model: ServedModel, name: str, lora: str | None = None):
         self.gateway = gateway
         self.model = model
         self.name = name  # the name the request used: responses echo it
-        self.engines = model.engines
+        self.lora = lora  # the LoRA adapter of ``model`` this name runs (None: the base model)
+        self.engines = model.engines if lora is None else model.engines.with_lora(lora)
         self._eos_of: frozenset[int] | None = None  # the engines' EOS ids that ``_eos`` was made from
         self._eos: frozenset[int] = frozenset()
 
@@ -227,15 +238,23 @@ class ModelState:
     def can_serve(self) -> bool:
         return self.render_only or self.engines.has_ready
 
+    @property
+    def tasks(self) -> frozenset[str]:
+        """What requests of this name can do now: its engines' tasks; a LoRA adapter only generates."""
+        tasks = self.engines.tasks
+        return tasks & LORA_TASKS if self.lora is not None else tasks
+
     def check_task(self, *wanted: str) -> None:
         """400 ``unsupported_task`` when the model's ready engines do none of ``wanted``, naming the models
-        that do (nothing is known, so nothing is refused, while no engine of the model is ready)."""
-        tasks = self.engines.tasks
+        that do (nothing is known, so nothing is refused, while no engine of the model is ready; a LoRA adapter
+        is known to only generate)."""
+        tasks = LORA_TASKS if self.lora is not None else self.engines.tasks
         if tasks and not tasks.intersection(wanted):
             task = " or ".join(wanted)
             others = self.gateway.models_serving(*wanted)
             where = f"; models that {task}: {', '.join(others)}" if others else f"; no model here does {task}"
-            raise APIError(400, f"model {self.name!r} does not {task}: it serves {', '.join(sorted(tasks))}{where}",
+            what = f"LoRA adapter {self.name!r} (of {self.model.names[0]!r})" if self.lora else f"model {self.name!r}"
+            raise APIError(400, f"{what} does not {task}: it serves {', '.join(sorted(tasks))}{where}",
                            param="model", code="unsupported_task")
 
     @property

@@ -28,7 +28,7 @@ from ..serving.plans import plan_chat, plan_completion
 from ..serving.shapes import json_body
 from ..serving.tools import ToolUse, final_tool_calls
 from ..sse import EventWriter, open_stream
-from ..state import STATE, GatewayState, ModelState, ServedModel
+from ..state import STATE, ModelState
 from ..text.token_text import TextOffsets, TokenLogprob, TokenText, finite
 from ..text.tool_parsers import ToolCall, ToolCallDelta
 
@@ -300,25 +300,24 @@ class ChatShape(Shape):
 
 # -- routes -----------------------------------------------------------------------------------
 
-def model_card(state: GatewayState, model: ServedModel, name: str) -> dict:
-    """One entry of /v1/models: a name clients use, the model it names, its context and its tasks now."""
-    view = ModelState(state, model, name)
-    return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "zserve",
-            "root": model.model_id, "parent": None, "max_model_len": view.max_model_len,
-            "tasks": sorted(model.engines.tasks)}
+def model_card(view: ModelState) -> dict:
+    """One entry of /v1/models: a name clients use, the model it names, its context and its tasks now. A LoRA
+    adapter's, as vLLM's: its directory as ``root`` and its base model's (first) name as ``parent``."""
+    model = view.model
+    return {"id": view.name, "object": "model", "created": int(view.gateway.started_at), "owned_by": "zserve",
+            "root": model.model_id if view.lora is None else model.loras[view.lora],
+            "parent": None if view.lora is None else model.names[0], "max_model_len": view.max_model_len,
+            "tasks": sorted(view.tasks)}
 
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    data = [model_card(state, m, name) for m in state.models for name in m.names]
-    return json_body({"object": "list", "data": data})
+    return json_body({"object": "list", "data": [model_card(view) for view in request.app[STATE].views]})
 
 
 @routes.get("/v1/models/{model:.+}")
 async def get_model(request: web.Request) -> web.Response:
-    view = request.app[STATE].for_model(request.match_info["model"])
-    return json_body(model_card(view.gateway, view.model, view.name))
+    return json_body(model_card(request.app[STATE].for_model(request.match_info["model"])))
 
 
 def _stream_usage(req) -> tuple[bool, bool]:
