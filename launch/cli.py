@@ -708,6 +708,9 @@ def _concurrencies(value: str | None) -> tuple[int, ...]:
 @click.option("--base-url", default="http://127.0.0.1:8000", show_default=True,
               help="Any OpenAI-compatible server (zserve, vLLM, ...).")
 @click.option("--model", default=None, help="Model to ask for (default: the first of GET /v1/models).")
+@click.option("--lora-modules", multiple=True, metavar="NAME",
+              help="LoRA adapters the server serves (repeatable): each request asks for one of them, drawn with "
+                   "--seed, instead of --model (vLLM's benchmark option).")
 @click.option("--endpoint-type", type=click.Choice(["completions", "chat"]), default="completions",
               show_default=True, help="/v1/completions or /v1/chat/completions.")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Sent as Bearer (also OPENAI_API_KEY).")

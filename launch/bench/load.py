@@ -43,6 +43,7 @@ class RequestSpec:
     messages: list[dict] | None
     prompt_len: int | None  # tokens as counted before sending (None: unknown, e.g. a dataset's messages)
     max_tokens: int
+    model: str | None = None  # the model (a LoRA adapter) it asks for; None: the target's
 
 
 @dataclasses.dataclass
@@ -202,7 +203,8 @@ class PromptMaker:
 # -- the driver ------------------------------------------------------------------------------------------
 
 def request_body(target: Target, spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": target.model, "temperature": target.temperature, "stream": target.stream}
+    body: dict[str, Any] = {"model": spec.model or target.model, "temperature": target.temperature,
+                            "stream": target.stream}
     if target.endpoint_type == "chat":
         body["messages"] = spec.messages or [{"role": "user", "content": spec.prompt}]
         body["max_completion_tokens"] = spec.max_tokens

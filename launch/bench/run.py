@@ -45,6 +45,7 @@ class BenchConfig:
 
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None
+    lora_modules: tuple[str, ...] = ()  # each request asks for one of these instead of ``model``
     endpoint_type: str = "completions"
     api_key: str | None = dataclasses.field(default=None, repr=False)
     num_prompts: int = 200
@@ -136,14 +137,21 @@ async def _workload(cfg: BenchConfig, session: aiohttp.ClientSession, target: Ta
     """A fresh workload per load point (so a prefix cache cannot serve one point from the last) and how its
     prompt lengths were made."""
     if cfg.dataset_path is not None:
-        return load_dataset(cfg.dataset_path, cfg.num_prompts, cfg.random_output_len), f"from {cfg.dataset_path}"
-    inputs = sample_lengths(rng, cfg.num_prompts, cfg.random_input_len, cfg.random_range_ratio)
-    outputs = sample_lengths(rng, cfg.num_prompts, cfg.random_output_len, cfg.random_range_ratio)
-    maker = PromptMaker(session, target, rng)
-    specs = await maker.make(inputs, outputs)
-    counted = "counted by the server's /tokenize" if maker.exact else "approximated by words"
-    return specs, f"random: input {cfg.random_input_len}, output {cfg.random_output_len} tokens, " \
-                  f"range ratio {cfg.random_range_ratio}; prompt lengths {counted}"
+        specs = load_dataset(cfg.dataset_path, cfg.num_prompts, cfg.random_output_len)
+        how = f"from {cfg.dataset_path}"
+    else:
+        inputs = sample_lengths(rng, cfg.num_prompts, cfg.random_input_len, cfg.random_range_ratio)
+        outputs = sample_lengths(rng, cfg.num_prompts, cfg.random_output_len, cfg.random_range_ratio)
+        maker = PromptMaker(session, target, rng)
+        specs = await maker.make(inputs, outputs)
+        counted = "counted by the server's /tokenize" if maker.exact else "approximated by words"
+        how = f"random: input {cfg.random_input_len}, output {cfg.random_output_len} tokens, " \
+              f"range ratio {cfg.random_range_ratio}; prompt lengths {counted}"
+    if cfg.lora_modules:
+        for spec in specs:
+            spec.model = rng.choice(cfg.lora_modules)
+        how += f"; each through one of {len(cfg.lora_modules)} LoRA adapters"
+    return specs, how
 
 
 def _jsonable(x: Any) -> Any:

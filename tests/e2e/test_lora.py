@@ -113,6 +113,26 @@ def test_an_unknown_adapter_is_a_404_and_an_adapter_does_not_embed(server):
     assert client.embeddings.create(model=BASE, input="hi").data  # (the base model embeds)
 
 
+def test_launch_bench_spreads_its_requests_over_the_adapters_it_is_given(server, tmp_path):
+    """vLLM's ``--lora-modules`` of its benchmark: each request asks for one of the adapters (an adapter the server
+    does not serve fails every request, so the names are what is sent)."""
+    import orjson
+
+    def bench(*names: str) -> tuple[subprocess.CompletedProcess, dict]:
+        out = tmp_path / f"{'-'.join(names)}.json"
+        r = subprocess.run([*LAUNCH, "bench", "--base-url", server.url, "--no-progress", "--num-prompts", "8",
+                            "--random-input-len", "16", "--random-output-len", "4", "--result-file", str(out),
+                            *(a for n in names for a in ("--lora-modules", n))], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        return r, orjson.loads(out.read_bytes()) if out.exists() else {}
+
+    r, result = bench("a", "b")
+    assert r.returncode == 0 and result["results"][0]["completed"] == 8, r.stdout + r.stderr
+    assert "each through one of 2 LoRA adapters" in r.stdout
+    r, _ = bench("nope")
+    assert r.returncode == 1, r.stdout + r.stderr  # every request failed: 404, no such model
+
+
 def test_an_adapter_that_cannot_load_is_a_boot_error_naming_it(adapters):
     # Rank 8 above --max-lora-rank 4: the engine refuses it before it says ready, and launch stops at once.
     r = subprocess.run([*LAUNCH, "api-server", "--port", "0", *TINY, "--max-lora-rank", "4", "--lora-modules",
