@@ -260,10 +260,14 @@ class Arbiter:
     def _match_counts(self, now: float) -> None:
         for tier, wanted, live in self.wanted():
             active = {c.index for c in live if not c.draining}
+            # Dead since this turn's reap (a second poll): replaced only once reaped, when its failure is recorded
+            # and its backoff set; replaced now, a slot ran two processes and counted two failures for one restart.
+            unreaped = {c.index for c in self.children if c.tier == tier and not c.alive}
             for index in wanted:
                 slot = self.slot(tier, index)
                 busy = [c for c in live if c.index == index]  # a draining process still holds the socket
-                if index not in active and now >= slot.next_start and not (tier == "engine" and busy):
+                if (index not in active and index not in unreaped and now >= slot.next_start
+                        and not (tier == "engine" and busy)):
                     self._spawn(tier, index)
             for c in live:
                 if c.index not in wanted and not c.draining:

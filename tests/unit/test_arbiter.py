@@ -67,6 +67,17 @@ def test_each_tier_is_started_up_to_its_desired_count_and_drained_past_it(arbite
     assert gone.draining and gone.signals == [signal.SIGTERM]
 
 
+def test_a_child_dead_since_the_turns_reap_is_replaced_only_once_reaped(arbiter):
+    """A child that dies between the turn's reap and its count (SIGKILLed right after it was started) keeps its
+    slot until it is reaped, when its failure is recorded and its backoff set. It was replaced at once: two
+    engines 0 ran, their two deaths counted for one restart, and a tier was called crash-looping after four."""
+    arbiter.turn(0.0)
+    first = next(c for c in arbiter.started if (c.tier, c.index) == ("engine", 0))
+    first.alive = False  # dead, not reaped yet
+    arbiter._match_counts(0.0)
+    assert [c for c in arbiter.started if (c.tier, c.index) == ("engine", 0)] == [first]
+
+
 def test_signals_are_handled_in_the_loop(arbiter):
     arbiter.on_signal(signal.SIGTTIN)
     arbiter.on_signal(signal.SIGHUP)
