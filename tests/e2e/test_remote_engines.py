@@ -198,9 +198,15 @@ def test_streams_move_off_an_engine_host_that_is_cut_off(engine_host, keys):
 
 # -- who may connect --------------------------------------------------------------------------------------
 def _hello(sock: zmq.Socket, endpoint: str, wait_ms: int) -> object | None:
+    """The engine's answer to a hello over ``sock``, or None. A socket the engine refuses may not even send: once its
+    handshake has failed it has no peer, and a DEALER's send then blocks (it once blocked until pytest's timeout)."""
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, wait_ms)
     sock.connect(endpoint)
-    sock.send_multipart(encode(ClientHello("intruder")))
+    try:
+        sock.send_multipart(encode(ClientHello("intruder")))
+    except zmq.Again:
+        return None
     if sock.poll(wait_ms):
         return decode(sock.recv_multipart())
     return None
