@@ -629,9 +629,9 @@ class EngineClient:
         ``--migration-limit`` times, is longer than ``--migration-max-len``, or finds no engine within
         ``--scaling-wait``."""
         if not st.started:  # nothing of it came from this engine: what it holds (frames) is still what to send
-            if exclude:
+            if exclude and not self.migration_limit:
                 self._hand_back(st, eng)
-            else:
+            else:  # sent again as it is, waiting up to --scaling-wait for an engine as a moved request does
                 self._resend(st, eng, cause, exclude)
             return
         add, n = st.add, len(st.generated)
