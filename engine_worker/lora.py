@@ -14,12 +14,20 @@ before anything is kept, so a bad adapter is one ``LoraError`` whose message can
 
 The math is punica's idea in plain torch. The base matmul runs once for the whole flattened batch; then, for
 each adapter present in the step, ``y[rows] += (x[rows] @ A.T) @ (s·B).T`` on that adapter's token rows
-(``LoraStep``, built once per step and shared by every layer). The model fuses q/k/v into one ``qkv_proj`` and
-gate/up into one ``gate_up_proj``: a slot of a fused projection stacks the adapter's A's along the rank (q's
-rows, then k's, then v's, each as wide as the adapter's rank) and holds B block-structured, each block writing
-only its module's output rows, so one pair of matmuls adapts all three modules. A slot's used width is the
-adapter's rank times the modules it targets: a rank-8 adapter of q_proj alone costs a width-8 pass, and a
-projection an adapter does not target costs nothing. A step without adapter rows has no ``LoraStep`` at all.
+(``LoraStep``, built once per step with its index tensors and shared by every layer). The model fuses q/k/v into
+one ``qkv_proj`` and gate/up into one ``gate_up_proj``: a slot of a fused projection holds the adapter's
+``A.T``'s side by side (``at [in, width]``: q's columns, then k's, then v's of those it targets, each as wide as
+its rank), so one matmul ``x @ at`` gives every module's ``h``, and per module its own ``(s·B).T [rank, out_m]``
+(``bt[m]``), which writes only that module's output columns: no zero blocks are stored or read. A slot's used
+width is the adapter's rank times the modules it targets: a rank-8 adapter of q_proj alone costs a width-8 pass,
+and a projection an adapter does not target costs nothing. A step without adapter rows has no ``LoraStep``.
+
+Adapters with the same layout in a projection (rank and targeted modules) whose slots lie close together are done
+in one ``BatchedPass``: their rows are gathered slot by slot (padded to the same count, the padding masked out),
+and one ``torch.bmm`` per matmul serves them all, then ``index_add_`` scatters the result (no gather or
+scatter when the rows are already in place). That is decode's case, a few rows per adapter, where a matmul pair
+per adapter would cost mostly call overhead. Adapters with many rows (a prefill) or alone in their layout go
+through a ``SegmentPass``, one matmul pair per adapter, so a long segment is never padded.
 """
 
 from __future__ import annotations
@@ -33,7 +41,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from engine_worker.models.layers import Linear
@@ -91,7 +98,8 @@ class LoraAdapter:
         return tuple(m for m in SUPPORTED if m in present)
 
     def blocks(self, kind: str) -> list[tuple[str, int]]:
-        """``(module, first rank row)`` of each module of fused projection ``kind`` it adapts."""
+        """``(module, first column of its A.T in a slot's ``at``)`` of each module of fused projection ``kind`` it
+        adapts."""
         present = [m for m in FUSED[kind] if m in self.modules]
         return [(m, i * self.rank) for i, m in enumerate(present)]
 
@@ -213,39 +221,112 @@ def _check_tensors(name: str, tensors: dict[str, torch.Tensor], targets: set[tup
 
 @dataclass
 class ProjectionSlots:
-    """One target projection's slots: ``a [max_loras, width, in]`` and ``bt [max_loras, width, out]``."""
+    """One target projection's slots: ``at [max_loras, in, modules·max_rank]``, each slot's ``A.T``'s side by side
+    (the adapter's modules of this projection, each ``rank`` columns wide, packed from column 0), and per module
+    ``bt[j] [max_loras, max_rank, out_j]``, its ``(s·B).T`` in the first ``rank`` rows; ``cols[j]``: module j's
+    output columns in the fused projection."""
 
-    a: torch.Tensor
-    bt: torch.Tensor
+    at: torch.Tensor
+    bt: tuple[torch.Tensor, ...]
+    cols: tuple[slice, ...]
+
+
+# A slot's layout in one projection: (rank, ((module index in FUSED[kind], first column of its A.T), ...)).
+Layout = tuple[int, tuple[tuple[int, int], ...]]
+
+
+@dataclass(frozen=True)
+class SegmentPass:
+    """Adapters done one matmul pair each: ``rows`` (a slice when in place, else indices) lists their token rows
+    grouped by adapter; per adapter ``(segment of rows, slot, layout)``."""
+
+    rows: slice | torch.Tensor
+    count: int
+    segments: tuple[tuple[slice, int, Layout], ...]
+
+    def add(self, proj: ProjectionSlots, x: torch.Tensor, y: torch.Tensor) -> None:
+        in_place = isinstance(self.rows, slice)
+        xs = x[self.rows] if in_place else x.index_select(0, self.rows)
+        ys = y[self.rows] if in_place else y.new_zeros(self.count, y.shape[1])
+        for seg, slot, (rank, blocks) in self.segments:
+            h = torch.mm(xs[seg], proj.at[slot, :, : rank * len(blocks)])
+            for j, first in blocks:
+                ys[seg, proj.cols[j]].addmm_(h[:, first : first + rank], proj.bt[j][slot, :rank])
+        if not in_place:
+            y.index_add_(0, self.rows, ys)
+
+
+@dataclass(frozen=True)
+class BatchedPass:
+    """Adapters of one layout in slots ``[lo, hi)`` done together by ``torch.bmm``: ``index`` holds each slot's
+    token rows in turn, padded to ``m`` per slot with a row whose update ``mask [hi-lo, m, 1]`` zeroes (None when
+    nothing is padded); a slice when that is one run of rows already in place (no gather, no scatter). A slot of
+    the range that is not in the pass has only padding."""
+
+    lo: int
+    hi: int
+    m: int
+    layout: Layout
+    index: slice | torch.Tensor
+    mask: torch.Tensor | None
+    full: bool  # the layout adapts every module of the projection: one scatter of all its columns
+
+    def add(self, proj: ProjectionSlots, x: torch.Tensor, y: torch.Tensor) -> None:
+        rank, blocks = self.layout
+        lo, hi, n = self.lo, self.hi, (self.hi - self.lo) * self.m
+        in_place = isinstance(self.index, slice)
+        xs = x[self.index] if in_place else x.index_select(0, self.index)
+        h = torch.bmm(xs.view(hi - lo, self.m, x.shape[1]), proj.at[lo:hi, :, : rank * len(blocks)])
+        if self.mask is not None:
+            h.mul_(self.mask)
+        outs = [torch.bmm(h[:, :, first : first + rank], proj.bt[j][lo:hi, :rank]) for j, first in blocks]
+        if self.full:
+            ys = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+            if in_place:
+                y[self.index].add_(ys.view(n, y.shape[1]))
+            else:
+                y.index_add_(0, self.index, ys.view(n, y.shape[1]))
+        else:
+            for (j, _), out in zip(blocks, outs):
+                if in_place:
+                    y[self.index, proj.cols[j]].add_(out.view(n, out.shape[2]))
+                else:
+                    y[:, proj.cols[j]].index_add_(0, self.index, out.view(n, out.shape[2]))
 
 
 @dataclass
 class LoraStep:
-    """One step's adapters. ``rows``: every adapter row of the flat batch, grouped by adapter (a slice when that
-    is one run already in place, else indices); ``plan``: per projection kind, ``(segment of rows, slot, width)``
-    of each adapter that adapts it. ``Linear.forward`` calls ``add`` after its base matmul.
+    """One step's adapters: per projection kind, the passes that add the updates of the adapters adapting it
+    (built once per step by ``LoraManager.step``, index tensors included). ``Linear.forward`` calls ``add`` after
+    its base matmul."""
 
-    Grouping makes one gather and one scatter per linear, whatever the number of adapters, instead of one of
-    each per adapter: the ops between them are the two small matmuls per adapter (punica's SGMV, segment by
-    segment)."""
-
-    rows: slice | torch.Tensor
-    plan: dict[str, list[tuple[slice, int, int]]]
+    plan: dict[str, list[SegmentPass | BatchedPass]]
     slots: dict[Linear, tuple[str, ProjectionSlots]]
 
     def add(self, linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[rows] += (x[rows] @ A.T) @ (s·B).T`` for every adapter of the step, in place."""
         kind, proj = self.slots[linear]
-        segments = self.plan[kind]
-        if not segments:
-            return
-        grouped = isinstance(self.rows, slice)
-        xs = x[self.rows]
-        ys = y[self.rows] if grouped else y.new_zeros(xs.shape[0], y.shape[1])
-        for seg, slot, width in segments:
-            ys[seg].addmm_(F.linear(xs[seg], proj.a[slot, :width]), proj.bt[slot, :width])
-        if not grouped:
-            y.index_add_(0, self.rows, ys)
+        for p in self.plan[kind]:
+            p.add(proj, x, y)
+
+
+# A run of slots of one layout is batched (one ``torch.bmm`` for all) when no slot has more rows than this, or
+# when padding every slot to the most rows adds under an eighth: decode rows (a few per adapter) are batched,
+# a prefill's long segments go one adapter at a time, as padded rows would cost real matmul work.
+BATCH_ROWS = 16
+
+
+def _runs(slots: list[int]) -> list[list[int]]:
+    """Sorted ``slots`` cut into runs that each span at most twice as many slots as they hold (a batched pass reads
+    the weights of every slot in its span)."""
+    runs = [[slots[0]]]
+    for slot in slots[1:]:
+        run = runs[-1]
+        if slot + 1 - run[0] <= 2 * (len(run) + 1):
+            run.append(slot)
+        else:
+            runs.append([slot])
+    return runs
 
 
 class LoraManager:
@@ -264,26 +345,23 @@ class LoraManager:
         self._loads: dict[str, int] = {}  # name -> how many times it was loaded (kept after unload)
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self._owner: list[str | None] = [None] * max_loras  # slot -> adapter
-        self._widths: list[dict[str, int]] = [{} for _ in range(max_loras)]  # slot -> kind -> used width
+        self._layouts: list[dict[str, Layout]] = [{} for _ in range(max_loras)]  # slot -> kind -> its layout
         self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))
         shapes = module_shapes(model.config)
-        self._out_rows: dict[str, slice] = {}  # module -> its output rows in its fused projection
-        for modules in FUSED.values():
-            row = 0
-            for m in modules:
-                self._out_rows[m] = slice(row, row + shapes[m][1])
-                row += shapes[m][1]
         self._slots: dict[Linear, tuple[str, ProjectionSlots]] = {}
         self._layers: list[dict[str, ProjectionSlots]] = []
         for linears in model.lora_targets():
             layer = {}
             for kind, linear in linears.items():
                 modules = FUSED[kind]
-                width = max_lora_rank * len(modules)
-                fan_in, out = shapes[modules[0]][0], sum(shapes[m][1] for m in modules)
+                outs = [shapes[m][1] for m in modules]
+                starts = [sum(outs[:j]) for j in range(len(outs))]
                 layer[kind] = ProjectionSlots(
-                    torch.zeros(max_loras, width, fan_in, dtype=self.dtype, device=self.device),
-                    torch.zeros(max_loras, width, out, dtype=self.dtype, device=self.device))
+                    torch.zeros(max_loras, shapes[modules[0]][0], max_lora_rank * len(modules), dtype=self.dtype,
+                                device=self.device),
+                    tuple(torch.zeros(max_loras, max_lora_rank, out, dtype=self.dtype, device=self.device)
+                          for out in outs),
+                    tuple(slice(start, start + out) for start, out in zip(starts, outs)))
                 self._slots[linear] = (kind, layer[kind])
             self._layers.append(layer)
         # Stats for logs and tests: adapters read from disk, slots (re)filled.
@@ -312,7 +390,7 @@ class LoraManager:
         self._host.pop(name, None)
         for slot, owner in enumerate(self._owner):
             if owner == name:
-                self._owner[slot], self._widths[slot] = None, {}
+                self._owner[slot], self._layouts[slot] = None, {}
                 self._slot_lru.move_to_end(slot, last=False)  # refilled first
 
     def names(self) -> list[str]:
@@ -336,17 +414,67 @@ class LoraManager:
         for name in spans:
             if name not in self._paths:
                 raise LoraError(f"adapter {name!r} is not loaded")
-        plan: dict[str, list[tuple[slice, int, int]]] = {kind: [] for kind in FUSED}
-        rows: list[int] = []
+        rows: dict[int, list[int]] = {}  # slot -> its token rows, adapters in step order
         for name, ranges in spans.items():
-            slot = self._resident(name, spans)
-            segment = slice(len(rows), len(rows) + sum(end - start for start, end in ranges))
-            rows.extend(i for start, end in ranges for i in range(start, end))
-            for kind, width in self._widths[slot].items():
-                plan[kind].append((segment, slot, width))
-        in_place = rows == list(range(rows[0], rows[0] + len(rows)))
-        return LoraStep(slice(rows[0], rows[0] + len(rows)) if in_place else torch.tensor(rows, device=self.device),
-                        plan, self._slots)
+            rows[self._resident(name, spans)] = [i for start, end in ranges for i in range(start, end)]
+        indices: dict[tuple[int, ...], torch.Tensor] = {}  # shared by the projections of the step
+        return LoraStep({kind: self._passes(kind, rows, indices) for kind in FUSED}, self._slots)
+
+    def _passes(self, kind: str, rows: dict[int, list[int]], indices: dict) -> list[SegmentPass | BatchedPass]:
+        """The passes that adapt projection ``kind``: a ``BatchedPass`` per run of slots of one layout where a
+        batched matmul pays, one ``SegmentPass`` for every other adapter adapting it."""
+        by_layout: dict[Layout, list[int]] = {}
+        for slot in sorted(rows):
+            layout = self._layouts[slot].get(kind)
+            if layout is not None:
+                by_layout.setdefault(layout, []).append(slot)
+        passes: list[SegmentPass | BatchedPass] = []
+        alone: set[int] = set()
+        for layout, slots in by_layout.items():
+            for run in _runs(slots):
+                m = max(len(rows[s]) for s in run)
+                real = sum(len(rows[s]) for s in run)
+                padding = (run[-1] + 1 - run[0]) * m - real
+                if len(run) > 1 and (m <= BATCH_ROWS or padding * 8 <= real):
+                    passes.append(self._batched(kind, layout, run, m, rows, indices))
+                else:
+                    alone.update(run)
+        if alone:
+            flat: list[int] = []
+            segments = []
+            for slot, slot_rows in rows.items():
+                if slot in alone:
+                    segments.append((slice(len(flat), len(flat) + len(slot_rows)), slot, self._layouts[slot][kind]))
+                    flat.extend(slot_rows)
+            in_place = flat == list(range(flat[0], flat[0] + len(flat)))
+            passes.append(SegmentPass(slice(flat[0], flat[0] + len(flat)) if in_place else
+                                      self._tensor(flat, indices), len(flat), tuple(segments)))
+        return passes
+
+    def _batched(self, kind: str, layout: Layout, run: list[int], m: int, rows: dict[int, list[int]],
+                 indices: dict) -> BatchedPass:
+        pad = rows[run[0]][0]
+        flat: list[int] = []
+        keep: list[int] = []
+        for slot in range(run[0], run[-1] + 1):
+            slot_rows = rows[slot] if slot in run else []
+            flat.extend(slot_rows + [pad] * (m - len(slot_rows)))
+            keep.extend([1] * len(slot_rows) + [0] * (m - len(slot_rows)))
+        if all(keep):
+            mask = None
+            in_place = flat == list(range(flat[0], flat[0] + len(flat)))
+        else:
+            mask = torch.tensor(keep, dtype=self.dtype, device=self.device).view(run[-1] + 1 - run[0], m, 1)
+            in_place = False
+        return BatchedPass(run[0], run[-1] + 1, m, layout,
+                           slice(flat[0], flat[0] + len(flat)) if in_place else self._tensor(flat, indices), mask,
+                           len(layout[1]) == len(FUSED[kind]))
+
+    def _tensor(self, flat: list[int], indices: dict) -> torch.Tensor:
+        key = tuple(flat)
+        if key not in indices:
+            indices[key] = torch.tensor(flat, device=self.device)
+        return indices[key]
 
     def _resident(self, name: str, step: dict) -> int:
         """The slot holding ``name``, filling the least recently used slot no adapter of ``step`` holds."""
@@ -359,19 +487,21 @@ class LoraManager:
         return slot
 
     def _fill(self, slot: int, adapter: LoraAdapter) -> None:
-        blocks = {kind: adapter.blocks(kind) for kind in FUSED}
         r = adapter.rank
+        layouts = {kind: (r, tuple((FUSED[kind].index(m), first) for m, first in adapter.blocks(kind)))
+                   for kind in FUSED if adapter.blocks(kind)}
         for layer, projections in enumerate(self._layers):
             for kind, proj in projections.items():
-                proj.a[slot].zero_()
-                proj.bt[slot].zero_()
-                for module, first in blocks[kind]:
-                    w = adapter.weights.get((layer, module))
+                proj.at[slot].zero_()
+                for bt in proj.bt:
+                    bt[slot].zero_()
+                for j, first in layouts.get(kind, (r, ()))[1]:
+                    w = adapter.weights.get((layer, FUSED[kind][j]))
                     if w is not None:  # (None: the adapter adapts this module in other layers only)
-                        proj.a[slot, first : first + r].copy_(w[0])
-                        proj.bt[slot, first : first + r, self._out_rows[module]].copy_(w[1])
+                        proj.at[slot, :, first : first + r].copy_(w[0].T)
+                        proj.bt[j][slot, :r].copy_(w[1])
         self._owner[slot] = adapter.name
-        self._widths[slot] = {kind: len(b) * r for kind, b in blocks.items() if b}
+        self._layouts[slot] = layouts
         self.slot_fills += 1
 
     # -- host memory ------------------------------------------------------------------------

@@ -6,8 +6,10 @@ Usage:
 
 Adapters of rank ``--rank`` on every projection (q/k/v/o/gate/up/down) are written with random weights; the
 batch's requests take them in turn (request i uses adapter i mod ``--adapters``), so every adapter's rows are
-scattered through the batch (the index path of ``LoraStep``). After one prefill step, the median wall time of
-``--steps`` decode steps (schedule + forward + sample) is reported for both batches, and their ratio.
+scattered through the batch (the gathered path of ``LoraStep``). Two engines share the model's weights, one
+with the batch on the base model, one with the mixed batch; after one prefill step each, ``--steps`` decode steps
+(schedule + forward + sample) of each run in turn, and the median step time of each and the median of the paired
+ratios are reported (pairs make the ratio hold up on a machine other work slows down now and then).
 """
 
 from __future__ import annotations
@@ -50,20 +52,31 @@ def write_adapter(root: Path, cfg, rank: int, seed: int) -> Path:
     return root
 
 
-def decode_step_seconds(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> float:
-    sched = engine.scheduler
+def start_batch(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> None:
+    """``batch`` requests (request i on ``adapters[i % len]``), run through their one prefill step."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         prompt = [(37 * i + 11 * j) % 1000 + 3 for j in range(16)]
-        assert sched.add(Sequence(f"r{i}", prompt, params, lora=adapters[i % len(adapters)])) is None
-    sched.step()  # every prompt in one prefill step
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        sched.step()
-        times.append(time.perf_counter() - t)
-    sched.abort_all("abort")
-    return statistics.median(times)
+        assert engine.scheduler.add(Sequence(f"r{i}", prompt, params, lora=adapters[i % len(adapters)])) is None
+    engine.scheduler.step()  # every prompt in one prefill step
+
+
+def paired_decode_seconds(base: Engine, lora: Engine, batch: int, names: list[str], steps: int) -> list[tuple]:
+    """``(base, mixed)`` wall seconds of ``steps`` decode-step pairs: the base model's batch and the mixed one on
+    the same weights, one step of each in turn (alternating which goes first), so a busy machine slows both."""
+    start_batch(base, batch, [None], steps)
+    start_batch(lora, batch, names, steps)
+    pairs = []
+    for k in range(steps):
+        times = {}
+        for engine in (base, lora) if k % 2 else (lora, base):
+            t = time.perf_counter()
+            engine.scheduler.step()
+            times[engine is lora] = time.perf_counter() - t
+        pairs.append((times[False], times[True]))
+    for engine in (base, lora):
+        engine.scheduler.abort_all("abort")
+    return pairs
 
 
 def main() -> None:
@@ -78,21 +91,20 @@ def main() -> None:
     if args.threads:
         configure_cpu_threads(args.threads)
     loaded = load_model(resolve(args.model), torch.float32, CPU)
-    engine = Engine.generation(loaded, CPU, torch.float32,
-                               EngineConfig(max_num_seqs=args.batch, max_model_len=args.steps + 64,
-                                            max_num_batched_tokens=args.batch * 16),
-                               max_loras=args.adapters, max_lora_rank=args.rank)
+    cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.steps + 64, max_num_batched_tokens=args.batch * 16)
+    engine = Engine.generation(loaded, CPU, torch.float32, cfg, max_loras=args.adapters, max_lora_rank=args.rank)
+    base_engine = Engine.generation(loaded, CPU, torch.float32, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"a{k}" for k in range(args.adapters)]
         for k, name in enumerate(names):
             engine.runner.loras.load(name, write_adapter(Path(tmp) / name, loaded.config, args.rank, k))
-        decode_step_seconds(engine, args.batch, names, 5)  # warm-up: fills the slots, first-call costs
-        base = decode_step_seconds(engine, args.batch, [None], args.steps)
-        lora = decode_step_seconds(engine, args.batch, names, args.steps)
+        paired_decode_seconds(base_engine, engine, args.batch, names, 5)  # warm-up: fills the slots, first calls
+        pairs = paired_decode_seconds(base_engine, engine, args.batch, names, args.steps)
+    base, lora = statistics.median(b for b, _ in pairs), statistics.median(ml for _, ml in pairs)
     print(f"{args.model}: decode step of {args.batch} sequences, {engine.runner.attention_backend}")
     print(f"  base model:                         {base * 1e3:8.2f} ms")
     print(f"  {args.adapters} adapters, rank {args.rank}, all projections: {lora * 1e3:8.2f} ms")
-    print(f"  ratio: {lora / base:.2f}x")
+    print(f"  ratio: {statistics.median(ml / b for b, ml in pairs):.2f}x")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,21 @@ def test_four_adapters_and_the_base_model_in_one_batch_match_peft(base_dir, adap
         assert tokens == reference[(req[0], req[1])], req
 
 
+def test_adapters_of_one_shape_share_one_batched_matmul_and_match_peft(base_dir, adapters, tmp_path, monkeypatch):
+    """Two adapters of the same rank and targets, interleaved in decode steps: the grouped path (one ``torch.bmm``
+    for both, rows padded to equal counts) writes what PEFT writes for each."""
+    both = {"qv": adapters["qv"], "qv2": write_adapter(hf_base(base_dir), tmp_path / "qv2", 9, **ADAPTERS["qv"])}
+    ref = Reference(base_dir, both)
+    engine = make_engine(base_dir, both)
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or bmm(*a, **k))
+    requests = [("qv", 0), ("qv2", 1), ("qv", 2), ("qv2", 3), (None, 4), ("qv2", 0)]
+    assert generate(engine, requests) == [ref[r] for r in requests]
+    assert calls  # (the grouped path ran)
+    assert ref[("qv2", 0)] != ref[("qv", 0)]
+
+
 def test_the_prefix_cache_is_not_shared_across_adapters(base_dir, adapters, reference):
     engine = make_engine(base_dir, adapters)
     cached = []
