@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
 from .holds import Hold
-from .validate import is_int
+from .messages import valid_lora_name
+from .validate import is_int, is_str
 
 
 class EngineState(StrEnum):
@@ -43,11 +44,31 @@ class EngineInfo:
     state: EngineState
     pid: int = 0
     model: str = ""  # the model id of the engine's tier (gateways route each request to its model's engines)
+    # The LoRA adapters the engine has loaded, as it reported them: a request for an adapter goes only to the
+    # engines that list it (one that starts later serves it once it has loaded it).
+    loras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # The one constructor of every entry (the supervisor's, and each decoded from the wire): a state outside
         # EngineState cannot exist in an EngineInfo (ValueError, which the control codec reports for a bad line).
         object.__setattr__(self, "state", EngineState(self.state))
+        if not isinstance(self.loras, list | tuple) or not all(valid_lora_name(n) for n in self.loras):
+            raise TypeError("an engine's loras must be adapter names")
+        object.__setattr__(self, "loras", tuple(self.loras))
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """A LoRA adapter every gateway serves: its ``name`` (a model name of requests), the base ``model`` id whose
+    engines run it, and the directory ``path`` they read it from (as the supervisor resolved it)."""
+
+    name: str
+    model: str
+    path: str
+
+    def __post_init__(self) -> None:
+        if not (valid_lora_name(self.name) and is_str(self.model, 1024) and is_str(self.path, 4096)):
+            raise TypeError("a LoRA adapter is a name, a model id and a path")
 
 
 @dataclass(frozen=True)
@@ -62,6 +83,9 @@ class ClusterState:
     scaling: str = ""
     # What gateways hold or refuse, per (reason, model) (``protocol.holds``): the one input of admission.
     holds: tuple[Hold, ...] = ()
+    # The LoRA adapters served (``/v1/load_lora_adapter``, ``--lora-modules``): a name here is a model name on every
+    # gateway, from the version that adds it; a name taken out is a 404 from the version that takes it out.
+    loras: tuple[LoraInfo, ...] = ()
 
     @property
     def paused(self) -> bool:
@@ -72,6 +96,7 @@ class ClusterState:
         d = asdict(self)
         d["engines"] = [asdict(e) for e in self.engines]
         d["holds"] = [h.to_json() for h in self.holds]
+        d["loras"] = [asdict(a) for a in self.loras]
         return d
 
     @classmethod
@@ -81,7 +106,11 @@ class ClusterState:
         holds = d.get("holds", ())
         if not isinstance(holds, list | tuple):
             raise TypeError("holds must be a list")
-        state = cls(**{**d, "engines": engines, "holds": tuple(Hold.from_json(h) for h in holds)})
+        loras = d.get("loras", ())
+        if not isinstance(loras, list | tuple) or not all(isinstance(a, dict) for a in loras):
+            raise TypeError("loras must be a list of adapters")
+        state = cls(**{**d, "engines": engines, "holds": tuple(Hold.from_json(h) for h in holds),
+                       "loras": tuple(LoraInfo(**a) for a in loras)})
         for name in ("version", "gateways_desired", "engines_desired"):
             if not is_int(getattr(state, name)):
                 raise TypeError(f"{name} must be an int")

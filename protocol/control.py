@@ -3,13 +3,13 @@
 Two channels, one framing — a JSON object per line, ``{"v": CONTROL_VERSION, "t": <type>, ...fields}``:
 
 - the *pipes* of each child: child → supervisor ``Ready``, ``Heartbeat`` (with its load),
-  ``Ack`` (of a cluster-state version), ``BootFailed`` and, from an expert-parallel engine,
-  ``GroupReport``; supervisor → child ``ClusterUpdate`` (gateways), ``GroupCommand`` and
-  ``GroupFreeze`` (expert-parallel engines);
+  ``Ack`` (of a cluster-state version), ``BootFailed``, from an engine ``LoraReport`` and, from an
+  expert-parallel engine, ``GroupReport``; supervisor → child ``ClusterUpdate`` (gateways), ``LoraCommand``
+  (engines), ``GroupCommand`` and ``GroupFreeze`` (expert-parallel engines);
 - the owner-only *control socket*: one command in (``StatusCommand``, ``ScaleCommand``,
-  ``ElasticScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``StopCommand``), one reply out
-  (``StatusReply``, ``ScaleReply``, ``ElasticScaleReply``, ``PauseReply``, ``StopReply`` or
-  ``ErrorReply``).
+  ``ElasticScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``LoraLoadCommand``, ``LoraUnloadCommand``,
+  ``StopCommand``), one reply out (``StatusReply``, ``ScaleReply``, ``ElasticScaleReply``, ``PauseReply``,
+  ``LoraReply``, ``StopReply`` or ``ErrorReply``).
 
 Each message is a frozen dataclass validated when built and when decoded, like the engine protocol
 in ``messages``: a malformed line raises ``ProtocolError``, which readers log and drop. Nothing here
@@ -27,9 +27,10 @@ import orjson
 
 from .cluster import ClusterState, EngineInfo
 from .holds import Hold
+from .messages import valid_lora_name
 from .validate import ProtocolError, check, is_int, is_nonneg, is_str, is_uint, optional
 
-CONTROL_VERSION = 2  # 2: holds on admission per (reason, model) replace the paused flag and the reload phase
+CONTROL_VERSION = 3  # 3: LoRA adapters (cluster state, engine reports, load/unload); 2: holds per (reason, model)
 MAX_LINE = 1 << 20  # a cluster state with many engines still fits
 
 
@@ -111,6 +112,24 @@ class BootFailed(ControlMessage):
         check(is_str(self.reason), "reason must be a str of at most 4096 chars")
 
 
+@dataclass(frozen=True)
+class LoraReport(ControlMessage):
+    """An engine's LoRA adapters: ``loaded`` (every one it serves now), sent before its ``Ready`` and after each
+    ``LoraCommand``, which ``name`` names; ``error``: why that load failed (the adapter's ``LoraError``: bad input,
+    which changes nothing here)."""
+
+    TYPE: ClassVar[str] = "lora_report"
+    loaded: tuple[str, ...] = ()
+    name: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.loaded, tuple) and len(self.loaded) <= 1 << 12
+              and all(valid_lora_name(n) for n in self.loaded), "loaded must be adapter names")
+        check(optional(self.name, valid_lora_name), "name must be an adapter name")
+        check(optional(self.error, is_str), "error must be a str of at most 4096 chars")
+
+
 GROUP_EVENTS = ("formed", "failed", "lost", "frozen")
 
 
@@ -163,6 +182,26 @@ class ClusterUpdate(ControlMessage):
     def from_wire(cls, body: dict) -> ClusterUpdate:
         check(set(body) == {"state"} and isinstance(body["state"], dict), "cluster needs exactly a state object")
         return cls(ClusterState.from_json(body["state"]))
+
+
+LORA_ACTIONS = ("load", "unload")
+
+
+@dataclass(frozen=True)
+class LoraCommand(ControlMessage):
+    """Load LoRA adapter ``name`` from ``path`` (a PEFT directory), or unload it: new requests for it are refused
+    at once, running ones finish first. The engine answers ``LoraReport``."""
+
+    TYPE: ClassVar[str] = "lora"
+    action: str  # one of LORA_ACTIONS
+    name: str
+    path: str | None = None  # load's
+
+    def __post_init__(self) -> None:
+        check(self.action in LORA_ACTIONS and valid_lora_name(self.name), f"lora needs an action in {LORA_ACTIONS} "
+              "and an adapter name")
+        check((self.action == "load") == (self.path is not None) and optional(self.path, is_str),
+              "a load (and only a load) gives a path")
 
 
 @dataclass(frozen=True)
@@ -280,6 +319,34 @@ class ResumeCommand(ControlMessage):
 
 
 @dataclass(frozen=True)
+class LoraLoadCommand(ControlMessage):
+    """Load LoRA adapter ``name`` of ``model`` (None: the only model that serves adapters) from ``path`` on every
+    engine of the model, then serve it on every gateway; answered (``LoraReply``) once all did, or once the load
+    was rolled back everywhere."""
+
+    TYPE: ClassVar[str] = "lora_load"
+    name: str
+    path: str
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        check(valid_lora_name(self.name) and is_str(self.path), "lora_load needs an adapter name and a path")
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
+
+
+@dataclass(frozen=True)
+class LoraUnloadCommand(ControlMessage):
+    """Stop serving LoRA adapter ``name`` on every gateway (a 404 from then on), and drop it from every engine once
+    its running requests finish."""
+
+    TYPE: ClassVar[str] = "lora_unload"
+    name: str
+
+    def __post_init__(self) -> None:
+        check(valid_lora_name(self.name), "lora_unload needs an adapter name")
+
+
+@dataclass(frozen=True)
 class ReloadCommand(ControlMessage):
     """Replace every process one at a time (like SIGHUP to the supervisor); answered when it is done."""
 
@@ -325,6 +392,7 @@ class ProcessStatus(ControlMessage):
     kv_used: float | None = None
     model: str | None = None  # an engine's model
     endpoint: str | None = None  # an engine on another host: where (launch api-server --engine)
+    loras: tuple[str, ...] | None = None  # an engine's LoRA adapters, as it reported them
 
     def __post_init__(self) -> None:
         check(is_str(self.tier, 32) and is_int(self.index, 0, 1 << 16), "bad tier or index")
@@ -337,6 +405,8 @@ class ProcessStatus(ControlMessage):
         check(optional(self.uptime_s, is_nonneg) and optional(self.next_start_in_s, is_nonneg),
               "bad uptime or next start")
         check(optional(self.last_exit, is_str), "last_exit must be a str")
+        check(optional(self.loras, lambda v: isinstance(v, tuple) and all(valid_lora_name(n) for n in v)),
+              "loras must be adapter names")
         for name in ("in_flight", "running", "waiting"):
             check(optional(getattr(self, name), is_uint), f"{name} out of range")
         check(optional(self.kv_used, lambda v: is_nonneg(v) and v <= 1.0), "kv_used out of range")
@@ -442,6 +512,38 @@ class PauseReply(ControlMessage):
               "unacknowledged must be process names")
 
 
+LORA_OUTCOMES = {"loaded": 200, "unloaded": 200, "invalid": 400, "not_found": 404, "failed": 500}
+"""How a LoRA load or unload ended, and the HTTP status its routes answer (vLLM's): done; bad input (a path
+outside --lora-dir, an adapter that does not fit, a name taken: nothing changed); no such adapter; it failed
+(no engine answered in time: rolled back)."""
+
+
+@dataclass(frozen=True)
+class LoraReply(ControlMessage):
+    """The answer to ``LoraLoadCommand`` and ``LoraUnloadCommand``: ``engines`` that loaded or dropped it, the
+    cluster-state ``version`` that serves the change, how long it took, and gateways that had not applied it in
+    time (``unacknowledged``)."""
+
+    TYPE: ClassVar[str] = "lora_reply"
+    outcome: str  # a key of LORA_OUTCOMES
+    message: str
+    name: str
+    model: str | None = None
+    version: int = 0
+    engines: int = 0
+    seconds: float = 0.0
+    unacknowledged: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check(self.outcome in LORA_OUTCOMES, f"outcome must be one of {sorted(LORA_OUTCOMES)}")
+        check(is_str(self.message, empty=True) and valid_lora_name(self.name), "bad message or name")
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
+        check(is_int(self.version, 0, 1 << 62) and is_uint(self.engines) and is_nonneg(self.seconds),
+              "bad version, engines or seconds")
+        check(isinstance(self.unacknowledged, tuple) and all(is_str(n, 64) for n in self.unacknowledged),
+              "unacknowledged must be process names")
+
+
 @dataclass(frozen=True)
 class ReloadReply(ControlMessage):
     TYPE: ClassVar[str] = "reload_reply"
@@ -462,6 +564,12 @@ class StopReply(ControlMessage):
 
 
 # -- engine registry (an engine host's supervisor ↔ the supervisors of gateway hosts, over TCP) -------------
+def _lora_sets(v: object) -> bool:
+    return isinstance(v, dict) and len(v) <= 1024 and all(
+        is_str(model, 1024) and isinstance(sets, dict) and len(sets) <= 1 << 12
+        and all(valid_lora_name(n) and is_str(p) for n, p in sets.items()) for model, sets in v.items())
+
+
 @dataclass(frozen=True)
 class RegistryHello(ControlMessage):
     """A gateway host asks an engine host for its engines; sent again every heartbeat interval, which keeps it
@@ -470,10 +578,14 @@ class RegistryHello(ControlMessage):
     TYPE: ClassVar[str] = "registry_hello"
     host: str  # who asks, for the engine host's log
     applied: int = 0  # the registry version every gateway of that host applied (sent again at once when it grows)
+    # The LoRA adapters the gateway host's cluster wants its models' engines to have: model id -> {name: path}
+    # (launch.ops.lora); the engine host's engines load them (sent again at once when they change).
+    loras: dict | None = None
 
     def __post_init__(self) -> None:
         check(is_str(self.host, 256) and is_int(self.applied, 0, 1 << 62), "host must be a short str, applied a "
               "version")
+        check(optional(self.loras, _lora_sets), "loras maps model ids to {adapter name: path}")
 
 
 @dataclass(frozen=True)
@@ -489,9 +601,13 @@ class EngineRegistry(ControlMessage):
     # The engine host's holds on its models ("reloading" while it replaces a model's only engine): gateway hosts
     # hold those models' new requests as its own gateways would.
     holds: tuple[Hold, ...] = ()
+    # The LoRA adapters its engines refused (name -> why): a gateway host's load of one is rolled back.
+    lora_errors: dict | None = None
 
     def __post_init__(self) -> None:
         check(is_int(self.version, 0, 1 << 62), "version out of range")
+        check(optional(self.lora_errors, lambda v: isinstance(v, dict) and len(v) <= 1 << 12 and all(
+            valid_lora_name(k) and is_str(e) for k, e in v.items())), "lora_errors maps adapter names to errors")
         check(isinstance(self.engines, tuple) and len(self.engines) <= 1 << 12, "engines must be a list")
         _check_engines(self.engines)
         check(isinstance(self.holds, tuple) and all(isinstance(h, Hold) for h in self.holds), "bad holds")
@@ -500,31 +616,33 @@ class EngineRegistry(ControlMessage):
 
     def to_wire(self) -> dict:
         return {"version": self.version, "engines": [asdict(e) for e in self.engines], "models": self.models or {},
-                "holds": [h.to_json() for h in self.holds]}
+                "holds": [h.to_json() for h in self.holds], "lora_errors": self.lora_errors or {}}
 
     @classmethod
     def from_wire(cls, body: dict) -> EngineRegistry:
-        check(set(body) <= {"version", "engines", "models", "holds"}, "unknown fields in engine_registry")
+        check(set(body) <= {"version", "engines", "models", "holds", "lora_errors"},
+              "unknown fields in engine_registry")
         engines = body.get("engines", [])
         check(isinstance(engines, list) and all(isinstance(e, dict) for e in engines), "engines must be a list")
         holds = body.get("holds", [])
         check(isinstance(holds, list), "holds must be a list")
         return cls(body.get("version"), tuple(EngineInfo(**e) for e in engines), body.get("models"),
-                   tuple(Hold.from_json(h) for h in holds))
+                   tuple(Hold.from_json(h) for h in holds), body.get("lora_errors") or None)
 
 
 REGISTRY_REQUESTS: tuple[type[ControlMessage], ...] = (RegistryHello,)
 REGISTRY_REPLIES: tuple[type[ControlMessage], ...] = (EngineRegistry,)
 
-PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport)
+PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport, LoraReport)
 """What a child writes on its status pipe."""
-PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand, GroupFreeze)
+PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand, GroupFreeze, LoraCommand)
 """What the supervisor writes on a child's control pipe."""
 COMMANDS: tuple[type[ControlMessage], ...] = (StatusCommand, ScaleCommand, ElasticScaleCommand, PauseCommand,
-                                              ResumeCommand, ReloadCommand, StopCommand)
+                                              ResumeCommand, ReloadCommand, StopCommand, LoraLoadCommand,
+                                              LoraUnloadCommand)
 """What the control socket accepts."""
 REPLIES: tuple[type[ControlMessage], ...] = (ErrorReply, StatusReply, ScaleReply, ElasticScaleReply, PauseReply,
-                                             ReloadReply, StopReply)
+                                             ReloadReply, StopReply, LoraReply)
 """What the control socket answers."""
 
 

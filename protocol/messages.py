@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 from .validate import ProtocolError, check, is_int, is_num
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 MAX_REQUEST_ID_LEN = 128
 MAX_LORA_NAME_LEN = 256
@@ -479,6 +479,14 @@ class EngineStats(Message):
                                  "Prompt tokens computed (prefill) since start.", default=0)  # including recompute
     tokens_per_step: float = _metric("gauge", "zserve_engine_tokens_per_step",
                                      "Mean tokens per forward pass over recent steps.", default=0.0)
+    # LoRA adapters (vLLM's lora_requests_info): the most one step runs, and those of the running and waiting
+    # requests.
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    lora_slot_fills: int = _metric("counter", "zserve_engine_lora_slot_fills",
+                                   "Times an adapter was copied into a compute slot (--max-loras) since start.",
+                                   default=0)
 
     def __post_init__(self) -> None:
         check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
@@ -493,6 +501,12 @@ class EngineStats(Message):
               "prefix_cache_hit_rate out of range")
         check(is_num(self.tokens_per_step) and 0.0 <= self.tokens_per_step < 1 << 31, "tokens_per_step out of range")
         check(is_num(self.timestamp) and self.timestamp >= 0, "timestamp out of range")
+        check(is_int(self.max_loras) and 0 <= self.max_loras <= 1 << 16 and is_int(self.lora_slot_fills)
+              and self.lora_slot_fills >= 0, "max_loras or lora_slot_fills out of range")
+        for name in ("running_loras", "waiting_loras"):
+            v = getattr(self, name)
+            check(isinstance(v, tuple) and len(v) <= 1 << 12 and all(valid_lora_name(n) for n in v),
+                  f"{name} must be adapter names")
 
 
 @dataclass(frozen=True)
