@@ -85,11 +85,18 @@ class Engine:
                     engine = cls.pooling(source, device, dtype, cfg, rank=launch.rank)
                 engine.started = started
                 return engine
+        if launch.loras is not None:
+            cfg = cfg.replace(lora_modules=())  # the cluster's adapters, loaded below, replace the configuration's
         with boot_phase(status, f"engine {launch.rank}"):
             loaded = load_model(source, dtype, device, progress=_progress, expert_share=launch.expert_share)
             engine = cls.generation(loaded, device, dtype, cfg, rank=launch.rank,
                                     tokenizer_json=tokenizer_json_loader(source.tokenizer_path),
                                     expert_parallel=launch.expert_share is not None)
+        for name, path in launch.loras or ():
+            error = engine.scheduler.load_lora(name, path)
+            if error is not None:  # (reported in its LoraReport: its requests go to the engines that have it)
+                log.warning("engine %d could not load LoRA adapter %r the cluster serves: %s", launch.rank, name,
+                            error)
         engine.started = started
         return engine
 
@@ -185,7 +192,8 @@ class Engine:
                                        max_waiting=cfg.max_waiting, keys=keys, control_fd=control_fd, status=status,
                                        source=launch.source)
         return EngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
-                            max_waiting=cfg.max_waiting, keys=keys, drain_timeout=launch.shutdown_timeout)
+                            max_waiting=cfg.max_waiting, keys=keys, drain_timeout=launch.shutdown_timeout,
+                            control_fd=control_fd, status=status)
 
     def serve(self, launch: EngineLaunch, status: StatusPipe, control_fd: int | None = None,
               keys: CurveKeys | None = None) -> None:
@@ -203,6 +211,7 @@ class Engine:
         signal.signal(signal.SIGTERM, server.start_draining)
         threading.Thread(target=_heartbeat, args=(server, status, launch.heartbeat_interval), daemon=True,
                          name="heartbeat").start()
+        server.report_loras()  # before Ready: gateways route an adapter's requests only to engines that have it
         status.send(Ready(index=launch.rank, endpoint=launch.endpoint, device=hello.device, dtype=hello.dtype))
         if not self.expert_parallel and self.grammars is not None:
             self.grammars.prepare()

@@ -26,18 +26,16 @@ supervisor re-forms the group.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import zmq
 
 from protocol import ErrorMessage, encode
 from protocol.constants import ERR_ENGINE_DRAINING, ERR_GROUP_LOST
-from protocol.control import PIPE_COMMANDS, GroupCommand, GroupFreeze, GroupReport, LineBuffer
-from protocol.messages import GroupWake, ProtocolError
+from protocol.control import ControlMessage, GroupCommand, GroupFreeze, GroupReport
+from protocol.messages import GroupWake
 from zserve.catalog import ModelSource
 from zserve.curve import secure_client
-from zserve.proc import StatusPipe
 
 from .expert_parallel import ExpertGroup, GroupLost, expert_shard
 from .server import EngineServer
@@ -49,17 +47,9 @@ JOIN_POLL_MS = 20  # how often a rendezvous looks for every member (and for a ne
 
 
 class GroupedEngineServer(EngineServer):
-    def __init__(self, *args, control_fd: int | None, status: StatusPipe, source: ModelSource, **kw):
+    def __init__(self, *args, source: ModelSource, **kw):
         super().__init__(*args, **kw)
-        self.status = status
         self.source = source
-        self.control_fd = control_fd
-        self.lines = LineBuffer()
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
-        if control_fd is not None:
-            os.set_blocking(control_fd, False)
-            self.poller.register(control_fd, zmq.POLLIN)
         self.group: ExpertGroup | None = None
         self.generation = -1  # of the last GroupCommand carried out
         self.epoch = 0  # the group's idle periods so far
@@ -72,30 +62,14 @@ class GroupedEngineServer(EngineServer):
         self.frozen = False  # frozen: requests that arrive wait; no group step is started for them
 
     # -- inbound ---------------------------------------------------------------------------------------
-    def poll_inbound(self, timeout_ms: int) -> None:
-        ready = dict(self.poller.poll(timeout_ms))
-        if self.control_fd is not None and self.control_fd in ready:
-            self.read_control()
-        if self.sock in ready:
-            self.take_inbound()
-
-    def read_control(self) -> None:
-        try:
-            data = os.read(self.control_fd, 65536)  # type: ignore[arg-type]
-        except BlockingIOError:
-            return
-        if not data:  # the supervisor is gone (PDEATHSIG ends us)
-            self.poller.unregister(self.control_fd)
-            self.control_fd = None
-            return
-        for msg in self.lines.messages(data, PIPE_COMMANDS, self._dropped):
-            if isinstance(msg, GroupCommand):
-                self.commands.append(msg)
-            elif isinstance(msg, GroupFreeze) and msg.generation == self.generation:
+    def on_control(self, msg: ControlMessage) -> None:
+        if isinstance(msg, GroupCommand):
+            self.commands.append(msg)
+        elif isinstance(msg, GroupFreeze):
+            if msg.generation == self.generation:
                 self.freezing, self.frozen = msg.frozen, False
-
-    def _dropped(self, e: ProtocolError) -> None:
-        log.warning("engine %d: dropped a control line: %s", self.rank, e)
+        else:
+            super().on_control(msg)
 
     def on_wake(self, msg: GroupWake) -> None:
         if msg.generation == self.generation:

@@ -101,6 +101,7 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}
         self.grammars = grammars
         self.loras = loras
+        self.lora_closing: set[str] = set()  # unloaded while requests still use them: dropped once they end
         self._failed: list[Sequence] = []  # ended while waiting (their grammar failed), reported by step()
         # Hashes of full prompt blocks that running sequences are computing right now.
         self._inflight: Counter[int] = Counter()
@@ -136,7 +137,44 @@ class Scheduler:
         """Why a request for LoRA adapter ``name`` cannot run here (None: it can)."""
         if self.loras is None:
             return f"LoRA adapter {name!r} is not loaded: this engine serves no LoRA adapters (--enable-lora)"
+        if name in self.lora_closing:
+            return f"LoRA adapter {name!r} is being unloaded from this engine"
         return None if name in self.loras else f"LoRA adapter {name!r} is not loaded on this engine"
+
+    # -- LoRA adapters at run time ------------------------------------------------------------
+    def loaded_loras(self) -> tuple[str, ...]:
+        """The adapters new requests may use (those being unloaded are not)."""
+        return () if self.loras is None else tuple(n for n in self.loras.names() if n not in self.lora_closing)
+
+    def load_lora(self, name: str, path: str) -> str | None:
+        """Load adapter ``name`` from ``path``; why it was not loaded (nothing changed then), or None."""
+        from .lora import LoraError
+
+        if self.loras is None:
+            return "this engine serves no LoRA adapters (--enable-lora)"
+        if name in self.lora_closing:
+            return (f"LoRA adapter {name!r} is still being unloaded ({self._lora_users(name)} request(s) finishing); "
+                    "load it again once they end")
+        try:
+            self.loras.load(name, path)
+        except LoraError as e:
+            return str(e)
+        return None
+
+    def unload_lora(self, name: str) -> None:
+        """Refuse new requests for adapter ``name`` from now on; drop it once the requests using it have ended."""
+        if self.loras is not None and name in self.loras:
+            self.lora_closing.add(name)
+            self.drop_closed_loras()
+
+    def drop_closed_loras(self) -> None:
+        """Drop the adapters being unloaded that no request uses any more (after each step)."""
+        for name in [n for n in self.lora_closing if not self._lora_users(n)]:
+            self.lora_closing.discard(name)
+            self.loras.unload(name)  # type: ignore[union-attr]
+
+    def _lora_users(self, name: str) -> int:
+        return sum(s.lora == name for s in self.running) + sum(s.lora == name for s in self.waiting)
 
     def add_pool(self, req: PoolRequest) -> str | None:
         """An embedding request on a generating model: its prompt runs like any other (chunked, in
@@ -201,7 +239,16 @@ class Scheduler:
                 "steps": self.steps, "preempted": self.num_preempted, "preemptions": self.preemptions,
                 "kv_blocks_used": bm.num_used, "kv_blocks_total": bm.num_blocks,
                 "prefix_cache_hit_rate": min(1.0, max(0.0, bm.hit_rate)), "prefix_cache_hits": bm.hits,
-                "prompt_tokens": self.prompt_tokens, "tokens_per_step": float(self.tokens_per_step)}
+                "prompt_tokens": self.prompt_tokens, "tokens_per_step": float(self.tokens_per_step),
+                **self._lora_stats()}
+
+    def _lora_stats(self) -> dict:
+        loras = self.loras
+        if loras is None:
+            return {}
+        return {"max_loras": loras.max_loras, "lora_slot_fills": loras.slot_fills,
+                "running_loras": tuple(sorted({s.lora for s in self.running if s.lora is not None})),
+                "waiting_loras": tuple(sorted({s.lora for s in self.waiting if s.lora is not None}))}
 
     @property
     def tokens_per_step(self) -> float:

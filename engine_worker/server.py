@@ -5,11 +5,16 @@ sends ClientHello and gets EngineHello back. AddRequest/AbortRequest flow in; af
 the engine sends each client one StepOutputs with the new tokens of that client's requests, and
 every ``stats_interval`` an EngineStats to all clients (routing load, and the supervisor's sign of
 life). Bad frames are logged and dropped; they never stop the loop.
+
+The supervisor's control pipe is polled with the socket: a ``LoraCommand`` loads or unloads a LoRA adapter
+between two steps, and the engine answers ``LoraReport`` on its status pipe (an expert-parallel engine also
+takes its group commands there: ``ep_server``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 
@@ -34,7 +39,9 @@ from protocol import (
     encode,
 )
 from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING, ERR_LORA_NOT_LOADED
+from protocol.control import PIPE_COMMANDS, ControlMessage, LineBuffer, LoraCommand, LoraReport
 from zserve.curve import CurveKeys, secure_server
+from zserve.proc import StatusPipe
 
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -47,7 +54,7 @@ CLOSE_LINGER_MS = 2000  # at exit, how long queued outputs may wait for a gatewa
 class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
                  stats_interval: float = 0.1, max_waiting: int | None = None, keys: CurveKeys | None = None,
-                 drain_timeout: float | None = None):
+                 drain_timeout: float | None = None, control_fd: int | None = None, status: StatusPipe | None = None):
         self.rank = rank
         # Seconds a drain lets running requests finish before handing the rest back (None: until they finish).
         self.drain_timeout = drain_timeout
@@ -66,6 +73,14 @@ class EngineServer:
         if keys is not None:
             secure_server(self.sock, keys, f"engine {rank}")
         self.sock.bind(endpoint)
+        self.status = status or StatusPipe(None)  # to the supervisor (LoraReport; Ready and heartbeats: engine.py)
+        self.control_fd = control_fd  # from the supervisor (PIPE_COMMANDS)
+        self.lines = LineBuffer()
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if control_fd is not None:
+            os.set_blocking(control_fd, False)
+            self.poller.register(control_fd, zmq.POLLIN)
         self.clients: dict[bytes, float] = {}
         # request id -> ZeroMQ identity of the gateway that owns it, until its last output goes out
         self.requests: dict[str, bytes] = {}
@@ -176,9 +191,59 @@ class EngineServer:
         return f"token id {bad} is outside the vocabulary ({vocab})" if bad is not None else None
 
     def poll_inbound(self, timeout_ms: int) -> None:
-        """Wait up to ``timeout_ms`` for messages, then take every message already queued."""
-        if self.sock.poll(timeout_ms):
+        """Wait up to ``timeout_ms`` for messages (requests, the supervisor's commands), then take every message
+        already queued."""
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.control_fd is not None and self.control_fd in ready:
+            self.read_control()
+        if self.sock in ready:
             self.take_inbound()
+
+    # -- the supervisor's control pipe ---------------------------------------------------------
+    def read_control(self) -> None:
+        try:
+            data = os.read(self.control_fd, 65536)  # type: ignore[arg-type]
+        except BlockingIOError:
+            return
+        if not data:  # the supervisor is gone (PDEATHSIG ends us)
+            self.poller.unregister(self.control_fd)
+            self.control_fd = None
+            return
+        for msg in self.lines.messages(data, PIPE_COMMANDS, self._dropped):
+            self.on_control(msg)
+
+    def _dropped(self, e: ProtocolError) -> None:
+        log.warning("engine %d: dropped a control line: %s", self.rank, e)
+
+    def on_control(self, msg: ControlMessage) -> None:
+        if isinstance(msg, LoraCommand):
+            self.on_lora(msg)
+        else:
+            log.warning("engine %d: ignored a %s control message", self.rank, msg.TYPE)
+
+    def on_lora(self, cmd: LoraCommand) -> None:
+        """Load or unload a LoRA adapter between two steps, and report what is loaded now."""
+        sched, error = self.scheduler, None
+        if not hasattr(sched, "load_lora"):
+            error = "this model serves no LoRA adapters (it does not generate)"
+        elif cmd.action == "load":
+            t0 = time.monotonic()
+            error = sched.load_lora(cmd.name, cmd.path)
+            if error is None:
+                log.info("engine %d loaded LoRA adapter %r from %s in %.0f ms", self.rank, cmd.name, cmd.path,
+                         (time.monotonic() - t0) * 1000)
+            else:
+                log.warning("engine %d could not load LoRA adapter %r: %s", self.rank, cmd.name, error)
+        else:
+            sched.unload_lora(cmd.name)
+            log.info("engine %d unloaded LoRA adapter %r%s", self.rank, cmd.name,
+                     " (dropped once its running requests end)" if cmd.name in sched.lora_closing else "")
+        self.report_loras(cmd.name, error)
+
+    def report_loras(self, name: str | None = None, error: str | None = None) -> None:
+        """Tell the supervisor which adapters this engine serves now (before Ready, after each command)."""
+        loaded = getattr(self.scheduler, "loaded_loras", tuple)()
+        self.status.send(LoraReport(loaded, name, error[:4000] if error else None))
 
     def take_inbound(self) -> None:
         """Handle every message already queued on the socket."""
@@ -199,6 +264,8 @@ class EngineServer:
         finally:
             self.step_started = None
         self._stalled = self.scheduler.steps == steps and not outs
+        if getattr(self.scheduler, "lora_closing", None):
+            self.scheduler.drop_closed_loras()
         per_client: dict[bytes, list] = {}
         for out in outs:
             done = isinstance(out, PoolOutput) or out.finish_reason is not None

@@ -1,7 +1,7 @@
 """The supervisor's control socket: a Unix socket only its owner can open.
 
 One command line in, one reply line out: the typed messages of ``protocol.control``
-(``StatusCommand``, ``ScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``StopCommand``).
+(``StatusCommand``, ``ScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``StopCommand``, the LoRA loads...).
 `launch scale`, `launch status` and `launch stop` use it, and so do gateways for cluster-wide
 operations. The supervisor's side is ``launch.control_server``.
 

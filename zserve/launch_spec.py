@@ -107,6 +107,10 @@ class EngineLaunch:
     # supervisor forms the group later); None: no group.
     expert_share: tuple[int, int] | None = None
     keys_dir: str | None = None  # CURVE key directory (zserve.curve) of a TCP endpoint
+    # The LoRA adapters the cluster serves now, (name, path) pairs, given to an engine that starts while serving
+    # (a restart, a scale-up, a rolling restart): they replace the configuration's ``lora_modules`` and one that
+    # fails to load is left out and reported (not a boot error: the others serve on). None: the configuration's.
+    loras: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
         check(is_int(self.rank, 0, 1 << 20), "rank must be an integer in 0..1048576")
@@ -123,6 +127,11 @@ class EngineLaunch:
                   "expert_share must be [member, size] with 0 <= member < size")
             object.__setattr__(self, "expert_share", share)
         check(optional_text(self.keys_dir), "keys_dir must be a directory or null")
+        if self.loras is not None:
+            check(isinstance(self.loras, (list, tuple)) and all(
+                isinstance(m, (list, tuple)) and len(m) == 2 and all(is_text(v) for v in m) for m in self.loras),
+                "loras must be [name, path] pairs or null")
+            object.__setattr__(self, "loras", tuple((n, p) for n, p in self.loras))
 
     def to_json(self) -> str:
         return orjson.dumps({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -82,12 +83,16 @@ class StatusPipe:
 
     def __init__(self, fd: int | None):
         self.fd = fd
+        # Threads share it (the heartbeat thread, the step loop): a line longer than PIPE_BUF is not written
+        # atomically, so one line at a time.
+        self._lock = threading.Lock()
 
     def send(self, msg: ControlMessage) -> None:
         if self.fd is None:
             return
         try:
-            os.write(self.fd, encode_line(msg))
+            with self._lock:
+                os.write(self.fd, encode_line(msg))
         except OSError:
             pass  # the supervisor is gone; PDEATHSIG ends us shortly
 
