@@ -81,6 +81,11 @@ class Child:
     acked_version: int = -1
     load: Heartbeat | None = None  # the last heartbeat (load, in-flight)
     boot_error: str | None = None  # why it cannot start, from its BootFailed message
+    # An engine's LoRA adapters (launch.ops.lora): what it last reported serving (None: nothing reported yet), the
+    # adapters it was told to load or unload and has not answered for, and those it refused (name -> why).
+    loras: tuple[str, ...] | None = None
+    lora_sent: set[str] = field(default_factory=set)
+    lora_failed: dict[str, str] = field(default_factory=dict)
     lines: LineBuffer = field(default_factory=LineBuffer)
 
     @property

@@ -98,6 +98,10 @@ server_options = _options(
                  help="A process silent for this long is hung and gets replaced."),
     click.option("--exit-on-crash-loop", is_flag=True,
                  help=CRASH_LOOP_HELP),
+    click.option("--lora-dir", "lora_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+                 help="The only directories LoRA adapters may be loaded from while serving (POST "
+                      "/v1/load_lora_adapter, POST /adapters; symlinks and .. resolved first). Several after one "
+                      "--lora-dir, or repeated. Without it, adapters are given only at start (--lora-modules)."),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                  show_default=True, help="Log level of the supervisor and of every process it starts (on stderr)."),
     click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
@@ -148,7 +152,7 @@ def _lora_modules(ctx: click.Context, param: click.Parameter, values: tuple[str,
         raise click.BadParameter(str(e)) from None
 
 
-SEVERAL_VALUES = frozenset({"--lora-modules"})
+SEVERAL_VALUES = frozenset({"--lora-modules", "--lora-dir"})
 """Options that take several values after one flag, as vLLM's argparse ``nargs='+'`` does."""
 
 
@@ -357,7 +361,7 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
           shutdown_timeout: float, heartbeat_timeout: float, log_level: str, api_keys: tuple[str, ...] = (),
           api_key_file: str | None = None, admin_keys: tuple[str, ...] = (), bind: str | None = None,
           remote_engines: tuple[str, ...] = (), keys_dir: str | None = None, insecure: bool = False,
-          exit_on_crash_loop: bool = False, **tier_options) -> NoReturn:
+          exit_on_crash_loop: bool = False, lora_dirs: tuple[str, ...] = (), **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
     told to stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
@@ -383,7 +387,7 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
                       port=port, uds=uds, gateways=count, bind=bind, remote_engines=remote_engines,
                       keys_dir=keys_dir, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4),
-                      exit_on_crash_loop=exit_on_crash_loop)
+                      exit_on_crash_loop=exit_on_crash_loop, lora_dirs=tuple(os.path.abspath(d) for d in lora_dirs))
     sup = Supervisor(cfg)
     code = 0
     try:
@@ -627,7 +631,8 @@ def scale(tier: str, count: int, port: int, wait: bool, timeout: float, model: s
 @port_option
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 def status(port: int, as_json: bool) -> None:
-    """Print every process of a running server: tier, index, pid, state, restarts, uptime, load."""
+    """Print every process of a running server: tier, index, pid, state, restarts, uptime, load (and each engine's
+    LoRA adapters)."""
     reply = _status(port)
     st = reply.to_wire()
     if as_json:
@@ -660,6 +665,8 @@ def status(port: int, as_json: bool) -> None:
             load = f"{p['model']}: {load}"
         if p.get("endpoint"):
             load = f"at {p['endpoint']}"  # on another host: its own supervisor knows its load
+        if p.get("loras"):
+            load += f"  lora: {', '.join(p['loras'])}"
         click.echo(f"{p['tier']:8} {p['index']:>3} {p['pid'] or '-':>7} {p['state']:10} {p['restarts']:>8} "
                    f"{uptime:>8}  {load}")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from protocol.cluster import ClusterState
+
 from .children import Child, Slot
 from .tiers import ModelTier
 
@@ -40,6 +42,11 @@ class Processes(Protocol):
 
 class Publisher(Protocol):
     """The cluster publisher: the one writer of the cluster state."""
+
+    @property
+    def state(self) -> ClusterState:
+        """The state gateways were last sent (every engine here and on engine hosts, with what each reported)."""
+        ...
 
     def publish(self) -> int:
         """Send the state now if it changed (engine membership, holds, phase); the version gateways must apply."""

@@ -34,6 +34,9 @@ class ServeConfig:
     # A model whose engines all crash-loop is marked failed and the others serve on; with this, the supervisor
     # stops instead (an orchestrator that restarts the pod prefers that).
     exit_on_crash_loop: bool = False
+    # The only directories LoRA adapters may be loaded from at run time (/v1/load_lora_adapter); none: runtime
+    # loading is off (adapters given at start with --lora-modules are read from anywhere).
+    lora_dirs: tuple[str, ...] = ()
 
 
 @dataclass

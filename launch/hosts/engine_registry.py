@@ -88,6 +88,7 @@ class RegistryServer:
             raise ListenError(f"cannot bind the engine registry at {bind}: {e}") from None
         self.timeout = subscriber_timeout
         self.subscribers: dict[bytes, tuple[float, str, int]] = {}  # identity → (last hello, its host, applied)
+        self.loras: dict[bytes, dict] = {}  # identity → the LoRA adapters its last hello asked for, by model
         self.state = EngineRegistry(0)
         self.marks: list[tuple[int, int]] = []  # (cluster-state version, the registry version that carried it)
         self.bad = _Throttled()
@@ -115,12 +116,14 @@ class RegistryServer:
             if who not in self.subscribers:
                 log.info("gateway host %s subscribed to the engine registry", msg.host)
             self.subscribers[who] = (time.monotonic(), msg.host, msg.applied)
+            self.loras[who] = msg.loras or {}
             self._send(who, encode_line(self.state))
 
     def publish(self, state: EngineRegistry, cluster_version: int) -> None:
         """The engine host's cluster state ``cluster_version``: a new membership or phase goes to every gateway
         host heard from recently."""
-        if (state.engines, state.models, state.holds) != (self.state.engines, self.state.models, self.state.holds):
+        if (state.engines, state.models, state.holds, state.lora_errors) != (
+                self.state.engines, self.state.models, self.state.holds, self.state.lora_errors):
             self.state = replace(state, version=self.state.version + 1)
             now = time.monotonic()
             line = encode_line(self.state)
@@ -128,10 +131,20 @@ class RegistryServer:
                 if now - seen > self.timeout:
                     log.info("gateway host %s left the engine registry (silent for %.0fs)", host, now - seen)
                     del self.subscribers[who]
+                    self.loras.pop(who, None)
                 else:
                     self._send(who, line)
         if not self.marks or cluster_version > self.marks[-1][0]:
             self.marks = [*self.marks[-255:], (cluster_version, self.state.version)]
+
+    def wanted_loras(self) -> dict[str, dict[str, str]]:
+        """The LoRA adapters the gateway hosts heard from recently want, by model (each one's union)."""
+        now, wanted = time.monotonic(), {}
+        for who, (seen, _, _) in self.subscribers.items():
+            if now - seen <= self.timeout:
+                for model, adapters in self.loras.get(who, {}).items():
+                    wanted.setdefault(model, {}).update(adapters)
+        return wanted
 
     def lagging(self, cluster_version: int) -> list[str]:
         """The gateway hosts (heard from recently) whose gateways have not applied what cluster-state
@@ -171,6 +184,7 @@ class RemoteEngines:
             secure_client(self.sock, keys)
         self.sock.connect(url)
         self.name = socket.gethostname()[:256] or "gateway-host"
+        self.loras: dict[str, dict[str, str]] = {}  # the adapters this host's cluster wants, by model (every hello)
         self.applied = 0  # the registry version every gateway here applied
         self.carried: tuple[int, int] | None = None  # (cluster-state version, registry version it carries)
         self.registry: EngineRegistry | None = None
@@ -185,7 +199,7 @@ class RemoteEngines:
     def say_hello(self, now: float) -> None:
         self.said = now
         try:
-            self.sock.send(encode_line(RegistryHello(self.name, self.applied)), flags=zmq.NOBLOCK)
+            self.sock.send(encode_line(RegistryHello(self.name, self.applied, self.loras or None)), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # not connected (yet): the next interval tries again
 
@@ -195,6 +209,16 @@ class RemoteEngines:
         if self.carried is not None and self.carried[1] > self.applied and not lagging(self.carried[0]):
             self.applied = self.carried[1]
             self.say_hello(now)
+
+    def want_loras(self, loras: dict[str, dict[str, str]], now: float) -> None:
+        """Ask for these adapters from now on (at once when they changed)."""
+        if loras != self.loras:
+            self.loras = loras
+            self.say_hello(now)
+
+    def lora_errors(self, now: float) -> dict[str, str]:
+        """The adapters the engine host's engines refused (name -> why)."""
+        return dict(self.registry.lora_errors or {}) if self.fresh(now) and self.registry is not None else {}
 
     def holds(self, now: float) -> tuple[Hold, ...]:
         """The engine host's holds on its models (none while it is silent: its engines left the cluster)."""
@@ -228,7 +252,8 @@ class RemoteEngines:
                 log.info("engine host %s: %d engine(s) for %s", self.url, len(msg.engines),
                          ", ".join(msg.models or {}) or "no model")
             self.lost_logged = False
-            changed = changed or self.registry is None or msg.engines != self.registry.engines
+            changed = changed or self.registry is None or msg.engines != self.registry.engines or (
+                msg.lora_errors != self.registry.lora_errors)
             self.registry = msg
             self.heard = time.monotonic()
 

@@ -3,7 +3,8 @@ every gateway forwards): the ``ControlServer``'s dispatch, and ``launch status``
 
 A pause or resume goes to the admission owner and, with ``--state-url redis://…``, to every other gateway host
 through the shared state (``launch.hosts.shared_state``); it is answered once every gateway applied it
-(``AwaitAcks``). A resize and a rolling restart are answered when they are done (``Later``).
+(``AwaitAcks``). A resize, a rolling restart and a LoRA load or unload (``launch.ops.lora``) are answered when they
+are done (``Later``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from protocol.control import (
     ElasticScaleCommand,
     ElasticScaleReply,
     ErrorReply,
+    LoraLoadCommand,
+    LoraUnloadCommand,
     PauseCommand,
     PauseReply,
     ProcessStatus,
@@ -37,6 +40,7 @@ from zserve.config import MAX_ENGINES_PER_MODEL
 from ..control_server import AwaitAcks, Later
 from ..hosts.shared_state import SharedControl
 from ..ops.elastic import ElasticGroup
+from ..ops.lora import LoraAdapters
 from ..ops.reload import RollingRestart
 from ..tiers import ModelTier
 from .admission import Admission
@@ -63,6 +67,7 @@ class Server(Protocol):
     admission: Admission
     elastic: dict[int, ElasticGroup]
     shared: SharedControl | None
+    loras: LoraAdapters
     url: str
     started_at: float
     reload: Callable[[], RollingRestart]
@@ -121,6 +126,10 @@ class Commands:
             return self._elastic_scale(cmd)
         if isinstance(cmd, (PauseCommand, ResumeCommand)):
             return self._pause(isinstance(cmd, PauseCommand), cmd.model)
+        if isinstance(cmd, LoraLoadCommand):
+            return sup.loras.load(cmd.name, cmd.path, cmd.model, Later())
+        if isinstance(cmd, LoraUnloadCommand):
+            return sup.loras.unload(cmd.name, Later())
         if isinstance(cmd, ReloadCommand):
             answer = Later()
             sup.reload().answers.append(answer)
@@ -195,7 +204,7 @@ class Commands:
             state = c.state if c.alive else "exited"  # (not reaped yet)
             procs.append(ProcessStatus(c.tier, c.index, c.pid, state, restarts=max(0, c.slot.restarts - 1),
                                        crash_looping=c.slot.crash_looping(now), uptime_s=round(now - c.started, 1),
-                                       model=self._model_of(c.tier, c.index), **load))
+                                       model=self._model_of(c.tier, c.index), loras=c.loras, **load))
         wanted = {(tier, i) for tier, indices, _ in a.wanted() for i in indices}
         for (tier, index), slot in sorted(a.slots.items()):
             if (tier, index) in wanted and not [c for c in a.children if c.slot is slot]:
@@ -208,7 +217,7 @@ class Commands:
         for e in st.engines:
             if (e.rank, e.endpoint) not in local:  # an engine host's
                 procs.append(ProcessStatus("engine", e.rank, e.pid, e.state, 0, False, model=e.model,
-                                           endpoint=e.endpoint))
+                                           endpoint=e.endpoint, loras=e.loras))
         return StatusReply(url=sup.url, models=dict(st.models) or {t.model_id: t.desired for t in sup.tiers},
                            pid=os.getpid(), run_dir=sup.run_dir, uptime_s=round(time.time() - sup.started_at, 1),
                            desired={"gateway": a.desired["gateway"],

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from protocol.cluster import ClusterState, EngineInfo
+from protocol.cluster import ClusterState, EngineInfo, LoraInfo
 from protocol.control import ClusterUpdate, EngineRegistry
 from zserve.cluster import ClusterStore
 
@@ -29,12 +29,16 @@ Membership = Callable[[], tuple[tuple[EngineInfo, ...], dict[str, int], int, int
 
 
 class ClusterPublisher:
-    def __init__(self, membership: Membership, gateways: Callable[[], list[Child]], phase: Callable[[], str]):
+    def __init__(self, membership: Membership, gateways: Callable[[], list[Child]], phase: Callable[[], str],
+                 loras: Callable[[], tuple[LoraInfo, ...]] = tuple,
+                 lora_errors: Callable[[], dict[str, str]] = dict):
         self.store = ClusterStore()
         self.admission = Admission(self.publish)
         self._membership = membership
         self._gateways = gateways  # the live gateways here
         self._phase = phase  # the expert-parallel phase ("" when none)
+        self._loras = loras  # the LoRA adapters served (launch.ops.lora)
+        self._lora_errors = lora_errors  # those this host's engines refused (an engine host tells gateway hosts)
         self.registry: RegistryServer | None = None  # an engine host's
         self.remote: list[RemoteEngines] = []  # a gateway host's engine hosts
         self._unknown_models: set[str] = set()  # served by an engine host but not here (warned once)
@@ -53,17 +57,18 @@ class ClusterPublisher:
         now = time.monotonic()
         engines, models = self._with_remote(local, models, now)
         self.admission.follow_remote(h for r in self.remote for h in r.holds(now) if h.model in models)
-        holds, phase = self.admission.holds(), self._phase()
+        holds, phase, loras = self.admission.holds(), self._phase(), self._loras()
         st = self.store.get()
-        if (engines, models, gateways, holds, phase) != (st.engines, st.models, st.gateways_desired, st.holds,
-                                                         st.scaling):
+        if (engines, models, gateways, holds, phase, loras) != (st.engines, st.models, st.gateways_desired, st.holds,
+                                                                st.scaling, st.loras):
             st = self.store.update(engines=engines, models=models, gateways_desired=gateways,
-                                   engines_desired=engines_desired, holds=holds, scaling=phase)
+                                   engines_desired=engines_desired, holds=holds, scaling=phase, loras=loras)
             msg = ClusterUpdate(st)
             for c in self._gateways():
                 c.send(msg)
         if self.registry is not None:
-            self.registry.publish(EngineRegistry(0, local, models, self.admission.local_holds()), st.version)
+            self.registry.publish(EngineRegistry(0, local, models, self.admission.local_holds(),
+                                                 self._lora_errors() or None), st.version)
         for remote in self.remote:
             if remote.fresh(now) and remote.registry is not None:
                 remote.carried = (st.version, remote.registry.version)
@@ -87,6 +92,11 @@ class ClusterPublisher:
             remote.applied_by_gateways(self.lagging, now)
         if self.registry is not None:
             self.registry.pump()
+
+    def remote_lora_errors(self) -> dict[str, str]:
+        """The LoRA adapters the engine hosts' engines refused (name -> why)."""
+        now = time.monotonic()
+        return {name: f"{why} (engine host {r.url})" for r in self.remote for name, why in r.lora_errors(now).items()}
 
     def pump_remote(self, remote: RemoteEngines) -> None:
         if remote.pump():

@@ -33,7 +33,7 @@ from functools import partial
 from gateway.security import write_key_file
 from protocol.cluster import EngineInfo, EngineState
 from protocol.constants import EXIT_CUT_OFF
-from protocol.control import ControlMessage, GroupReport
+from protocol.control import ControlMessage, GroupReport, LoraReport
 from zserve import control
 from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
@@ -45,6 +45,7 @@ from ..control_server import ControlServer
 from ..hosts.engine_registry import RegistryServer, RemoteEngines
 from ..hosts.shared_state import SharedControl, is_redis
 from ..ops.elastic import ElasticGroup
+from ..ops.lora import LoraAdapters
 from ..ops.reload import RollingRestart
 from ..sockets import UnixHTTPConnection, create_listener, create_unix_listener
 from ..tiers import ServeConfig, model_tiers
@@ -79,7 +80,11 @@ class Supervisor:
         self.arbiter = Arbiter(cfg, self.tiers, ArbiterHooks(
             start=self._start_child, event=self._on_event, died=self._on_death, draining=self._publish,
             reload=self.reload))
-        self.publisher = ClusterPublisher(self._membership, lambda: self.arbiter.live("gateway"), self._phase)
+        self.publisher = ClusterPublisher(self._membership, lambda: self.arbiter.live("gateway"), self._phase,
+                                          lambda: self.loras.state(), lambda: self.loras.errors())
+        # The LoRA adapters served and wanted (engine hosts' engines: through their registries).
+        self.loras = LoraAdapters(self.arbiter, self.publisher, self.tiers, cfg.lora_dirs,
+                                  self.publisher.remote_lora_errors)
         self.admission = self.publisher.admission
         self.sel = self.arbiter.sel
         self.listener: socket.socket | None = None
@@ -89,6 +94,7 @@ class Supervisor:
         self.exit_code = 0
         self._last_watchdog = 0.0
         self._uds_inode: int | None = None
+        self.serving = False  # start() is over: an engine started from now on loads the adapters served now
         # Expert-parallel tiers (by their first rank): each one group, formed, resized and re-formed here.
         self.elastic = {t.base: ElasticGroup(self.arbiter, self.publisher, self.admission, t)
                         for t in self.tiers if t.spec.engine.expert_parallel}
@@ -142,12 +148,13 @@ class Supervisor:
         if slot.tier == "engine":
             mt = a.tier_of(index)
             group = self.elastic.get(mt.base)
+            loras = self.loras.spawn_set(mt.model_id) if self.serving and mt.spec.engine.enable_lora else None
             engine = handoff.engine_launch(
                 index, a.engine_endpoint(index), mt.source, mt.spec.engine, threads=a.engine_threads(),
                 device=engine_device(mt.first_device + index - mt.base, a.num_gpus),
                 heartbeat_interval=c.heartbeat_interval, shutdown_timeout=c.shutdown_timeout,
                 expert_share=group.share(index) if group else None,
-                keys_dir=c.keys_dir if c.bind is not None else None)
+                keys_dir=c.keys_dir if c.bind is not None else None, loras=loras)
             return spawn(slot, "engine_worker", handoff.argv(engine))
         assert self.listener is not None
         fd = self.listener.fileno()
@@ -166,6 +173,9 @@ class Supervisor:
         group = self.group_of(child)
         if isinstance(msg, GroupReport) and group is not None:
             group.on_report(child, msg)
+        elif isinstance(msg, LoraReport) and child.tier == "engine":
+            self.loras.on_report(child, msg)
+            self._publish()
 
     def _on_death(self, child: Child, why: str) -> bool:
         group = self.group_of(child)
@@ -183,7 +193,7 @@ class Supervisor:
         a = self.arbiter
         live = sorted(a.live("engine"), key=lambda c: c.index)
         engines = tuple(EngineInfo(c.index, a.engine_endpoint(c.index), self._engine_state(c), c.pid,
-                                   a.tier_of(c.index).model_id) for c in live)
+                                   a.tier_of(c.index).model_id, c.loras or ()) for c in live)
         return engines, {t.model_id: t.desired for t in self.tiers}, a.desired["gateway"], a.engines_desired
 
     def _phase(self) -> str:
@@ -202,6 +212,16 @@ class Supervisor:
             elif self.admission.holding("failed", t.model_id):
                 self.admission.release("failed", t.model_id)
 
+    def _follow_loras(self, now: float) -> None:
+        """LoRA adapters across hosts: an engine host's engines load what its gateway hosts want; a gateway host
+        asks its engine hosts for what its cluster wants."""
+        if self.publisher.registry is not None:
+            self.loras.follow(self.publisher.registry.wanted_loras())
+        wanted = self.loras.wanted()
+        for remote in self.publisher.remote:
+            remote.want_loras(wanted, now)
+        self.loras.tick(now)
+
     def reconcile(self) -> None:
         now = time.monotonic()
         self.publisher.tick(now)
@@ -214,6 +234,7 @@ class Supervisor:
                 if self.reloading.done:
                     self.reloading = None
             self._follow_failures()
+            self._follow_loras(now)
         self.publisher.publish()
         if self.shared is not None:
             self.commands.follow_shared(now)
@@ -347,6 +368,7 @@ class Supervisor:
             engines = f"{n_en} engine{'s' * (n_en != 1)} on {hosts} engine host{'s' * (hosts != 1)}"
         else:
             engines = "no engine: render only" if self.render_only else f"{n_en} engine{'s' * (n_en != 1)}"
+        self.serving = True
         print(f"zserve: serving {self.model_ids} at {self.url} ({n_gw} gateway{'s' * (n_gw != 1)}, "
               f"{engines}; ready in {time.monotonic() - t0:.1f}s)", flush=True)
         systemd.notify(f"READY=1\nSTATUS=serving {self.model_ids} at {self.url}")

@@ -35,6 +35,9 @@ class FakeChild:
     load: Heartbeat | None = field(default_factory=lambda: Heartbeat(running=0, waiting=0))
     sent: list = field(default_factory=list)
     signals: list = field(default_factory=list)
+    loras: tuple[str, ...] | None = None
+    lora_sent: set = field(default_factory=set)
+    lora_failed: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
