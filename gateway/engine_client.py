@@ -141,11 +141,15 @@ class EngineConnection:
     outstanding: int = 0  # this gateway's requests in flight on the engine
     known_rank: int | None = None  # kept after the engine is gone, for messages
     model: str | None = None  # the model it serves, from the cluster state; None = standalone (any)
+    loras: frozenset[str] | None = None  # the LoRA adapters it reported loaded (cluster state); None = standalone
     tasks: list[asyncio.Task] = field(default_factory=list)
     closed: bool = False
 
-    def serves(self, model: str | None) -> bool:
-        return model is None or self.model is None or self.model == model
+    def serves(self, model: str | None, lora: str | None = None) -> bool:
+        """Whether a request of ``model`` (through LoRA adapter ``lora``) may go here: an adapter's requests go only
+        to the engines that have loaded it."""
+        return (model is None or self.model is None or self.model == model) and (
+            lora is None or self.loras is None or lora in self.loras)
 
     @property
     def routable(self) -> bool:
@@ -282,7 +286,8 @@ class EngineClient:
         self._turn = 0
         self.version = 0  # bumped whenever an engine joins, leaves, says hello, drops or changes state
         self._ready: list[EngineConnection] = []
-        self._ready_by_model: dict[str | None, list[EngineConnection]] = {}  # ``_ready`` by model, as asked
+        # ``_ready`` by (model, LoRA adapter), as asked
+        self._ready_by_model: dict[tuple[str | None, str | None], list[EngineConnection]] = {}
         self._recheck: set[EngineConnection] = set()  # sockets sent on in this loop iteration
         # How long a request of a model that a draining engine handed back may wait for an engine when none is
         # left (the gateway's --scaling-wait while a restart or resize holds the model; 0: fail it at once).
@@ -360,6 +365,7 @@ class EngineClient:
                 log.info("engine %d at %s is %s", info.rank, ep, info.state)
             eng.cluster_state = info.state
             eng.model = info.model or None
+            eng.loras = frozenset(info.loras)
         for ep, eng in list(self.engines.items()):
             if ep not in wanted:
                 await self._drop(eng, f"lost engine {eng.rank} while serving the request")
@@ -418,16 +424,18 @@ class EngineClient:
     def in_flight(self) -> int:
         return len(self._streams)
 
-    def pick_engine(self, exclude: set[str] = frozenset(), model: str | None = None) -> EngineConnection:
-        ready = self._ready_by_model.get(model)
+    def pick_engine(self, exclude: set[str] = frozenset(), model: str | None = None,
+                    lora: str | None = None) -> EngineConnection:
+        ready = self._ready_by_model.get((model, lora))
         if ready is None:
-            ready = self._ready_by_model[model] = [e for e in self._ready if e.serves(model)]
+            ready = self._ready_by_model[model, lora] = [e for e in self._ready if e.serves(model, lora)]
         if exclude:
             ready = [e for e in ready if e.endpoint not in exclude]
         if len(ready) == 1:
             return ready[0]
         if not ready:
-            raise NoEngineAvailable("no engine is ready" + (f" for model {model!r}" if model else ""))
+            raise NoEngineAvailable("no engine is ready" + (f" for model {model!r}" if model else "")
+                                    + (f" with LoRA adapter {lora!r}" if lora else ""))
         least = min(e.load for e in ready)
         tied = [e for e in ready if e.load == least]
         self._turn += 1  # ties rotate, so light sequential traffic still reaches every engine
@@ -733,7 +741,7 @@ class EngineClient:
             if len(st.refused) > MAX_HANDBACKS:
                 raise NoEngineAvailable("no engine would take the request")
             try:
-                eng = self.pick_engine(st.refused, st.model)
+                eng = self.pick_engine(st.refused, st.model, st.add.lora if st.add is not None else None)
             except NoEngineAvailable:
                 if st.busy:
                     raise EnginesBusy("every engine of the model has a full queue") from None
@@ -851,7 +859,7 @@ class ModelEngines:
     def _view(self) -> None:
         if self._version == self.client.version:
             return
-        ready = [e for e in self.client._ready if e.serves(self.model)]
+        ready = [e for e in self.client._ready if e.serves(self.model, self.lora)]
         hellos = [e.hello for e in ready if e.hello is not None]
         self._ready = ready
         self._tasks = frozenset(t for h in hellos for t in h.tasks)

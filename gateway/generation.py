@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from protocol import RequestOutput, SamplingParams
 
-from .metrics import IN_FLIGHT, PROMPT_TOKENS, TokenTimer
+from .metrics import IN_FLIGHT, TokenTimer
 from .state import ModelState
 from .text.detokenizer import IncrementalDetokenizer
 from .text.stop import StopChecker
@@ -131,9 +131,8 @@ class TextPipeline:
         self.interval = state.stream_interval
         self.held: Delta | None = None  # what --stream-interval has not yet let out
         self.sent_at = 0  # output tokens when a delta was last let out
-        self.timer = TokenTimer()
+        self.timer = TokenTimer(lora=state.lora, prompt_tokens=len(prompt_ids))
         self.ended_early = False
-        PROMPT_TOKENS.inc(len(prompt_ids))
         IN_FLIGHT.inc()
         self._open = True
 

@@ -152,8 +152,18 @@ class Recorder:
             "zserve_migrations_exhausted_total", "Requests that lost their engine while streaming and failed instead "
             "of moving: --migration-limit moves already made, or longer than --migration-max-len; by cause.",
             ["cause"], registry=registry))
+        self.lora_requests = BufferedCounter(Counter(
+            "zserve_lora_requests_total", "Generation requests through a LoRA adapter (each choice of one counts), "
+            "by adapter.", ["lora"], registry=registry))
+        self.lora_prompt_tokens = BufferedCounter(Counter(
+            "zserve_lora_prompt_tokens_total", "Prompt tokens sent through a LoRA adapter, by adapter.", ["lora"],
+            registry=registry))
+        self.lora_generation_tokens = BufferedCounter(Counter(
+            "zserve_lora_generation_tokens_total", "Tokens generated through a LoRA adapter, by adapter.", ["lora"],
+            registry=registry))
         self._all = (self.http_requests, self.http_duration, self.ttft, self.inter_token, self.prompt_tokens,
-                     self.generation_tokens, self.in_flight, self.migrations, self.migrations_exhausted)
+                     self.generation_tokens, self.in_flight, self.migrations, self.migrations_exhausted,
+                     self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens)
 
     def migration(self, cause: str, moved: bool) -> None:
         """A request lost its engine while streaming (``EngineClient.on_migration``)."""
@@ -192,6 +202,11 @@ class EngineCollector:
         families = {name: _FAMILY[kind](metric, doc, labels=labels)
                     for name, (kind, metric, doc) in ENGINE_METRICS.items()}
         up = GaugeMetricFamily("zserve_engine_up", "1 when the engine is connected and routable.", labels=labels)
+        # vLLM's: one sample per engine serving adapters, its labels saying which run and wait; the value is when.
+        lora_info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on LoRA requests: the adapters of the running and waiting "
+            "requests, and max_lora (the value is the time of the engine's stats).",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", *labels])
         for e in state.engines.engines.values():
             if e.hello is None:
                 continue
@@ -201,8 +216,13 @@ class EngineCollector:
                 continue
             for key, fam in families.items():
                 fam.add_metric(values, float(getattr(e.stats, key)))
+            st = e.stats
+            if st.max_loras:
+                lora_info.add_metric([str(st.max_loras), ",".join(st.waiting_loras), ",".join(st.running_loras),
+                                      *values], st.timestamp)
         yield from families.values()
         yield up
+        yield lora_info
 
 
 def render(app: web.Application) -> bytes:
@@ -279,12 +299,17 @@ async def metrics_middleware(request: web.Request, handler):
 class TokenTimer:
     """Records one request's time to first token, inter-token gaps and token count."""
 
-    __slots__ = ("start", "last", "_recorder")
+    __slots__ = ("start", "last", "_recorder", "_lora")
 
-    def __init__(self, recorder: Recorder = RECORDER) -> None:
+    def __init__(self, recorder: Recorder = RECORDER, lora: str | None = None, prompt_tokens: int = 0) -> None:
         self.start = monotonic()
         self.last: float | None = None
         self._recorder = recorder
+        self._lora = (lora,) if lora is not None else None  # counted per LoRA adapter too
+        recorder.prompt_tokens.inc(prompt_tokens)
+        if lora is not None:
+            recorder.lora_requests.inc(labels=self._lora)
+            recorder.lora_prompt_tokens.inc(prompt_tokens, labels=self._lora)
 
     def tokens(self, n: int) -> None:
         if n <= 0:
@@ -292,6 +317,8 @@ class TokenTimer:
         now = monotonic()
         r = self._recorder
         r.generation_tokens.inc(n)
+        if self._lora is not None:
+            r.lora_generation_tokens.inc(n, labels=self._lora)
         if self.last is None:
             r.ttft.observe(now - self.start)
         else:

@@ -144,6 +144,10 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
         # connection within milliseconds), not at the first: a gateway started while serving (a rolling restart,
         # a scale-up) otherwise answered a request of another model that instant with a 503, no engine being ready.
         await engines.wait_hello([ep for ep, e in engines.engines.items() if e.cluster_state == "ready"], HELLO_WAIT)
+    if pipes.control_fd is not None:  # and once it serves what the cluster state says (its LoRA adapters, holds)
+        async with asyncio.timeout(a.engine_timeout):
+            while state.cluster is None:
+                await asyncio.sleep(0.01)
 
     async def heartbeat() -> None:
         while True:

@@ -6,7 +6,9 @@ chat template, token texts). A handler binds ``state = state.for_model(req.model
 body: the ``ModelState`` it gets is seen through that model, so ``state.tokenizer`` is the model's tokenizer
 and ``state.engines`` routes only to the model's engines, and it names the few gateway settings a request
 reads (``state.gateway`` is the rest). A LoRA adapter's name is a model name too: its view is its base model's
-(tokenizer, template, context, engines), with ``lora`` set, and its engines send every request through it.
+(tokenizer, template, context, engines), with ``lora`` set, and its engines send every request through it. Which
+adapters are served is cluster state (``ClusterState.loras``): each new state remakes their views, so a name loaded
+or unloaded through any gateway is served, or a 404, here from the version that says so.
 """
 
 from __future__ import annotations
@@ -78,11 +80,26 @@ class GatewayState:
     _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._make_views()
+
+    def _make_views(self) -> None:
+        """One view per name a request may use (a model's names, then its adapters), made again only when the
+        adapters change: requests only read them."""
         self._by_name = {name: m for m in self.models for name in [*m.names, *m.loras]}
-        # One view per name a request may use (a model's names, then its adapters), made once: requests only read
-        # them.
-        self._views = {name: ModelState(self, m, name) for m in self.models for name in m.names}
-        self._views.update({name: ModelState(self, m, name, lora=name) for m in self.models for name in m.loras})
+        views = {name: ModelState(self, m, name) for m in self.models for name in m.names}
+        views.update({name: ModelState(self, m, name, lora=name) for m in self.models for name in m.loras})
+        self._views = views
+
+    def _follow_loras(self, cluster: ClusterState) -> None:
+        """Serve the adapters the cluster state lists (from its version on), and only those."""
+        by_model: dict[str, dict[str, str]] = {m.model_id: {} for m in self.models}
+        for a in cluster.loras:
+            if a.model in by_model:
+                by_model[a.model][a.name] = a.path
+        if any(m.loras != by_model[m.model_id] for m in self.models):
+            for m in self.models:
+                m.loras = by_model[m.model_id]
+            self._make_views()
 
     @property
     def can_serve(self) -> bool:
@@ -117,6 +134,8 @@ class GatewayState:
 
     def apply_cluster(self, cluster: ClusterState) -> None:
         """Take a new cluster state from the supervisor, and wake the held requests to look at it."""
+        if self.cluster is None or cluster.loras != self.cluster.loras:
+            self._follow_loras(cluster)
         self.cluster = cluster
         self._changed.set()
         self._changed = asyncio.Event()

@@ -51,15 +51,16 @@ def tiny_random_hf():
     return model.float().eval()
 
 
-def write_adapter(base, root: Path, seed: int, **lora_config: Any) -> Path:
-    """A PEFT adapter on ``base`` with random, output-changing A and B (PEFT starts B at zero)."""
+def write_adapter(base, root: Path, seed: int, scale: float = 0.3, **lora_config: Any) -> Path:
+    """A PEFT adapter on ``base`` with random, output-changing A and B (PEFT starts B at zero), of standard deviation
+    ``scale``. ``base`` is changed (PEFT wraps its modules): give a copy of a model used again."""
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(base, peft.LoraConfig(**lora_config))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
     model.save_pretrained(root)
     return root
 

@@ -1,11 +1,12 @@
-"""Cluster-wide control: pause/resume admission, elastic expert parallelism and the cluster status, from any
-gateway.
+"""Cluster-wide control: pause/resume admission, elastic expert parallelism, LoRA adapters and the cluster status,
+from any gateway.
 
 A gateway holds no control state of its own: ``POST /pause`` (and ``POST /scale_elastic_ep``) is forwarded
 to the supervisor, which changes the cluster state and answers only once every gateway has applied it. So
 whichever gateway a client reaches, ``/is_paused``, ``/is_scaling_elastic_ep`` and ``/status`` say the same.
-Pause, resume and scaling are admin routes: once keys are configured they take the admin key
-(``gateway.security``).
+The same goes for LoRA adapters (``launch.ops.lora``): a load or unload through any gateway answers once every
+engine of the model loaded (or dropped) it and every gateway serves the new set. Pause, resume, scaling and
+adapters are admin routes: once keys are configured they take the admin key (``gateway.security``).
 """
 
 from __future__ import annotations
@@ -15,22 +16,27 @@ from typing import Annotated, TypeVar
 
 import orjson
 from aiohttp import web
-from pydantic import ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field
 
 from protocol import ProtocolError
 from protocol.cluster import ELASTIC_PHASES
 from protocol.control import (
     DEFAULT_DRAIN_TIMEOUT,
     ELASTIC_OUTCOMES,
+    LORA_OUTCOMES,
     MAX_SCALE,
     ControlMessage,
     ElasticScaleCommand,
     ElasticScaleReply,
     ErrorReply,
+    LoraLoadCommand,
+    LoraReply,
+    LoraUnloadCommand,
     PauseCommand,
     PauseReply,
     ResumeCommand,
 )
+from protocol.messages import MAX_LORA_NAME_LEN, valid_lora_name
 from zserve import control
 
 from ..errors import APIError
@@ -45,6 +51,7 @@ R = TypeVar("R", bound=ControlMessage)
 
 CONTROL_TIMEOUT = 10.0  # seconds the supervisor has to answer pause and resume (every gateway acknowledges)
 RESIZE_MARGIN = 600.0  # seconds a resize may take beyond its drain: new members load, the group re-forms
+LORA_TIMEOUT = 300.0  # seconds a LoRA load may take: every engine reads it (launch.ops.lora.ENGINE_TIMEOUT), rolls back
 
 
 async def _forward(state: GatewayState, cmd: ControlMessage, answer: type[R], timeout: float = CONTROL_TIMEOUT,
@@ -150,6 +157,97 @@ async def is_scaling_elastic_ep(request: web.Request) -> web.Response:
     state = request.app[STATE]
     phase = state.scaling if state.scaling in ELASTIC_PHASES else ""
     return web.json_response({"is_scaling_elastic_ep": bool(phase), "phase": phase or None, "gateway": state.index})
+
+
+# -- LoRA adapters: vLLM's routes and SageMaker's ---------------------------------------------------------------
+def _lora_name(name: str) -> str:
+    if not valid_lora_name(name):
+        raise ValueError(f"an adapter name is 1..{MAX_LORA_NAME_LEN} printable characters")
+    return name
+
+
+LoraName = Annotated[str, AfterValidator(_lora_name)]
+LoraPath = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class LoadLoraRequest(RequestBody):
+    """vLLM's body of ``/v1/load_lora_adapter`` (``model``: the base model, needed when several serve adapters)."""
+
+    lora_name: LoraName
+    lora_path: LoraPath
+    model: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+
+
+class UnloadLoraRequest(RequestBody):
+    """vLLM's body of ``/v1/unload_lora_adapter`` (its ``lora_int_id`` is not needed: names are unique)."""
+
+    lora_name: LoraName
+
+
+class AdapterRequest(RequestBody):
+    """SageMaker's body of ``POST /adapters``: the adapter's ``name`` and its directory ``src``."""
+
+    name: LoraName
+    src: LoraPath
+    model: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+
+
+async def _lora(state: GatewayState, cmd: LoraLoadCommand | LoraUnloadCommand) -> LoraReply:
+    """Send a load or unload to the supervisor; an outcome other than done is its status, in OpenAI's shape."""
+    reply = await _forward(state, cmd, LoraReply, timeout=LORA_TIMEOUT, refused=400)
+    status = LORA_OUTCOMES[reply.outcome]
+    if status != 200:
+        code = {"not_found": "model_not_found", "invalid": "invalid_lora_adapter"}.get(reply.outcome, reply.outcome)
+        raise APIError(status, reply.message, param="lora_name", code=code)
+    return reply
+
+
+def _adapter_body(reply: LoraReply) -> dict:
+    return {"name": reply.name, "model": reply.model, "status": reply.outcome, "engines": reply.engines,
+            "version": reply.version, "seconds": reply.seconds, "unacknowledged": list(reply.unacknowledged)}
+
+
+@routes.post("/v1/load_lora_adapter")
+@admin_route
+@request_body(LoadLoraRequest)
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """Load a LoRA adapter (a PEFT directory inside ``--lora-dir``) on every engine of its base model and serve
+    its name on every gateway; answered once all do. 400: bad input (nothing changed, everywhere)."""
+    req: LoadLoraRequest = parse(LoadLoraRequest, await request.read())
+    reply = await _lora(request.app[STATE], LoraLoadCommand(req.lora_name, req.lora_path, req.model))
+    return web.Response(text=f"Success: LoRA adapter '{reply.name}' added successfully.")
+
+
+@routes.post("/v1/unload_lora_adapter")
+@admin_route
+@request_body(UnloadLoraRequest)
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """Stop serving a LoRA adapter on every gateway (404 from then on) and drop it from every engine once its
+    running requests end. 404: no such adapter."""
+    req: UnloadLoraRequest = parse(UnloadLoraRequest, await request.read())
+    reply = await _lora(request.app[STATE], LoraUnloadCommand(req.lora_name))
+    return web.Response(text=f"Success: LoRA adapter '{reply.name}' removed successfully.")
+
+
+@routes.post("/adapters")
+@admin_route
+@request_body(AdapterRequest)
+async def register_adapter(request: web.Request) -> web.Response:
+    """SageMaker's adapter registration: ``/v1/load_lora_adapter`` with ``name`` and ``src``; answers JSON."""
+    req: AdapterRequest = parse(AdapterRequest, await request.read())
+    reply = await _lora(request.app[STATE], LoraLoadCommand(req.name, req.src, req.model))
+    return web.json_response(_adapter_body(reply))
+
+
+@routes.delete("/adapters/{name}")
+@admin_route
+async def delete_adapter(request: web.Request) -> web.Response:
+    """SageMaker's adapter removal: ``/v1/unload_lora_adapter`` of the adapter the path names; answers JSON."""
+    name = request.match_info["name"]
+    if not valid_lora_name(name):
+        raise APIError(400, f"an adapter name is 1..{MAX_LORA_NAME_LEN} printable characters", param="name")
+    reply = await _lora(request.app[STATE], LoraUnloadCommand(name))
+    return web.json_response(_adapter_body(reply))
 
 
 @routes.get("/status")

@@ -3,6 +3,8 @@
 shipped config (deploy/haproxy/haproxy.cfg).
 
 - gateway hosts serve through the remote engines and follow them as they die, restart and scale;
+- a LoRA adapter loaded through a gateway host is loaded by the engine host's engines before the load answers, a
+  refusal there rolls it back, and an unload drops it there;
 - an unauthenticated client (no CURVE, an unlisted key, raw bytes) reaches nothing and is logged;
 - plain TCP needs --insecure;
 - through HAProxy, killing one gateway host mid-run fails at most the requests it had in flight.
@@ -65,7 +67,7 @@ def keys(tmp_path_factory):
 def engine_host(keys):
     port = free_ports(8)
     s = Server(command=[*LAUNCH, "engine", *MODEL, "--count", "2", "--bind", f"tcp://127.0.0.1:{port}",
-                        "--keys", str(keys), "--heartbeat-timeout", "10"], log_name="engine-host")
+                        "--keys", str(keys), "--heartbeat-timeout", "10", "--enable-lora"], log_name="engine-host")
     yield s
     s.stop()
 
@@ -75,8 +77,13 @@ def gateway_host(engine_host: Server, keys, name: str, *extra: str) -> Server:
 
 
 @pytest.fixture(scope="module")
-def gateways(engine_host, keys):
-    s = gateway_host(engine_host, keys, "gateway-host")
+def lora_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def gateways(engine_host, keys, lora_dir):
+    s = gateway_host(engine_host, keys, "gateway-host", "--enable-lora", "--lora-dir", str(lora_dir))
     yield s
     s.stop()
 
@@ -210,6 +217,36 @@ def _hello(sock: zmq.Socket, endpoint: str, wait_ms: int) -> object | None:
     if sock.poll(wait_ms):
         return decode(sock.recv_multipart())
     return None
+
+
+def test_a_lora_adapter_loaded_through_a_gateway_host_is_loaded_by_the_engine_hosts_engines(engine_host, gateways,
+                                                                                            lora_dir):
+    pytest.importorskip("peft")
+    from tests.lora_adapters import tiny_random_hf, write_adapter
+
+    write_adapter(tiny_random_hf(), lora_dir / "remote", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    write_adapter(tiny_random_hf(), lora_dir / "rank32", 4, r=32, lora_alpha=8, target_modules=["q_proj"])
+
+    def load(name: str) -> httpx.Response:
+        return httpx.post(gateways.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name},
+                          timeout=330)
+
+    def loras(server: Server) -> list[set[str]]:
+        return [set(p.get("loras") or ()) for p in procs(server, "engine") if p["state"] == "ready"]
+
+    r = load("remote")
+    assert r.status_code == 200, r.text
+    assert loras(engine_host) == [{"remote"}] * 2 and loras(gateways) == [{"remote"}] * 2
+    client = openai.OpenAI(base_url=gateways.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    for _ in range(6):
+        assert client.completions.create(model="remote", prompt="hello", max_tokens=4).model == "remote"
+    r = load("rank32")  # the engine host's engines refuse it: rolled back
+    assert r.status_code == 400 and "above this engine's max_lora_rank=16" in r.text and "engine host" in r.text, r.text
+    r = httpx.post(gateways.url + "/v1/unload_lora_adapter", json={"lora_name": "remote"}, timeout=60)
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="remote", prompt="hello", max_tokens=4)
+    wait_until(lambda: loras(engine_host) == [set()] * 2, 30, 0.2, "the engine host's engines to drop it")
 
 
 def test_unauthenticated_clients_reach_nothing_and_are_logged(engine_host, gateways, keys):

@@ -38,7 +38,7 @@ def every_metric() -> dict[str, tuple[str, tuple[str, ...]]]:
     Recorder(gateways)
     engine = SimpleNamespace(hello=SimpleNamespace(rank=0, model_id="m"), routable=True,
                              stats=EngineStats(rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=5, steps=5,
-                                               timestamp=time.time()))
+                                               timestamp=time.time(), max_loras=2, running_loras=("a",)))
     engines = CollectorRegistry()
     engines.register(EngineCollector({STATE: SimpleNamespace(engines=SimpleNamespace(engines={0: engine}))}))
     return {**exported(gateways), **exported(engines)}
@@ -47,7 +47,7 @@ def every_metric() -> dict[str, tuple[str, tuple[str, ...]]]:
 def documented_metrics() -> dict[str, str]:
     """{`name{labels}` as the first cell of a table row of docs/operations.md: the kind in its second cell}."""
     rows = (ROW.match(line) for line in (ROOT / "docs" / "operations.md").read_text().splitlines())
-    return {m.group(1): m.group(2) for m in rows if m and m.group(1).startswith("zserve_")}
+    return {m.group(1): m.group(2) for m in rows if m and m.group(1).startswith(("zserve_", "vllm:"))}
 
 
 def test_every_exported_metric_has_a_row_with_its_kind_and_exact_labels():
