@@ -10,7 +10,8 @@ For each ``--max-loras`` value a server (``launch api-server --count 2``, every 
 ``--lora-modules``) is started, and ``launch bench`` drives it twice with the traffic users send (streamed, sampled
 at temperature 1.0, ``--concurrency`` requests in flight, random prompts of ``--input-len`` tokens): once on the base
 model, once with each request through one of the adapters (``launch bench --lora-modules``). Reported: output
-tokens/s of both and their ratio, per ``--max-loras``.
+tokens/s of both and their ratio, per ``--max-loras``, and how many times the mixed run copied an adapter into a compute
+slot (``zserve_engine_lora_slot_fills_total``: evictions, when the traffic uses more adapters than ``--max-loras``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
 from bench_lora import write_adapter
 
 from zserve.catalog import resolve
@@ -40,6 +42,13 @@ def bench(url: str, out: Path, args: argparse.Namespace, *extra: str) -> float:
     point = json.loads(out.read_text())["results"][0]
     assert point["completed"] == args.num_prompts, point
     return point["output_throughput"]
+
+
+def slot_fills(url: str) -> float:
+    """Adapters copied into a --max-loras compute slot so far, over every engine (``/metrics``)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("zserve_engine_lora_slot_fills_total{"))
 
 
 def main() -> None:
@@ -68,17 +77,19 @@ def main() -> None:
                             log_name=f"bench-lora-{max_loras}")
             try:
                 base = bench(server.url, Path(tmp) / "base.json", args, "--model", args.model)
+                fills = slot_fills(server.url)
                 mixed = bench(server.url, Path(tmp) / "mixed.json", args,
                               *(a for n in names for a in ("--lora-modules", n)))
+                fills = slot_fills(server.url) - fills
             finally:
                 server.stop()
-            rows.append((max_loras, base, mixed))
+            rows.append((max_loras, base, mixed, fills))
     print(f"{args.model}, {args.adapters} adapters of rank {args.rank} on every projection, concurrency "
           f"{args.concurrency}, {args.num_prompts} requests of {args.input_len} + {args.output_len} tokens, "
           "streamed, temperature 1.0")
-    print("| --max-loras | base tok/s | mixed adapters tok/s | ratio |\n|---|---|---|---|")
-    for max_loras, base, mixed in rows:
-        print(f"| {max_loras} | {base:.1f} | {mixed:.1f} | {mixed / base:.2f}x |")
+    print("| --max-loras | base tok/s | mixed adapters tok/s | ratio | slot fills (mixed run) |\n|---|---|---|---|---|")
+    for max_loras, base, mixed, fills in rows:
+        print(f"| {max_loras} | {base:.1f} | {mixed:.1f} | {mixed / base:.2f}x | {fills:.0f} |")
 
 
 if __name__ == "__main__":

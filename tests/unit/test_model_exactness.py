@@ -1,12 +1,15 @@
 """fp32 SmolLM2 through the engine (scheduler + paged runner) gives transformers' greedy tokens:
 alone and batched, with chunked prefill on and off, prefix caching on and off, and under a KV
-budget so small that requests are preempted and recomputed.
+budget so small that requests are preempted and recomputed; and through a LoRA adapter on every
+projection, batched with the base model, PEFT's.
 
 transformers loads the same GGUF (its own dequantization and Q/K un-permutation) and is the
 oracle: a wrong RoPE layout, norm, GQA grouping or KV-cache bookkeeping changes the tokens.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -41,12 +44,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """transformers' greedy continuations and first-step log-probs, computed once."""
+def hf():
+    """SmolLM2 in transformers, fp32, from the same GGUF (loaded once: ~20 s)."""
     transformers = pytest.importorskip("transformers")
     path = smollm2_gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf.eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(hf):
+    """transformers' greedy continuations and first-step log-probs, computed once."""
     tokens, first_logprobs = [], []
     with torch.inference_mode():
         for p in PROMPTS + [SAME_SYSTEM]:
@@ -138,3 +146,34 @@ def test_a_shared_prefix_is_a_cache_hit_with_the_same_output(loaded, reference):
     assert toks(outs) == ref_tokens[len(PROMPTS)]
     (cold,), _ = run(make_runner(loaded, block_size=8), [SAME_SYSTEM], prefix_caching=False)
     assert cold[0].num_cached_tokens == 0 and toks(cold) == toks(outs)
+
+
+def test_a_lora_adapter_on_every_projection_batched_with_the_base_model_matches_peft(loaded, hf, tmp_path):
+    """32 greedy tokens through a rank-8 adapter on q/k/v/o/gate/up/down, two prompts through it and one through
+    the base model in the same batches: what transformers + PEFT generate in fp32, token for token."""
+    peft = pytest.importorskip("peft")
+    from tests.lora_adapters import write_adapter
+
+    n = 32
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    path = write_adapter(copy.deepcopy(hf), tmp_path / "smol", 5, scale=0.05, r=8, lora_alpha=16,
+                         target_modules=modules)
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(path)).eval()
+
+    def greedy(model, prompt: list[int]) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=EOS)
+        return out[0, len(prompt):].tolist()
+
+    want = [greedy(adapted, FRANCE), greedy(adapted, PROMPTS[1]), greedy(hf, PROMPTS[2])]
+    assert want[0] != greedy(hf, FRANCE)  # (the adapter changes what the model writes)
+    runner = make_runner(loaded, max_loras=2)
+    runner.loras.load("smol", path)
+    sched = Scheduler(runner, 8, 512, loras=runner.loras)
+    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)  # (EOS masked, as min_new_tokens does)
+    for i, (prompt, lora) in enumerate([(FRANCE, "smol"), (PROMPTS[1], "smol"), (PROMPTS[2], None)]):
+        assert sched.add(Sequence(f"r{i}", list(prompt), params, lora=lora)) is None
+    outs = run_until_done(sched)
+    assert [toks(outs[f"r{i}"]) for i in range(3)] == want
