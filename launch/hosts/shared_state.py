@@ -3,18 +3,19 @@
 Without it each host is its own cluster: ``/pause`` pauses the gateways of the host that got it. With it, the
 supervisor of every host keeps, in one Redis (the one the Responses store uses):
 
-- ``zserve:control``: a hash ``{version, paused}``, the state every host follows: ``paused`` is the JSON list of
-  the models an operator paused (null: every model). A new version is a change: a Redis restarted without its
+- ``zserve:control``: a hash ``{version, paused, loras}``, the state every host follows: ``paused`` is the JSON list
+  of the models an operator paused (null: every model), ``loras`` the LoRA adapters served (``[name, model, path]``
+  each: every host's engines load them, ``launch.ops.lora``). A new version is a change: a Redis restarted without its
   data counts from 1 again, and until something is written hosts keep theirs;
 - ``zserve:hosts``: a hash host id → ``{"seen": unix time, "applied": version}``, written every heartbeat;
 - a pub/sub channel ``zserve:control`` that says "changed", so hosts apply a change at once rather than at
   their next heartbeat.
 
-A control request on any host (``/pause``, ``/resume``) writes the state and is answered only once every host
-heard from within the liveness window has applied that version (its own gateways acknowledged it), as one
-host's gateways are waited for today. Redis going away never stops a host: it keeps the last state it knew,
-logs loudly once (and once more when Redis is back), and takes the shared state again on recovery. A control
-request while Redis is away takes effect on this host only, and its reply says so.
+A control request on any host (``/pause``, ``/resume``, a LoRA load or unload) writes the state and is answered
+only once every host heard from within the liveness window has applied that version (its own gateways acknowledged
+it, its engines loaded the adapters), as one host's gateways are waited for. Redis going away never stops a host:
+it keeps the last state it knew, logs loudly once (and once more when Redis is back), and takes the shared state
+again on recovery. A control request while Redis is away takes effect on this host only, and its reply says so.
 
 The subscriber is a thread (redis-py's pub/sub blocks); it only wakes the supervisor's loop, which does every
 read and write itself with short socket timeouts.
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 import orjson
 
+from protocol.cluster import LoraInfo
 from zserve.proc import redact_url
 
 log = logging.getLogger("zserve.launch")
@@ -56,6 +58,7 @@ class SharedControl:
         self.wake = wake
         self.version = 0  # of the shared state this host applied last
         self.paused: frozenset[str | None] | None = None  # the models paused (None: every one); None until read
+        self.loras: tuple[LoraInfo, ...] = ()  # the LoRA adapters served, as last read or written
         self.changed = threading.Event()
         self.up: bool | None = None
         self.last_beat = 0.0
@@ -91,9 +94,11 @@ class SharedControl:
             log.warning("the shared control state at %s is reachable again", redact_url(self.url))
         self.up = True
 
-    def poll(self, now: float, applied: Callable[[], bool]) -> frozenset[str | None] | None:
-        """The models paused to apply when the shared state changed (None: nothing new); and the heartbeat that
-        tells the others which version this host applied (``applied``: its gateways acknowledged it)."""
+    def poll(self, now: float, applied: Callable[[], bool]
+             ) -> tuple[frozenset[str | None], tuple[LoraInfo, ...]] | None:
+        """The models paused and the LoRA adapters served, to apply when the shared state changed (None: nothing
+        new); and the heartbeat that tells the others which version this host applied (``applied``: its gateways
+        acknowledged it and its engines have the adapters)."""
         new = None
         if self.up is False and now - self.last_beat < self.interval:
             return None  # away: try again once a heartbeat interval, not on every turn of the loop
@@ -110,8 +115,9 @@ class SharedControl:
                 self.version = self.reported = 0
             else:
                 version, paused = int(got.get(b"version", 0)), _paused(got.get(b"paused"))
+                loras = _loras(got.get(b"loras"))
                 if version != self.version:  # (lower too: a restarted Redis counts from 1 again)
-                    self.version, self.paused, new = version, paused, paused
+                    self.version, self.paused, self.loras, new = version, paused, loras, (paused, loras)
         done = self.version if applied() else self.version - 1
         if now - self.last_beat >= self.interval or done > self.reported:
             self.last_beat = now
@@ -125,19 +131,22 @@ class SharedControl:
                 self._failed(e)
         return new
 
-    def publish(self, paused: frozenset[str | None]) -> int | None:
-        """Write a new state for every host; its version, or None when Redis is away (this host only)."""
+    def publish(self, paused: frozenset[str | None], loras: tuple[LoraInfo, ...] | None = None) -> int | None:
+        """Write a new state for every host (``loras`` None: the adapters as they are); its version, or None when
+        Redis is away (this host only)."""
+        loras = self.loras if loras is None else loras
         try:
             pipe = self.client.pipeline()
             pipe.hincrby(KEY, "version", 1)
             pipe.hset(KEY, "paused", orjson.dumps(sorted(paused, key=lambda m: m or "")))
+            pipe.hset(KEY, "loras", orjson.dumps([[a.name, a.model, a.path] for a in loras]))
             version = int(pipe.execute()[0])
             self.client.publish(CHANNEL, str(version))
             self._ok()
         except self.errors as e:
             self._failed(e)
             return None
-        self.version, self.paused = version, paused
+        self.version, self.paused, self.loras = version, paused, loras
         return version
 
     def applied_by_all(self, version: int) -> list[str]:
@@ -176,3 +185,18 @@ def _paused(raw: bytes | None) -> frozenset[str | None]:
     if not isinstance(models, list):
         return frozenset()
     return frozenset(m for m in models if m is None or isinstance(m, str))
+
+
+def _loras(raw: bytes | None) -> tuple[LoraInfo, ...]:
+    """The LoRA adapters served, as the shared state writes them (an unreadable entry is left out)."""
+    try:
+        entries = orjson.loads(raw or b"[]")
+    except orjson.JSONDecodeError:
+        return ()
+    out = []
+    for e in entries if isinstance(entries, list) else ():
+        try:
+            out.append(LoraInfo(*e))
+        except TypeError:
+            continue
+    return tuple(out)

@@ -42,6 +42,7 @@ from ..tiers import ModelTier
 log = logging.getLogger("zserve.launch")
 
 ENGINE_TIMEOUT = 120.0  # seconds every ready engine of the model has to load an adapter before the load is undone
+SHARED_WAIT = 30.0  # seconds a load or unload waits for the other gateway hosts (their engines load it too)
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -98,6 +99,8 @@ class _Change:
     version: int = 0
     engines: int = 0
     acks_since: float = 0.0
+    adopted: bool = False  # another gateway host's, from the shared state (nobody waits for its answer)
+    shared_version: int | None = None  # the shared state's version that carries it to the other gateway hosts
 
 
 class LoraAdapters:
@@ -111,6 +114,11 @@ class LoraAdapters:
         self.desired: dict[str, dict[str, str]] = {t.model_id: dict(t.loras) for t in tiers}
         self.served: dict[str, LoraInfo] = {n: LoraInfo(n, t.model_id, p) for t in tiers for n, p in t.loras}
         self.changes: list[_Change] = []
+        # Gateway hosts sharing a Redis state (``launch.hosts.shared_state``): write the served set there (its
+        # version, or None), and name the hosts that have not applied a version yet.
+        self.share: Callable[[str, LoraInfo | None], int | None] = lambda name, info: None
+        self.shared_behind: Callable[[int], list[str]] = lambda version: []
+        self._shared_names: set[str] = set()  # the adapters the shared state last listed
 
     # -- what the others read ------------------------------------------------------------------------
     def state(self) -> tuple[LoraInfo, ...]:
@@ -130,6 +138,27 @@ class LoraAdapters:
         """The desired adapters a local engine refused (name -> why): an engine host tells its gateway hosts."""
         return {name: f"{c.name} refused it: {why}" for c in self.processes.live("engine")
                 for name, why in c.lora_failed.items() if name in self.desired.get(self._model_of(c), {})}
+
+    def adopt(self, shared: tuple[LoraInfo, ...]) -> None:
+        """Gateway hosts sharing a Redis state: serve what another host loaded, stop serving what it unloaded."""
+        names = {a.name for a in shared}
+        for a in shared:
+            tier = next((t for t in self.tiers if t.model_id == a.model), None)
+            if a.name in self.served or self._change(a.name) is not None or tier is None or (
+                    not tier.spec.engine.enable_lora):
+                continue
+            log.info("LoRA adapter %r of %s: loading it here too (another gateway host loaded it)", a.name, a.model)
+            self.desired[a.model][a.name] = a.path
+            self.changes.append(_Change("load", a.name, a.model, Later(), time.monotonic(), adopted=True))
+        for name in [n for n in self.served if n in self._shared_names and n not in names]:
+            if self._change(name) is None:
+                log.info("LoRA adapter %r: unloading it here too (another gateway host unloaded it)", name)
+                self.unload(name, Later(), adopted=True)
+        self._shared_names = names
+
+    def adopting(self) -> bool:
+        """Whether a change another gateway host made is still being applied here."""
+        return any(c.adopted for c in self.changes)
 
     def spawn_set(self, model: str) -> tuple[tuple[str, str], ...]:
         """What an engine of ``model`` that starts now loads before it says ready."""
@@ -171,7 +200,7 @@ class LoraAdapters:
         self.tick(time.monotonic())
         return answer
 
-    def unload(self, name: str, answer: Later) -> Later:
+    def unload(self, name: str, answer: Later, adopted: bool = False) -> Later:
         info = self.served.get(name)
         if info is None or self._change(name) is not None:
             said = "is being loaded or unloaded already" if info is not None else "cannot be found"
@@ -180,7 +209,7 @@ class LoraAdapters:
             return answer
         del self.served[name]
         self.desired[info.model].pop(name, None)
-        change = _Change("unload", name, info.model, answer, time.monotonic())
+        change = _Change("unload", name, info.model, answer, time.monotonic(), adopted=adopted)
         self.changes.append(change)
         log.info("LoRA adapter %r of %s: unloading (its running requests finish)", name, info.model)
         self._settled(change, "unloaded", f"LoRA adapter {name!r} unloaded", change.started)
@@ -213,9 +242,15 @@ class LoraAdapters:
         if not ch.outcome:
             return
         # Settled: answered once every gateway applied the version that carries it (and, for an unload, once no
-        # engine serves it to new requests).
+        # engine serves it to new requests), on every gateway host sharing the state too.
+        if ch.outcome in ("loaded", "unloaded") and not ch.adopted and ch.shared_version is None:
+            ch.shared_version = self.share(ch.name, self.served.get(ch.name)) or 0
+            if ch.shared_version:  # (what the shared state lists now: an unload through another host drops it)
+                (self._shared_names.add if ch.action == "load" else self._shared_names.discard)(ch.name)
         behind = self.publisher.lagging(ch.version)
-        if behind and now - ch.acks_since <= ACK_TIMEOUT:
+        if not behind and ch.shared_version:
+            behind = self.shared_behind(ch.shared_version)
+        if behind and now - ch.acks_since <= (SHARED_WAIT if ch.shared_version else ACK_TIMEOUT):
             return
         if ch.action == "unload" and not behind and now - ch.started < ENGINE_TIMEOUT and any(
                 ch.name in (c.loras or ()) for c in self.processes.live("engine") if self._model_of(c) == ch.model):

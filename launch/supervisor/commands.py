@@ -16,6 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
+from protocol.cluster import LoraInfo
 from protocol.control import (
     ControlMessage,
     ElasticScaleCommand,
@@ -174,11 +175,32 @@ class Commands:
         """Apply the operators' pauses another gateway host wrote to the shared state."""
         shared, admission = self.sup.shared, self.sup.admission
         assert shared is not None
-        paused = shared.poll(now, lambda: not self.sup.publisher.lagging(self._shared_local))
-        if paused is not None and paused != admission.paused:
+        loras = self.sup.loras
+        state = shared.poll(now, lambda: not self.sup.publisher.lagging(self._shared_local) and not loras.adopting())
+        if state is None:
+            return
+        paused, adapters = state
+        if paused != admission.paused:
             log.info("the shared control state says: paused %s", ", ".join(sorted(m or "every model" for m in paused))
                      or "nothing")
             self._shared_local = admission.set_paused(paused)
+        loras.adopt(adapters)
+
+    def share_loras(self, name: str, info: LoraInfo | None) -> int | None:
+        """A load (``info``) or unload of adapter ``name`` through this host settled: write it to the shared state;
+        the shared version every other host must apply, or None (no shared state, or Redis away)."""
+        shared = self.sup.shared
+        if shared is None:
+            return None
+        adapters = {a.name: a for a in shared.loras}
+        adapters.pop(name, None)
+        if info is not None:
+            adapters[name] = info
+        return shared.publish(self.sup.admission.paused, tuple(adapters.values()))
+
+    def shared_behind(self, version: int) -> list[str]:
+        shared = self.sup.shared
+        return [name[:64] for name in shared.applied_by_all(version)] if shared is not None else []
 
     def _elastic_scale(self, cmd: ElasticScaleCommand) -> ControlMessage | Later:
         groups = list(self.sup.elastic.values())

@@ -101,6 +101,7 @@ class Supervisor:
         self.reloading: RollingRestart | None = None  # SIGHUP / launch reload in progress
         self.shared: SharedControl | None = None  # the control state of every gateway host (--state-url redis)
         self.commands = Commands(self)
+        self.loras.share, self.loras.shared_behind = self.commands.share_loras, self.commands.shared_behind
 
     # -- what the parts ask ------------------------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """Two gateway hosts (two `launch api-server` groups) sharing one Redis (`--state-url redis://…`, started here):
 a stored response is fetched through the other host; `/pause` and `/resume` sent to one host are reported by
-every gateway of both before they are answered; killing Redis mid-run crashes nothing and loses no request, and
-the hosts share control again once Redis is back."""
+every gateway of both before they are answered; a LoRA adapter loaded or unloaded through one host is served (or
+a 404) on both when the route answers; killing Redis mid-run crashes nothing and loses no request, and the hosts
+share control again once Redis is back."""
 
 from __future__ import annotations
 
@@ -30,11 +31,17 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hosts(redis_server):
+def lora_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared-lora")
+
+
+@pytest.fixture(scope="module")
+def hosts(redis_server, lora_dir):
     url = f"redis://127.0.0.1:{redis_server['port']}/0"
-    a = Server(*TINY, "--count", "2", "--state-url", url, log_name="shared-host-a")
+    lora = ("--enable-lora", "--lora-dir", str(lora_dir))
+    a = Server(*TINY, "--count", "2", "--state-url", url, *lora, log_name="shared-host-a")
     try:
-        b = Server(*TINY, "--count", "2", "--state-url", url, log_name="shared-host-b")
+        b = Server(*TINY, "--count", "2", "--state-url", url, *lora, log_name="shared-host-b")
     except Exception:
         a.stop()
         raise
@@ -81,6 +88,25 @@ def test_pause_and_resume_on_one_host_hold_on_every_gateway_of_both(hosts):
     r = httpx.post(b.url + "/resume", timeout=30)
     assert r.status_code == 200 and r.json()["unacknowledged"] == [], r.text
     assert paused_everywhere(hosts) == {False}
+
+
+def test_a_lora_adapter_loaded_through_one_host_is_served_by_both_when_it_answers(hosts, lora_dir):
+    pytest.importorskip("peft")
+    from tests.lora_adapters import tiny_random_hf, write_adapter
+
+    a, b = hosts
+    write_adapter(tiny_random_hf(), lora_dir / "shared", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+    def complete(url: str) -> int:
+        return httpx.post(url + "/v1/completions", json={"model": "shared", "prompt": "x", "max_tokens": 2},
+                          headers={"Connection": "close"}, timeout=60).status_code
+
+    r = httpx.post(a.url + "/v1/load_lora_adapter", json={"lora_name": "shared", "lora_path": "shared"}, timeout=330)
+    assert r.status_code == 200, r.text
+    assert [complete(h.url) for h in (b, a) for _ in range(8)] == [200] * 16  # b's gateways and engine have it
+    r = httpx.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "shared"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [complete(h.url) for h in (a, b) for _ in range(8)] == [404] * 16
 
 
 def test_losing_redis_crashes_nothing_and_control_is_shared_again_when_it_returns(hosts, redis_server):
