@@ -49,6 +49,9 @@ from .sequence import Sequence
 log = logging.getLogger("zserve.engine")
 
 CLOSE_LINGER_MS = 2000  # at exit, how long queued outputs may wait for a gateway to read them
+# After a drain timeout's hand-backs, how long the engine stays connected before it exits: a gateway that saw the
+# connection drop first would move those requests as lost (engine_lost) before reading that they were handed back.
+HANDBACK_GRACE_S = 0.25
 
 
 class EngineServer:
@@ -59,6 +62,7 @@ class EngineServer:
         # Seconds a drain lets running requests finish before handing the rest back (None: until they finish).
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
+        self.exit_after = 0.0  # a drained engine leaves no sooner (HANDBACK_GRACE_S after hand-backs)
         self.keys = keys  # CURVE on a TCP endpoint (an engine host's): only authorized gateways get in
         self.max_waiting = max_waiting  # a full queue hands new requests back (429 once every engine is full)
         self.runner = runner
@@ -292,7 +296,7 @@ class EngineServer:
             self.send(client, st)
 
     def serve_forever(self) -> None:
-        while not (self.draining and not self.scheduler.has_work):
+        while not (self.draining and not self.scheduler.has_work and time.monotonic() >= self.exit_after):
             self.loop_tick = time.monotonic()
             if self.drain_deadline is not None and self.loop_tick >= self.drain_deadline:
                 self.hand_back()
@@ -332,6 +336,8 @@ class EngineServer:
                 self.send(client, ErrorMessage(ERR_ENGINE_DRAINING, f"engine {self.rank} reached its drain timeout "
                                                f"after {len(s.output_ids)} generated tokens", s.request_id))
         if seqs:
+            self.exit_after = time.monotonic() + HANDBACK_GRACE_S
+            self.drain_deadline = None
             log.warning("engine %d: drain timeout (%.0fs) reached; handed %d request(s) back to their gateways",
                         self.rank, self.drain_timeout or 0, len(seqs))
 

@@ -77,6 +77,9 @@ log = logging.getLogger("zserve.gateway.engines")
 DRAINING = ERR_ENGINE_DRAINING
 MAX_HANDBACKS = 8
 DISCONNECT_GRACE = 0.2  # seconds; well inside the 1 s in which a dead engine's requests must end
+# Seconds a migrating engine's requests wait for its connection to drop (what it wrote last is read by then) once the
+# supervisor says it is gone; an engine host cut off never drops it and its requests move after this.
+SETTLE_WAIT = 0.5
 # Seconds a request waits for an engine the supervisor reports ready that has not yet greeted this gateway: a
 # replacement (rolling restart, restart after a crash) is ready before the gateway's socket reconnects to it
 # (ZeroMQ retries up to RECONNECT_IVL_MAX, a second, apart), and the moment a hold on its model is released a
@@ -144,6 +147,9 @@ class EngineConnection:
     loras: frozenset[str] | None = None  # the LoRA adapters it reported loaded (cluster state); None = standalone
     tasks: list[asyncio.Task] = field(default_factory=list)
     closed: bool = False
+    # Set when the socket's monitor saw the connection drop: ZeroMQ's I/O thread has queued everything the engine
+    # sent before it went (cleared on each new handshake).
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
     def serves(self, model: str | None, lora: str | None = None) -> bool:
         """Whether a request of ``model`` (through LoRA adapter ``lora``) may go here: an adapter's requests go only
@@ -490,11 +496,13 @@ class EngineClient:
                 return
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                eng.disconnected.clear()
                 try:
                     self._send_now(eng, encode(ClientHello(self.client_id)))
                 except zmq.ZMQError as e:  # dropped again already: the next handshake says hello
                     log.debug("could not greet engine %s: %s", eng.endpoint, e)
             elif event == zmq.EVENT_DISCONNECTED:
+                eng.disconnected.set()
                 was = eng.rank
                 eng.hello = None
                 eng.stats = None
@@ -512,10 +520,20 @@ class EngineClient:
         """Before acting on a lost engine's requests: deliver what it sent before it went (a drained engine's last
         tokens). The monitor and the data socket are not ordered. Without migration a request then fails, so the
         reader gets ``DISCONNECT_GRACE``; a migrating one moves as soon as the socket holds nothing more (an output
-        that still came later would only be dropped, and its tokens generated again where the request moved)."""
+        that still came later would only be dropped, and its tokens generated again where the request moved).
+
+        The supervisor can say an engine is gone (it saw the process exit) before this gateway's ZeroMQ I/O thread
+        has read what the engine wrote last (a drain timeout's hand-backs, written just before it exited): until the
+        socket's monitor saw the connection drop, wait for that, up to ``SETTLE_WAIT``."""
         if not self.migration_limit:
             await asyncio.sleep(DISCONNECT_GRACE)
             return
+        if not eng.disconnected.is_set() and eng.hello is not None:
+            try:
+                async with asyncio.timeout(SETTLE_WAIT):
+                    await eng.disconnected.wait()
+            except TimeoutError:
+                pass  # (a host cut off: nothing more will come)
         for _ in range(2):
             self._pump(eng)
             await asyncio.sleep(0)
@@ -622,10 +640,9 @@ class EngineClient:
         n = 0
         for st in list(self._streams.values()):
             if st.engine is eng:
-                if st.started:
-                    self._migrate(st, eng, "engine_lost", why)
-                else:  # nothing was produced yet: safe to send it to another engine
-                    self._hand_back(st, eng)
+                # One that produced output moves; one that had not is sent again as it is (both wait up to
+                # --scaling-wait for an engine when none is left, as with --migration-limit 0 only held ones do).
+                self._migrate(st, eng, "engine_lost", why)
                 n += 1
         return n
 

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -190,8 +191,6 @@ def check_kinds(streams: dict[tuple[str, int], Stream], max_tokens: int) -> None
 
 
 def metric(url: str, name: str) -> float:
-    import httpx
-
     text = httpx.get(url + "/metrics", timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
@@ -287,6 +286,15 @@ def test_a_stream_moves_as_often_as_the_limit_allows_then_fails(server):
 
 def test_a_scale_down_whose_drain_times_out_moves_its_streams_to_the_engine_that_stays(server):
     wait_until(lambda: len(ready_pids(server, "engine")) == 2, 60, what="two ready engines")
+
+    def both_route_to_both() -> bool:  # (an engine replaced by the test before is ready before gateways reach it)
+        seen = {}
+        for _ in range(20):
+            st = httpx.get(server.url + "/status", headers={"Connection": "close"}, timeout=10).json()
+            seen[st["gateway"]] = sum(e["routable"] for e in st["engines"])
+        return seen == {0: 2, 1: 2}
+
+    wait_until(both_route_to_both, 60, 0.1, "both gateways to route to both engines")
     streams = [Stream() for _ in range(8)]
     before = metric(server.url, 'zserve_migrations_total{cause="drain_timeout"}')
     with ThreadPoolExecutor(8) as pool:
@@ -295,6 +303,9 @@ def test_a_scale_down_whose_drain_times_out_moves_its_streams_to_the_engine_that
         wait_until(lambda: all(s.error or s.chunks > 3 for s in streams), 60, what="the streams to flow")
         assert not any(s.error for s in streams), [s.error for s in streams]
         busiest_engine(server, 8)
+        # The engine the scale-down drains (the last) holds streams when it is told to.
+        wait_until(lambda: any(p["index"] == 1 and p.get("running", 0) > 0 for p in procs(server, "engine")), 30,
+                   0.1, "engine 1 to run streams")
         r = subprocess.run([*LAUNCH, "scale", "engine", "1", "--port", str(server.port), "--timeout", "60"], cwd=ROOT,
                            capture_output=True, text=True, timeout=90)
         assert r.returncode == 0, r.stderr
