@@ -28,6 +28,12 @@ and one ``torch.bmm`` per matmul serves them all, then ``index_add_`` scatters t
 scatter when the rows are already in place). That is decode's case, a few rows per adapter, where a matmul pair
 per adapter would cost mostly call overhead. Adapters with many rows (a prefill) or alone in their layout go
 through a ``SegmentPass``, one matmul pair per adapter, so a long segment is never padded.
+
+On a CPU with the native kernels (``cpu_kernels.supports_lora``), every adapter with at most ``BATCH_ROWS`` rows
+goes instead into one ``KernelPass`` per projection: ``cpu_kernels.lora_shrink_expand`` streams each adapter's
+slot once for all its rows, reading its token rows in place (no gather, no padding, no scatter) and adding to
+``y`` directly, with the threads splitting the weights. Adapters of any layouts share that one call. The torch
+passes stay for longer segments, for CUDA, and where the kernels did not build.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine_worker import cpu_kernels
 
 if TYPE_CHECKING:
     from engine_worker.models.layers import Linear
@@ -224,11 +232,12 @@ class ProjectionSlots:
     """One target projection's slots: ``at [max_loras, in, modules·max_rank]``, each slot's ``A.T``'s side by side
     (the adapter's modules of this projection, each ``rank`` columns wide, packed from column 0), and per module
     ``bt[j] [max_loras, max_rank, out_j]``, its ``(s·B).T`` in the first ``rank`` rows; ``cols[j]``: module j's
-    output columns in the fused projection."""
+    output columns in the fused projection; ``kernel``: the native kernel bound to these slots (None: torch)."""
 
     at: torch.Tensor
     bt: tuple[torch.Tensor, ...]
     cols: tuple[slice, ...]
+    kernel: cpu_kernels.LoraKernel | None = None
 
 
 # A slot's layout in one projection: (rank, ((module index in FUSED[kind], first column of its A.T), ...)).
@@ -294,13 +303,25 @@ class BatchedPass:
                     y[:, proj.cols[j]].index_add_(0, self.index, out.view(n, out.shape[2]))
 
 
+@dataclass(frozen=True)
+class KernelPass:
+    """Adapters done by the native kernel in one call: ``rows`` (int64) their token rows, adapter by adapter,
+    ``segs`` [adapters, 5] (int32) per adapter its ``begin, end`` in ``rows``, slot, rank and module mask."""
+
+    rows: torch.Tensor
+    segs: torch.Tensor
+
+    def add(self, proj: ProjectionSlots, x: torch.Tensor, y: torch.Tensor) -> None:
+        proj.kernel(x if x.stride(1) == 1 else x.contiguous(), y, self.rows, self.segs)
+
+
 @dataclass
 class LoraStep:
     """One step's adapters: per projection kind, the passes that add the updates of the adapters adapting it
     (built once per step by ``LoraManager.step``, index tensors included). ``Linear.forward`` calls ``add`` after
     its base matmul."""
 
-    plan: dict[str, list[SegmentPass | BatchedPass]]
+    plan: dict[str, list[SegmentPass | BatchedPass | KernelPass]]
     slots: dict[Linear, tuple[str, ProjectionSlots]]
 
     def add(self, linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -350,6 +371,7 @@ class LoraManager:
         shapes = module_shapes(model.config)
         self._slots: dict[Linear, tuple[str, ProjectionSlots]] = {}
         self._layers: list[dict[str, ProjectionSlots]] = []
+        self.native = cpu_kernels.supports_lora(self.device, self.dtype)  # decode steps use the native kernel
         for linears in model.lora_targets():
             layer = {}
             for kind, linear in linears.items():
@@ -362,6 +384,8 @@ class LoraManager:
                     tuple(torch.zeros(max_loras, max_lora_rank, out, dtype=self.dtype, device=self.device)
                           for out in outs),
                     tuple(slice(start, start + out) for start, out in zip(starts, outs)))
+                if self.native:
+                    layer[kind].kernel = cpu_kernels.LoraKernel(layer[kind].at, layer[kind].bt)
                 self._slots[linear] = (kind, layer[kind])
             self._layers.append(layer)
         # Stats for logs and tests: adapters read from disk, slots (re)filled.
@@ -420,15 +444,23 @@ class LoraManager:
         indices: dict[tuple[int, ...], torch.Tensor] = {}  # shared by the projections of the step
         return LoraStep({kind: self._passes(kind, rows, indices) for kind in FUSED}, self._slots)
 
-    def _passes(self, kind: str, rows: dict[int, list[int]], indices: dict) -> list[SegmentPass | BatchedPass]:
-        """The passes that adapt projection ``kind``: a ``BatchedPass`` per run of slots of one layout where a
-        batched matmul pays, one ``SegmentPass`` for every other adapter adapting it."""
+    def _passes(self, kind: str, rows: dict[int, list[int]],
+                indices: dict) -> list[SegmentPass | BatchedPass | KernelPass]:
+        """The passes that adapt projection ``kind``: with the native kernel, one ``KernelPass`` for every adapter
+        with at most ``BATCH_ROWS`` rows; then a ``BatchedPass`` per run of slots of one layout where a batched
+        matmul pays, one ``SegmentPass`` for every other adapter adapting it."""
+        passes: list[SegmentPass | BatchedPass | KernelPass] = []
+        if self.native:
+            short = [slot for slot, slot_rows in rows.items()
+                     if len(slot_rows) <= BATCH_ROWS and kind in self._layouts[slot]]
+            if short:
+                passes.append(self._kernel_pass(kind, short, rows, indices))
+                rows = {slot: slot_rows for slot, slot_rows in rows.items() if slot not in short}
         by_layout: dict[Layout, list[int]] = {}
         for slot in sorted(rows):
             layout = self._layouts[slot].get(kind)
             if layout is not None:
                 by_layout.setdefault(layout, []).append(slot)
-        passes: list[SegmentPass | BatchedPass] = []
         alone: set[int] = set()
         for layout, slots in by_layout.items():
             for run in _runs(slots):
@@ -450,6 +482,17 @@ class LoraManager:
             passes.append(SegmentPass(slice(flat[0], flat[0] + len(flat)) if in_place else
                                       self._tensor(flat, indices), len(flat), tuple(segments)))
         return passes
+
+    def _kernel_pass(self, kind: str, slots: list[int], rows: dict[int, list[int]], indices: dict) -> KernelPass:
+        flat: list[int] = []
+        segs = []
+        for slot in slots:
+            rank, blocks = self._layouts[slot][kind]
+            assert all(first == i * rank for i, (_, first) in enumerate(blocks))  # packed in module order
+            segs.append([len(flat), len(flat) + len(rows[slot]), slot, rank, sum(1 << j for j, _ in blocks)])
+            flat.extend(rows[slot])
+        return KernelPass(self._tensor(flat, indices),
+                          torch.tensor(segs, dtype=torch.int32, device=self.device))
 
     def _batched(self, kind: str, layout: Layout, run: list[int], m: int, rows: dict[int, list[int]],
                  indices: dict) -> BatchedPass:

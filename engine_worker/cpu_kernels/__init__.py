@@ -31,11 +31,12 @@ from zserve.paths import private_dir, user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-ABI_VERSION = 2
+ABI_VERSION = 3
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
-__all__ = ["add_rms_norm", "available", "decode_attention", "rope_and_store", "silu_and_mul", "supports"]
+__all__ = ["LoraKernel", "add_rms_norm", "available", "decode_attention", "lora_shrink_expand", "rope_and_store",
+           "silu_and_mul", "supports", "supports_lora"]
 
 
 def _cpu_flags() -> str:
@@ -106,6 +107,8 @@ def _library() -> ctypes.CDLL | None:
         "add_rms_norm": ([p, i64, p, p, p, i64, i32, f32], None),
         "silu_and_mul": ([p, p, i64, i32], None),
         "rope_and_store": ([p, i64, i64, p, p, p, p, i64, p, i32, i32, i32], ctypes.c_int),
+        "lora_shrink_expand": ([p, i64, p, i64, p, i64, p, i32, p, i32, i32, p, p, p, p, i32, i32, i32, i64],
+                               ctypes.c_int),
     }
     for name, (args, ret) in signatures.items():
         for suffix in _DTYPES.values():
@@ -135,6 +138,11 @@ def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_he
     """Whether decode attention for this cache can use the native kernel."""
     return (device.type == "cpu" and dtype in _DTYPES and head_dim <= 256 and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= 64 and available())
+
+
+def supports_lora(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a decode step's LoRA updates on this device and dtype can use ``lora_shrink_expand``."""
+    return device.type == "cpu" and dtype in _DTYPES and available()
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
@@ -210,3 +218,47 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                                           slot_mapping.data_ptr(), num_heads, num_kv_heads, head_dim)
     if rc != 0:
         raise ValueError(f"rope_and_store kernel rejected its arguments (code {rc})")
+
+
+
+class LoraKernel:
+    """``lora_shrink_expand`` bound to one projection's slots (checked once): a decode step's LoRA updates.
+
+    ``at`` [slots, in, max_rank * modules] and ``bt[j]`` [slots, max_rank, out_j] contiguous, one dtype. Calling
+    it with ``x`` [n, in], ``y`` [n, sum of outs] (unit column stride), ``rows`` (int64 token rows) and ``segs``
+    [segments, 5] (int32: per segment ``begin, end`` into ``rows``, segments back to back from 0, ``slot``,
+    ``rank`` and ``mask``) adds ``(x[rows] @ at[slot][:, :width]) @ bt[j][slot][:rank]`` to ``y[rows]``'s columns
+    of module j (those after modules 0..j-1's) for each module j in ``mask``, whose ``h`` block is the next
+    ``rank`` columns. Each adapter's weights are read once for all its rows: the decode case (a few rows per
+    adapter); a long segment is better done by a matmul. The kernel checks slots, ranks, masks and rows.
+    """
+
+    def __init__(self, at: torch.Tensor, bt: tuple[torch.Tensor, ...]):
+        slots, fan_in, width = at.shape
+        max_rank = bt[0].shape[1] if bt else 0
+        _check(at.device.type == "cpu" and at.dtype in _DTYPES and at.is_contiguous() and 1 <= len(bt) <= 3
+               and width == max_rank * len(bt)
+               and all(b.is_contiguous() and b.dtype == at.dtype and b.shape[:2] == (slots, max_rank) for b in bt),
+               "lora_shrink_expand")
+        self.at, self.bt = at, bt  # (kept alive: the kernel reads them by address)
+        self.dtype, self.fan_in, self.fan_out = at.dtype, fan_in, sum(b.shape[2] for b in bt)
+        self._outs = torch.tensor([b.shape[2] for b in bt], dtype=torch.int32)
+        self._fn = _fn("lora_shrink_expand", at.dtype)
+        self._static = (at.data_ptr(), fan_in, width, *[b.data_ptr() for b in bt], *[None] * (3 - len(bt)),
+                        self._outs.data_ptr(), len(bt), max_rank, slots)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, segs: torch.Tensor) -> None:
+        _check(x.dtype == y.dtype == self.dtype and x.dim() == y.dim() == 2 and x.stride(1) == 1 and y.stride(1) == 1
+               and x.shape[1] == self.fan_in and y.shape[1] == self.fan_out and x.shape[0] == y.shape[0]
+               and rows.dtype == torch.int64 and segs.dtype == torch.int32 and rows.is_contiguous()
+               and segs.is_contiguous() and segs.dim() == 2 and segs.shape[1] == 5, "lora_shrink_expand")
+        rc = self._fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), rows.data_ptr(), rows.shape[0],
+                      segs.data_ptr(), segs.shape[0], *self._static, x.shape[0])
+        if rc != 0:
+            raise ValueError(f"lora_shrink_expand kernel rejected its arguments (code {rc})")
+
+
+def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, segs: torch.Tensor, at: torch.Tensor,
+                       bt: tuple[torch.Tensor, ...]) -> None:
+    """One ``LoraKernel(at, bt)(x, y, rows, segs)`` call (see ``LoraKernel``)."""
+    LoraKernel(at, bt)(x, y, rows, segs)

@@ -9,8 +9,11 @@
 // Python side then raises; it checks shapes before calling, so this is a second line).
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -432,6 +435,216 @@ void rope_and_store(T *qkv, int64_t n, int64_t row_stride, const int64_t *positi
     }
 }
 
+
+// Multi-LoRA for decode: per adapter segment (its token rows, a slot and a layout), the shrink
+//   h[rows, :width] = x[rows] @ at[slot][:, :width]          (width = rank * modules adapted)
+// then per adapted module j (bit j of mask, its block the i-th set bit: h's columns i*rank..)
+//   y[rows, cols_j] += h[rows, block] @ bt_j[slot][:rank]     (rounded to T, then added, as torch does)
+// Each adapter's weights are streamed once for all its rows (a few in decode), in tiles of rows
+// that stay in registers; work items are segments (the shrink, reading the slot's A.T whole) then
+// (segment, module, 256 output columns), so the threads split the weights between them. Sums run over the inner
+// dimension in order.
+//   x [*, in] rows at x + row * x_stride;  y [*, sum(outs)] rows at y + row * y_stride
+//   rows: the token rows of every segment, segment by segment (nrows of them, each < n)
+//   segs: per segment {begin, end (into rows, back to back from 0), slot (< slots), rank, mask}
+//   at [slots, in, W] contiguous, W = max_rank * nmod;  bt[j] [slots, max_rank, outs[j]] contiguous
+struct LoraArgs {
+    int64_t x_stride, y_stride;
+    const int64_t *rows;
+    const int32_t *segs;
+    int in, W, nmod, max_rank;
+    int outs[3], cols[3];
+};
+
+constexpr int kLoraShrinkRows = 4;  // rows per register tile of the shrink (by up to 4 vectors of columns)
+constexpr int kLoraExpandRows = 4;  // rows summed at a time by the expand
+constexpr int kLoraExpandCols = 1024;  // output columns of one expand item
+
+inline int block_of(int mask, int j) { return __builtin_popcount(unsigned(mask) & ((1u << j) - 1u)); }
+
+template <typename T>
+void lora_shrink_generic(const T *x, const T *at, float *h, const LoraArgs &a, int s, int) {
+    const int32_t *g = a.segs + 5 * s;
+    const int width = g[3] * __builtin_popcount(unsigned(g[4]));
+    const T *as = at + int64_t(g[2]) * a.in * a.W;
+    for (int r = g[0]; r < g[1]; ++r) {
+        const T *xr = x + a.rows[r] * a.x_stride;
+        float *hr = h + int64_t(r) * a.W;
+        for (int c = 0; c < width; ++c) hr[c] = 0.0f;
+        for (int i = 0; i < a.in; ++i) {
+            const float xv = to_f32(xr[i]);
+            for (int c = 0; c < width; ++c) hr[c] += xv * to_f32(as[int64_t(i) * a.W + c]);
+        }
+        for (int c = 0; c < width; ++c) hr[c] = round_as<T>(hr[c]);
+    }
+}
+
+template <typename T>
+void lora_expand_generic(const float *h, const T *const *bt, T *y, const LoraArgs &a, int s, int j, int o0) {
+    const int32_t *g = a.segs + 5 * s;
+    const int rank = g[3], first = block_of(g[4], j) * rank, out = a.outs[j];
+    const int nc = std::min(kLoraExpandCols, out - o0);
+    const T *b = bt[j] + int64_t(g[2]) * a.max_rank * out + o0;
+    for (int r = g[0]; r < g[1]; ++r) {
+        const float *hr = h + int64_t(r) * a.W + first;
+        float acc[kLoraExpandCols] = {};
+        for (int k = 0; k < rank; ++k)
+            for (int c = 0; c < nc; ++c) acc[c] += hr[k] * to_f32(b[int64_t(k) * out + c]);
+        T *yr = y + a.rows[r] * a.y_stride + a.cols[j] + o0;
+        for (int c = 0; c < nc; ++c) from_f32(to_f32(yr[c]) + round_as<T>(acc[c]), yr + c);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ZS_LORA_AVX512 1
+inline __mmask16 lanes(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n > 0 ? n : 0)) - 1u); }
+inline __m512 load16m(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16m(const uint16_t *p, __mmask16 m) {
+    const __m256i v = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline void store16m(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16m(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+
+template <typename T, int R, int NV>
+void lora_shrink_tile(const T *x, const T *as, float *h, const LoraArgs &a, int r0, int c0, int width) {
+    const T *xr[R];
+    __m512 acc[R][NV];
+    __mmask16 m[NV];
+    for (int v = 0; v < NV; ++v) m[v] = lanes(width - c0 - 16 * v);
+    for (int t = 0; t < R; ++t) {
+        xr[t] = x + a.rows[r0 + t] * a.x_stride;
+        for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
+    }
+    for (int i = 0; i < a.in; ++i) {
+        __m512 w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = load16m(as + int64_t(i) * a.W + c0 + 16 * v, m[v]);
+        for (int t = 0; t < R; ++t) {
+            const __m512 xv = _mm512_set1_ps(to_f32(xr[t][i]));
+            for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_fmadd_ps(xv, w[v], acc[t][v]);
+        }
+    }
+    for (int t = 0; t < R; ++t)
+        for (int v = 0; v < NV; ++v) store16m(h + int64_t(r0 + t) * a.W + c0 + 16 * v, round16<T>(acc[t][v]), m[v]);
+}
+
+template <typename T, int NV>
+void lora_shrink_cols(const T *x, const T *as, float *h, const LoraArgs &a, int r0, int r1, int c0, int width) {
+    for (; r0 < r1; r0 += kLoraShrinkRows) {
+        switch (std::min(kLoraShrinkRows, r1 - r0)) {
+            case 1: lora_shrink_tile<T, 1, NV>(x, as, h, a, r0, c0, width); break;
+            case 2: lora_shrink_tile<T, 2, NV>(x, as, h, a, r0, c0, width); break;
+            case 3: lora_shrink_tile<T, 3, NV>(x, as, h, a, r0, c0, width); break;
+            default: lora_shrink_tile<T, 4, NV>(x, as, h, a, r0, c0, width); break;
+        }
+    }
+}
+
+// One item per segment: the slot's A.T rows are read whole (width columns, contiguous), in tiles of up to 64
+// columns by 4 rows held in registers.
+template <typename T>
+void lora_shrink_avx512(const T *x, const T *at, float *h, const LoraArgs &a, int s, int) {
+    const int32_t *g = a.segs + 5 * s;
+    const int width = g[3] * __builtin_popcount(unsigned(g[4]));
+    const T *as = at + int64_t(g[2]) * a.in * a.W;
+    for (int c0 = 0; c0 < width; c0 += 64) {
+        switch (std::min(4, (width - c0 + 15) / 16)) {
+            case 1: lora_shrink_cols<T, 1>(x, as, h, a, g[0], g[1], c0, width); break;
+            case 2: lora_shrink_cols<T, 2>(x, as, h, a, g[0], g[1], c0, width); break;
+            case 3: lora_shrink_cols<T, 3>(x, as, h, a, g[0], g[1], c0, width); break;
+            default: lora_shrink_cols<T, 4>(x, as, h, a, g[0], g[1], c0, width); break;
+        }
+    }
+}
+
+// One item is (segment, module, up to 256 output columns): the rank rows of B.T's columns are read
+// in order (1 KB runs in fp32), into float sums of up to 8 rows at a time.
+template <typename T>
+void lora_expand_avx512(const float *h, const T *const *bt, T *y, const LoraArgs &a, int s, int j, int o0) {
+    constexpr int V = kLoraExpandCols / 16;
+    const int32_t *g = a.segs + 5 * s;
+    const int rank = g[3], first = block_of(g[4], j) * rank, out = a.outs[j];
+    const T *b = bt[j] + int64_t(g[2]) * a.max_rank * out + o0;
+    const int nv = std::min(V, (out - o0 + 15) / 16);
+    __mmask16 m[V];
+    for (int v = 0; v < nv; ++v) m[v] = lanes(out - o0 - 16 * v);
+    alignas(64) float acc[kLoraExpandRows][kLoraExpandCols];
+    for (int r0 = g[0]; r0 < g[1]; r0 += kLoraExpandRows) {
+        const int R = std::min(kLoraExpandRows, g[1] - r0);
+        for (int t = 0; t < R; ++t)
+            for (int v = 0; v < nv; ++v) _mm512_store_ps(acc[t] + 16 * v, _mm512_setzero_ps());
+        for (int k = 0; k < rank; ++k) {
+            const T *bk = b + int64_t(k) * out;
+            for (int v = 0; v < nv; ++v) {
+                const __m512 w = load16m(bk + 16 * v, m[v]);
+                for (int t = 0; t < R; ++t) {
+                    const __m512 hv = _mm512_set1_ps(h[int64_t(r0 + t) * a.W + first + k]);
+                    _mm512_store_ps(acc[t] + 16 * v, _mm512_fmadd_ps(hv, w, _mm512_load_ps(acc[t] + 16 * v)));
+                }
+            }
+        }
+        for (int t = 0; t < R; ++t) {
+            T *yr = y + a.rows[r0 + t] * a.y_stride + a.cols[j] + o0;
+            for (int v = 0; v < nv; ++v)
+                store16m(yr + 16 * v, _mm512_add_ps(load16m(yr + 16 * v, m[v]), round16<T>(_mm512_load_ps(acc[t] + 16 * v))),
+                         m[v]);
+        }
+    }
+}
+#endif
+
+template <typename T>
+int lora_shrink_expand(const T *x, int64_t x_stride, T *y, int64_t y_stride, const int64_t *rows, int64_t nrows,
+                       const int32_t *segs, int nseg, const T *at, int in, int W, const T *const *bt,
+                       const int32_t *outs, int nmod, int max_rank, int slots, int64_t n) {
+    if (nseg < 0 || in <= 0 || nmod < 1 || nmod > 3 || max_rank <= 0 || W != max_rank * nmod) return -1;
+    LoraArgs a{x_stride, y_stride, rows, segs, in, W, nmod, max_rank, {0, 0, 0}, {0, 0, 0}};
+    for (int j = 0, col = 0; j < nmod; ++j) {
+        if (outs[j] <= 0) return -1;
+        a.outs[j] = outs[j];
+        a.cols[j] = col;
+        col += outs[j];
+    }
+    std::vector<std::pair<int, int>> shrink;
+    std::vector<std::array<int, 3>> expand;
+    int total = 0;
+    for (int s = 0; s < nseg; ++s) {
+        const int32_t *g = segs + 5 * s;
+        if (g[0] != total || g[1] <= g[0] || g[1] > nrows || g[2] < 0 || g[2] >= slots || g[3] < 1 || g[3] > max_rank ||
+            g[4] <= 0 || g[4] >= (1 << nmod))
+            return -2;
+        for (int r = g[0]; r < g[1]; ++r)
+            if (rows[r] < 0 || rows[r] >= n) return -3;
+        total = g[1];
+        const int width = g[3] * __builtin_popcount(unsigned(g[4]));
+        shrink.push_back({s, 0});
+        for (int j = 0; j < nmod; ++j)
+            if (g[4] >> j & 1)
+                for (int o0 = 0; o0 < outs[j]; o0 += kLoraExpandCols) expand.push_back({s, j, o0});
+    }
+    if (total == 0) return 0;
+    std::vector<float> h(size_t(total) * W);
+    auto shrink_item = lora_shrink_generic<T>;
+    auto expand_item = lora_expand_generic<T>;
+#ifdef ZS_LORA_AVX512
+    if (!g_portable_only) {
+        shrink_item = lora_shrink_avx512<T>;
+        expand_item = lora_expand_avx512<T>;
+    }
+#endif
+    const int ns = int(shrink.size()), ne = int(expand.size());
+#pragma omp parallel if (int64_t(total) * in * W >= (1 << 14))
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < ns; ++i) shrink_item(x, at, h.data(), a, shrink[i].first, shrink[i].second);
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < ne; ++i) expand_item(h.data(), bt, y, a, expand[i][0], expand[i][1], expand[i][2]);
+    }
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -466,8 +679,21 @@ int zs_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
     return decode_attention(q, q_stride, kv, plane, tables, table_stride, lens, out, B, H, KV, D, bs, scale, window);
 }
 
+#define ZS_LORA(SUFFIX, T)                                                                                         \
+    int zs_lora_shrink_expand_##SUFFIX(const T *x, int64_t x_stride, T *y, int64_t y_stride, const int64_t *rows,     \
+                                       int64_t nrows, const int32_t *segs, int nseg, const T *at, int in, int W,      \
+                                       const T *bt0, const T *bt1, const T *bt2, const int32_t *outs, int nmod,       \
+                                       int max_rank, int slots, int64_t n) {                                      \
+        const T *bt[3] = {bt0, bt1, bt2};                                                                          \
+        return lora_shrink_expand(x, x_stride, y, y_stride, rows, nrows, segs, nseg, at, in, W, bt, outs, nmod,     \
+                                  max_rank, slots, n);                                                             \
+    }
+
+ZS_LORA(f32, float)
+ZS_LORA(bf16, uint16_t)
+
 void zs_set_portable_only(int on) { g_portable_only = on != 0; }
 
-int zs_abi_version(void) { return 2; }
+int zs_abi_version(void) { return 3; }
 
 }  // extern "C"

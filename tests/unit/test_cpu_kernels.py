@@ -102,6 +102,76 @@ def test_rope_and_store_rotates_in_place_and_fills_the_cache_slots(dtype, head_d
     assert not cache[:, :, untouched].any()
 
 
+def torch_lora(x, y, rows, segs, at, bt):
+    """What ``LoraStep``'s torch path adds: per segment ``h = x[rows] @ at[slot]`` then ``h_j @ bt[j][slot]``."""
+    cols = [sum(b.shape[2] for b in bt[:j]) for j in range(len(bt))]
+    for begin, end, slot, rank, mask in segs.tolist():
+        seg_rows = rows[begin:end]
+        present = [j for j in range(len(bt)) if mask >> j & 1]
+        h = x[seg_rows] @ at[slot, :, : rank * len(present)]
+        for i, j in enumerate(present):
+            out = h[:, i * rank : (i + 1) * rank] @ bt[j][slot, :rank]
+            y[seg_rows, cols[j] : cols[j] + bt[j].shape[2]] += out
+
+
+@needs_kernels
+@VERSIONS
+@DTYPES
+@pytest.mark.parametrize("in_place", [True, False], ids=["rows-in-order", "indexed-rows"])
+def test_lora_shrink_expand_matches_the_torch_path(dtype, in_place, portable, version):
+    """Several adapters of different ranks and modules (one of a fused projection's three, two, all), 1 to 16 rows
+    each (tiles and their remainders), output widths that are not a multiple of the kernel's column tiles."""
+    g = torch.Generator().manual_seed(7 + in_place)
+    slots, fan_in, max_rank, outs, n = 6, 72, 16, (96, 40, 40), 40
+    at = (torch.randn(slots, fan_in, max_rank * 3, generator=g) / 8).to(dtype)
+    bt = tuple((torch.randn(slots, max_rank, out, generator=g) / 4).to(dtype) for out in outs)
+    # (slot, rank, mask, rows): masks 0b111 (q, k, v), 0b001, 0b110, 0b101; ranks 16, 8, 5, 1.
+    layout = [(4, 16, 0b111, 3), (0, 8, 0b001, 16), (2, 5, 0b110, 1), (5, 1, 0b101, 9), (1, 16, 0b010, 7)]
+    order = torch.arange(n) if in_place else torch.randperm(n, generator=g)
+    rows, segs, begin = [], [], 0
+    for slot, rank, mask, count in layout:
+        rows += order[begin : begin + count].tolist()
+        segs.append([begin, begin + count, slot, rank, mask])
+        begin += count
+    rows_t, segs_t = torch.tensor(rows, dtype=torch.int64), torch.tensor(segs, dtype=torch.int32)
+    x = torch.randn(n, 2 * fan_in, generator=g).to(dtype)[:, :fan_in]  # rows of a wider tensor
+    y = torch.randn(n, sum(outs), generator=g).to(dtype)
+    want = y.clone()
+    torch_lora(x, want, rows_t, segs_t, at, bt)
+    cpu_kernels.lora_shrink_expand(x, y, rows_t, segs_t, at, bt)
+    assert close(y, want), (y.float() - want.float()).abs().max()
+    untouched = [i for i in range(n) if i not in rows]
+    assert torch.equal(y[untouched], want[untouched])
+    # Single-module projections (o, down) and a call with no segments.
+    at1, bt1 = at[:, :, :max_rank].contiguous(), (bt[0],)
+    y1, want1 = y[:, : outs[0]].clone(), y[:, : outs[0]].clone()
+    segs1 = torch.tensor([[0, 3, 1, 16, 1], [3, 5, 3, 4, 1]], dtype=torch.int32)
+    torch_lora(x, want1, rows_t, segs1, at1, bt1)
+    cpu_kernels.lora_shrink_expand(x, y1, rows_t, segs1, at1, bt1)
+    assert close(y1, want1), (y1.float() - want1.float()).abs().max()
+    before = y1.clone()
+    cpu_kernels.lora_shrink_expand(x, y1, rows_t, segs1[:0], at1, bt1)
+    assert torch.equal(y1, before)
+
+
+@needs_kernels
+def test_lora_shrink_expand_refuses_rows_slots_and_masks_out_of_range():
+    at, bt = torch.zeros(2, 8, 4), (torch.zeros(2, 4, 8),)
+    x, y = torch.zeros(3, 8), torch.zeros(3, 8)
+    rows = torch.tensor([0, 1, 2])
+    for seg, code in [([0, 3, 2, 4, 1], -2), ([0, 3, 0, 5, 1], -2), ([0, 3, 0, 4, 2], -2), ([1, 3, 0, 4, 1], -2),
+                      ([0, 4, 0, 4, 1], -2)]:
+        with pytest.raises(ValueError, match=f"code {code}"):
+            cpu_kernels.lora_shrink_expand(x, y, rows, torch.tensor([seg], dtype=torch.int32), at, bt)
+    with pytest.raises(ValueError, match="code -3"):
+        cpu_kernels.lora_shrink_expand(x, y, torch.tensor([0, 3]), torch.tensor([[0, 2, 0, 4, 1]], dtype=torch.int32),
+                                       at, bt)
+    with pytest.raises(ValueError, match="layout"):
+        cpu_kernels.lora_shrink_expand(x.to(torch.bfloat16), y, rows, torch.tensor([[0, 3, 0, 4, 1]],
+                                                                                   dtype=torch.int32), at, bt)
+    assert not y.any()
+
+
 @needs_kernels
 def test_layouts_the_kernels_cannot_read_are_refused_not_read():
     x = torch.randn(4, 32)

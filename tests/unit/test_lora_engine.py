@@ -165,18 +165,37 @@ def test_four_adapters_and_the_base_model_in_one_batch_match_peft(base_dir, adap
         assert tokens == reference[(req[0], req[1])], req
 
 
-def test_adapters_of_one_shape_share_one_batched_matmul_and_match_peft(base_dir, adapters, tmp_path, monkeypatch):
-    """Two adapters of the same rank and targets, interleaved in decode steps: the grouped path (one ``torch.bmm``
-    for both, rows padded to equal counts) writes what PEFT writes for each."""
+LORA_PATHS = [pytest.param("kernel", marks=pytest.mark.skipif(not cpu_kernels.available(),
+                                                               reason="native CPU kernels did not build here")),
+              "torch"]
+
+
+@pytest.mark.parametrize("path", LORA_PATHS)
+def test_adapters_of_one_shape_share_one_batched_matmul_and_match_peft(base_dir, adapters, tmp_path, monkeypatch,
+                                                                       path):
+    """Two adapters of the same rank and targets, interleaved in decode steps: the grouped path writes what PEFT
+    writes for each. In torch, one ``torch.bmm`` for both (rows padded to equal counts); with the native kernel,
+    one ``lora_shrink_expand`` call per projection for both (the prefill's long segments still batch in torch)."""
     both = {"qv": adapters["qv"], "qv2": write_adapter(hf_base(base_dir), tmp_path / "qv2", 9, **ADAPTERS["qv"])}
     ref = Reference(base_dir, both)
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "supports_lora", lambda *a: False)
     engine = make_engine(base_dir, both)
-    calls = []
+    assert engine.runner.loras.native == (path == "kernel")
+    calls, kernel_segments = [], []
     bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or bmm(*a, **k))
+    call = cpu_kernels.LoraKernel.__call__
+    monkeypatch.setattr(cpu_kernels.LoraKernel, "__call__",
+                        lambda self, x, y, rows, segs: kernel_segments.append(segs.shape[0]) or call(self, x, y, rows,
+                                                                                                     segs))
     requests = [("qv", 0), ("qv2", 1), ("qv", 2), ("qv2", 3), (None, 4), ("qv2", 0)]
     assert generate(engine, requests) == [ref[r] for r in requests]
-    assert calls  # (the grouped path ran)
+    assert calls  # (the grouped path ran: in prefill, and in every decode step for torch)
+    if path == "kernel":
+        assert 2 in kernel_segments  # (both adapters in one kernel call)
+    else:
+        assert not kernel_segments
     assert ref[("qv2", 0)] != ref[("qv", 0)]
 
 
