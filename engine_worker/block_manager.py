@@ -139,6 +139,12 @@ class BlockManager:
                     self._free[b] = None
                     self._free.move_to_end(b, last=False)
 
+    def reset(self) -> None:
+        """Forget every cached prefix (``POST /reset_prefix_cache``, new weights, sleep): no later request finds
+        one. Blocks requests hold now keep their contents but are no one's prefix any more."""
+        self._key_of.clear()
+        self._block_of.clear()
+
     def register(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> int:
         """Make a just-filled block findable; return its chained hash. When another block
         already holds this content the first one stays registered (no duplicates)."""

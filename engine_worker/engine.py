@@ -190,10 +190,11 @@ class Engine:
 
             return GroupedEngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
                                        max_waiting=cfg.max_waiting, keys=keys, control_fd=control_fd, status=status,
-                                       source=launch.source)
+                                       source=launch.source, weight_version=launch.weight_version)
         return EngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
                             max_waiting=cfg.max_waiting, keys=keys, drain_timeout=launch.shutdown_timeout,
-                            control_fd=control_fd, status=status)
+                            control_fd=control_fd, status=status, source=launch.source,
+                            weight_version=launch.weight_version)
 
     def serve(self, launch: EngineLaunch, status: StatusPipe, control_fd: int | None = None,
               keys: CurveKeys | None = None) -> None:
@@ -212,6 +213,7 @@ class Engine:
         threading.Thread(target=_heartbeat, args=(server, status, launch.heartbeat_interval), daemon=True,
                          name="heartbeat").start()
         server.report_loras()  # before Ready: gateways route an adapter's requests only to engines that have it
+        status.send(server.ops.condition())  # (its weight version; the supervisor puts it to sleep with its model)
         status.send(Ready(index=launch.rank, endpoint=launch.endpoint, device=hello.device, dtype=hello.dtype))
         if not self.expert_parallel and self.grammars is not None:
             self.grammars.prepare()

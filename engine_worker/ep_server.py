@@ -48,7 +48,7 @@ JOIN_POLL_MS = 20  # how often a rendezvous looks for every member (and for a ne
 
 class GroupedEngineServer(EngineServer):
     def __init__(self, *args, source: ModelSource, **kw):
-        super().__init__(*args, **kw)
+        super().__init__(*args, source=source, **kw)
         self.source = source
         self.group: ExpertGroup | None = None
         self.generation = -1  # of the last GroupCommand carried out

@@ -16,16 +16,16 @@ import torch
 __all__ = ["PagedKVCache"]
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled pool. On a CPU it is anonymous mmap'd memory, which the kernel hands out as
-    zero pages on first touch: a pool of several GiB costs nothing until requests fill it, so an
-    engine is ready seconds sooner (``torch.zeros`` writes every page up front) and an idle one
-    holds only what it used."""
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zero-filled pool, and on a CPU the mapping it lives in (sleep hands its pages back: ``residency``).
+    On a CPU it is anonymous mmap'd memory, which the kernel hands out as zero pages on first touch: a pool of
+    several GiB costs nothing until requests fill it, so an engine is ready seconds sooner (``torch.zeros`` writes
+    every page up front) and an idle one holds only what it used."""
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device), None
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape), buf
 
 
 class PagedKVCache:
@@ -36,7 +36,7 @@ class PagedKVCache:
         # Keys and values of a layer side by side, so one gather fetches both.
         # Zeros, not empty: padded (masked) key rows are still multiplied by a zero weight in
         # attention, and a NaN bit pattern left in uninitialised memory would poison the row.
-        self.kv = _zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype, device)
+        self.kv, self.buffer = _zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype, device)
         self.k = self.kv[:, 0]  # views: [num_layers, num_kv_heads, slots, head_dim]
         self.v = self.kv[:, 1]
         self.num_layers = num_layers

@@ -102,6 +102,8 @@ class Scheduler:
         self.grammars = grammars
         self.loras = loras
         self.lora_closing: set[str] = set()  # unloaded while requests still use them: dropped once they end
+        # An engine operation waits for the started requests (``operations``): those not started stay queued.
+        self.hold_new = False
         self._failed: list[Sequence] = []  # ended while waiting (their grammar failed), reported by step()
         # Hashes of full prompt blocks that running sequences are computing right now.
         self._inflight: Counter[int] = Counter()
@@ -320,6 +322,8 @@ class Scheduler:
         loras = self.loras
         adapters = {s.lora for s in self.running if s.lora is not None} if loras is not None else set()
         for seq in list(self.waiting):
+            if self.hold_new and seq.status is not SequenceStatus.PREEMPTED and not seq.output_ids:
+                continue
             if (loras is not None and seq.lora is not None and seq.lora not in adapters
                     and len(adapters) >= loras.max_loras):
                 continue
@@ -386,6 +390,11 @@ class Scheduler:
                     self._inflight[h] += 1
         seq.status = SequenceStatus.RUNNING
         return n
+
+    def preempt_all(self) -> None:
+        """Send every running request back to the queue (its KV blocks freed: it computes its tokens again)."""
+        for seq in list(self.running):
+            self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

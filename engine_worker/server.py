@@ -7,8 +7,9 @@ every ``stats_interval`` an EngineStats to all clients (routing load, and the su
 life). Bad frames are logged and dropped; they never stop the loop.
 
 The supervisor's control pipe is polled with the socket: a ``LoraCommand`` loads or unloads a LoRA adapter
-between two steps, and the engine answers ``LoraReport`` on its status pipe (an expert-parallel engine also
-takes its group commands there: ``ep_server``).
+between two steps, and the engine answers ``LoraReport`` on its status pipe; an ``EngineOp`` (sleep, weights,
+cache resets, profiling: ``operations``) is carried out between two steps too, those that wait for the running
+requests once they have ended (an expert-parallel engine also takes its group commands there: ``ep_server``).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ from protocol import (
     encode,
 )
 from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING, ERR_LORA_NOT_LOADED
-from protocol.control import PIPE_COMMANDS, ControlMessage, LineBuffer, LoraCommand, LoraReport
+from protocol.control import PIPE_COMMANDS, ControlMessage, EngineOp, LineBuffer, LoraCommand, LoraReport
+from zserve.catalog import ModelSource
 from zserve.curve import CurveKeys, secure_server
 from zserve.proc import StatusPipe
 
+from .operations import DEFAULT_VERSION, EngineOps
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -57,7 +60,8 @@ HANDBACK_GRACE_S = 0.25
 class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
                  stats_interval: float = 0.1, max_waiting: int | None = None, keys: CurveKeys | None = None,
-                 drain_timeout: float | None = None, control_fd: int | None = None, status: StatusPipe | None = None):
+                 drain_timeout: float | None = None, control_fd: int | None = None, status: StatusPipe | None = None,
+                 source: ModelSource | None = None, weight_version: str = DEFAULT_VERSION):
         self.rank = rank
         # Seconds a drain lets running requests finish before handing the rest back (None: until they finish).
         self.drain_timeout = drain_timeout
@@ -94,6 +98,7 @@ class EngineServer:
         self.loop_tick = time.monotonic()  # the step loop's last sign of life
         self.step_started: float | None = None  # set while a forward pass runs
         self._stalled = False  # the last step had work but ran nothing (grammars still compiling)
+        self.ops = EngineOps(self, source, weight_version)  # sleep, weights, caches, profiling
 
     def send(self, client: bytes, msg) -> None:
         try:
@@ -222,6 +227,8 @@ class EngineServer:
     def on_control(self, msg: ControlMessage) -> None:
         if isinstance(msg, LoraCommand):
             self.on_lora(msg)
+        elif isinstance(msg, EngineOp):
+            self.ops.handle(msg)
         else:
             log.warning("engine %d: ignored a %s control message", self.rank, msg.TYPE)
 
@@ -301,11 +308,14 @@ class EngineServer:
             if self.drain_deadline is not None and self.loop_tick >= self.drain_deadline:
                 self.hand_back()
                 continue
-            busy = self.scheduler.has_work
-            # Waiting only for grammars to compile: do not spin, but look again soon.
+            asleep = self.ops.asleep  # (requests wait in the queue until it wakes)
+            busy = self.scheduler.has_work and not asleep
+            # Waiting only for grammars to compile (or for an operation): do not spin, but look again soon.
             self.poll_inbound((2 if self._stalled else 0) if busy else int(self.stats_interval * 1000))
-            if self.scheduler.has_work:
+            self.scheduler.hold_new = self.ops.holding
+            if self.scheduler.has_work and not self.ops.asleep:
                 self.step()
+            self.ops.poll()
             self.publish_stats()
         self.publish_stats()
         log.info("engine %d drained; exiting", self.rank)

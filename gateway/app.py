@@ -10,7 +10,19 @@ from aiohttp import web
 from .admission import CORS, GUARD, Guard, gateway_middleware, response_headers
 from .metrics import flush_periodically
 from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
-from .routers import anthropic, control, core, docs, native, openai, pooling, render, responses, sagemaker
+from .routers import (
+    anthropic,
+    control,
+    core,
+    docs,
+    native,
+    openai,
+    operations,
+    pooling,
+    render,
+    responses,
+    sagemaker,
+)
 from .security import CorsPolicy, Keys
 from .state import STATE, GatewayState
 
@@ -20,7 +32,7 @@ log = logging.getLogger("zserve.gateway")
 # ``gateway.families.FAMILY_NAMES``, which the supervisor checks --disable-family against without importing a router.
 # A render-only gateway mounts them all too: its generation routes refuse with a clear 400 in their own
 # error shape (``serving.admission.admit``) rather than a bare 404.
-ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,
+ROUTE_FAMILIES = {"core": core, "control": control, "operations": operations, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
                   "sagemaker": sagemaker, "docs": docs}
 

@@ -308,6 +308,9 @@ class EngineClient:
         # Told of every request that lost its engine while streaming: (cause of MIGRATION_CAUSES, whether it moved;
         # False: it had exhausted its migrations, or is too long to re-send) — the gateway's metrics.
         self.on_migration: Callable[[str, bool], None] | None = None
+        # The ids clients named their requests by (/inference/v1/generate's request_id) → the engine request ids
+        # of those running here: POST /abort_requests finds them through any gateway.
+        self.aliases: dict[str, set[str]] = {}
 
     # -- membership ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -805,6 +808,26 @@ class EngineClient:
             eng = self._forget(st)
             if eng is not None:
                 self._abort(eng, request_id)
+
+    def abort_ids(self, ids: tuple[str, ...]) -> list[str]:
+        """End the generation requests a client named by one of ``ids`` (an ``X-Request-Id``, or an alias: the
+        ``request_id`` of ``/inference/v1/generate``) with finish reason ``abort``; the ids found here. The engine
+        answers an abort with an ``abort`` output, which ends the stream as any finish does."""
+        wanted = set(ids)
+        engine_ids = {rid: cid for cid in wanted for rid in self.aliases.get(cid, ())}
+        found: set[str] = set()
+        for st in list(self._streams.values()):
+            trace = st.add.trace_id if st.add is not None else None
+            alias = engine_ids.get(st.request_id.rsplit("-", 1)[0]) or engine_ids.get(st.request_id)
+            cid = alias or (trace if trace in wanted else None)
+            if cid is None or st.add is None:
+                continue  # (a pooling request has no stream to end: it is over within a step)
+            found.add(cid)
+            if st.engine is not None and not st.engine.closed:
+                self._abort(st.engine, st.request_id)
+            else:
+                self._deliver(st, RequestOutput(st.request_id, (), "abort"))
+        return sorted(found)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        model: str | None = None, coalesce: bool = True,

@@ -207,6 +207,18 @@ class EngineCollector:
             "vllm:lora_requests_info", "Running stats on LoRA requests: the adapters of the running and waiting "
             "requests, and max_lora (the value is the time of the engine's stats).",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", *labels])
+        # The cluster's weight version and sleep level of each model (POST /update_weights, /sleep).
+        cl = state.cluster
+        weights = GaugeMetricFamily("zserve_model_weight_version_info", "1 for the weight version each model serves "
+                                    "(POST /update_weights).", labels=["model", "version"])
+        sleeping = GaugeMetricFamily("zserve_model_sleep_level", "A model's sleep level (POST /sleep; 0: awake).",
+                                     labels=["model"])
+        for m in state.models:
+            model = m.model_id
+            weights.add_metric([model, cl.weight_versions.get(model, "default") if cl else "default"], 1.0)
+            sleeping.add_metric([model], float(cl.sleeping.get(model, 0) if cl else 0))
+        yield weights
+        yield sleeping
         for e in state.engines.engines.values():
             if e.hello is None:
                 continue

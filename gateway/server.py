@@ -22,7 +22,16 @@ from aiohttp import web
 from protocol import ProtocolError
 from protocol.cluster import ClusterState
 from protocol.constants import EXIT_CUT_OFF, LISTEN_BACKLOG
-from protocol.control import PIPE_COMMANDS, Ack, ClusterUpdate, Heartbeat, LineBuffer, Ready
+from protocol.control import (
+    PIPE_COMMANDS,
+    AbortReport,
+    AbortRequests,
+    Ack,
+    ClusterUpdate,
+    Heartbeat,
+    LineBuffer,
+    Ready,
+)
 from zserve.curve import CurveKeys
 from zserve.launch_spec import ChildPipes, parse_child_argv
 from zserve.proc import (
@@ -56,10 +65,11 @@ HELLO_WAIT = 2.0  # seconds a cluster-state ack waits for the engines it calls r
 class ControlReader:
     """Reads cluster-state lines from the supervisor's control pipe and applies them in order."""
 
-    def __init__(self, fd: int, state_cb):
+    def __init__(self, fd: int, state_cb, abort_cb=None):
         self.fd = fd
         self.lines = LineBuffer()
         self.cb = state_cb
+        self.abort_cb = abort_cb  # AbortRequests: end those requests here, answer which were here
         self.queue: asyncio.Queue[ClusterState] = asyncio.Queue()
 
     def on_readable(self) -> None:
@@ -73,6 +83,8 @@ class ControlReader:
         for msg in self.lines.messages(data, PIPE_COMMANDS, self._dropped):
             if isinstance(msg, ClusterUpdate):
                 self.queue.put_nowait(msg.state)
+            elif isinstance(msg, AbortRequests) and self.abort_cb is not None:
+                self.abort_cb(msg)
 
     @staticmethod
     def _dropped(e: ProtocolError) -> None:
@@ -133,7 +145,10 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
         status.send(Ack(cluster.version))
 
     if pipes.control_fd is not None:
-        reader = ControlReader(pipes.control_fd, apply)
+        def abort(msg: AbortRequests) -> None:
+            status.send(AbortReport(msg.id, tuple(engines.abort_ids(msg.request_ids))))
+
+        reader = ControlReader(pipes.control_fd, apply, abort)
         os.set_blocking(pipes.control_fd, False)
         loop.add_reader(pipes.control_fd, reader.on_readable)
         tasks.append(asyncio.create_task(reader.run()))

@@ -132,6 +132,10 @@ class GatewayState:
         """The phase of an expert-parallel resize (``protocol.cluster.SCALING_PHASES``; "" when none)."""
         return self.cluster.scaling if self.cluster else ""
 
+    def weight_version(self, model_id: str) -> str:
+        """The weight version the cluster serves for ``model_id`` (POST /update_weights; "default" before one)."""
+        return self.cluster.weight_versions.get(model_id, "default") if self.cluster else "default"
+
     def apply_cluster(self, cluster: ClusterState) -> None:
         """Take a new cluster state from the supervisor, and wake the held requests to look at it."""
         if self.cluster is None or cluster.loras != self.cluster.loras:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from gateway.security import SECRET_ENV
 from protocol.cluster import EngineState
-from protocol.control import ControlMessage, Heartbeat, LineBuffer, encode_line
+from protocol.control import ControlMessage, EngineCondition, Heartbeat, LineBuffer, encode_line
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -86,6 +86,10 @@ class Child:
     loras: tuple[str, ...] | None = None
     lora_sent: set[str] = field(default_factory=set)
     lora_failed: dict[str, str] = field(default_factory=dict)
+    # An engine's condition (asleep, weight version: launch.ops.engine_ops), as it last reported it; whether it was
+    # told to sleep with its model.
+    condition: EngineCondition | None = None
+    sleep_sent: bool = False
     lines: LineBuffer = field(default_factory=LineBuffer)
 
     @property

@@ -102,6 +102,9 @@ server_options = _options(
                  help="The only directories LoRA adapters may be loaded from while serving (POST "
                       "/v1/load_lora_adapter, POST /adapters; symlinks and .. resolved first). Several after one "
                       "--lora-dir, or repeated. Without it, adapters are given only at start (--lora-modules)."),
+    click.option("--profiler-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+                 help="Where each engine writes its torch profiler trace (a Chrome trace, named by engine and time) "
+                      "between POST /start_profile and POST /stop_profile. Without it, profiling is off."),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                  show_default=True, help="Log level of the supervisor and of every process it starts (on stderr)."),
     click.option("--max-model-len", type=int, default=_ENGINE.max_model_len,
@@ -361,7 +364,8 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
           shutdown_timeout: float, heartbeat_timeout: float, log_level: str, api_keys: tuple[str, ...] = (),
           api_key_file: str | None = None, admin_keys: tuple[str, ...] = (), bind: str | None = None,
           remote_engines: tuple[str, ...] = (), keys_dir: str | None = None, insecure: bool = False,
-          exit_on_crash_loop: bool = False, lora_dirs: tuple[str, ...] = (), **tier_options) -> NoReturn:
+          exit_on_crash_loop: bool = False, lora_dirs: tuple[str, ...] = (), profiler_dir: str | None = None,
+          **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
     told to stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
@@ -387,7 +391,8 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
                       port=port, uds=uds, gateways=count, bind=bind, remote_engines=remote_engines,
                       keys_dir=keys_dir, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4),
-                      exit_on_crash_loop=exit_on_crash_loop, lora_dirs=tuple(os.path.abspath(d) for d in lora_dirs))
+                      exit_on_crash_loop=exit_on_crash_loop, lora_dirs=tuple(os.path.abspath(d) for d in lora_dirs),
+                      profiler_dir=os.path.abspath(profiler_dir) if profiler_dir else None)
     sup = Supervisor(cfg)
     code = 0
     try:
@@ -667,6 +672,10 @@ def status(port: int, as_json: bool) -> None:
             load = f"at {p['endpoint']}"  # on another host: its own supervisor knows its load
         if p.get("loras"):
             load += f"  lora: {', '.join(p['loras'])}"
+        if p.get("weight_version") not in (None, "default"):
+            load += f"  weights: {p['weight_version']}"
+        if p.get("sleeping"):
+            load += f"  ASLEEP (level {p['sleeping']})"
         click.echo(f"{p['tier']:8} {p['index']:>3} {p['pid'] or '-':>7} {p['state']:10} {p['restarts']:>8} "
                    f"{uptime:>8}  {load}")
 

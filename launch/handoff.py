@@ -16,14 +16,17 @@ from zserve.launch_spec import LAUNCH_FLAG, EngineLaunch
 def engine_launch(rank: int, endpoint: str, source: ModelSource, config: EngineConfig, *, threads: int,
                   device: int | None, heartbeat_interval: float, shutdown_timeout: float,
                   expert_share: tuple[int, int] | None = None, keys_dir: str | None = None,
-                  loras: tuple[tuple[str, str], ...] | None = None) -> EngineLaunch:
+                  loras: tuple[tuple[str, str], ...] | None = None,
+                  weight_version: str = "default") -> EngineLaunch:
     """One engine's value. ``threads``: the supervisor's share of the cores, for a configuration that does not
     say; ``expert_share``: (member, size) of an expert-parallel tier's group; ``keys_dir``: CURVE keys of an
     engine host's TCP endpoint (None on one host); ``loras``: the LoRA adapters served now, for an engine that
-    starts once the server serves (None: the configuration's)."""
+    starts once the server serves (None: the configuration's); ``source`` and ``weight_version``: the weights the
+    cluster serves now (``launch.ops.engine_ops``)."""
     return EngineLaunch(rank, endpoint, source, config.replace(threads=config.threads or threads), device=device,
                         heartbeat_interval=heartbeat_interval, shutdown_timeout=shutdown_timeout,
-                        expert_share=expert_share, keys_dir=keys_dir or None, loras=loras)
+                        expert_share=expert_share, keys_dir=keys_dir or None, loras=loras,
+                        weight_version=weight_version)
 
 
 def gateway_launch(index: int, fd: int,

@@ -37,6 +37,8 @@ class ServeConfig:
     # The only directories LoRA adapters may be loaded from at run time (/v1/load_lora_adapter); none: runtime
     # loading is off (adapters given at start with --lora-modules are read from anywhere).
     lora_dirs: tuple[str, ...] = ()
+    # Where each engine writes its torch profiler trace (POST /start_profile, /stop_profile); None: profiling off.
+    profiler_dir: str | None = None
 
 
 @dataclass

@@ -47,6 +47,8 @@ class EngineInfo:
     # The LoRA adapters the engine has loaded, as it reported them: a request for an adapter goes only to the
     # engines that list it (one that starts later serves it once it has loaded it).
     loras: tuple[str, ...] = ()
+    sleeping: int = 0  # its sleep level as it reported it (0: awake; ``control.SLEEP_LEVELS``)
+    weight_version: str = ""  # the weight version it serves, as it reported it ("" until it has)
 
     def __post_init__(self) -> None:
         # The one constructor of every entry (the supervisor's, and each decoded from the wire): a state outside
@@ -55,6 +57,8 @@ class EngineInfo:
         if not isinstance(self.loras, list | tuple) or not all(valid_lora_name(n) for n in self.loras):
             raise TypeError("an engine's loras must be adapter names")
         object.__setattr__(self, "loras", tuple(self.loras))
+        if not (is_int(self.sleeping) and 0 <= self.sleeping <= 2 and is_str(self.weight_version, 256, empty=True)):
+            raise TypeError("an engine's sleeping is a level 0..2, its weight_version a short str")
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,10 @@ class ClusterState:
     # The LoRA adapters served (``/v1/load_lora_adapter``, ``--lora-modules``): a name here is a model name on every
     # gateway, from the version that adds it; a name taken out is a 404 from the version that takes it out.
     loras: tuple[LoraInfo, ...] = ()
+    # The models asleep (``POST /sleep``: model id → level; their requests are held by a "sleeping" hold) and the
+    # weight version each model serves (``POST /update_weights``; "default" until one is given).
+    sleeping: dict[str, int] = field(default_factory=dict)
+    weight_versions: dict[str, str] = field(default_factory=dict)
 
     @property
     def paused(self) -> bool:
@@ -116,7 +124,8 @@ class ClusterState:
                 raise TypeError(f"{name} must be an int")
         if state.scaling not in SCALING_PHASES:
             raise ValueError(f"scaling must be one of {SCALING_PHASES}")
-        if not isinstance(state.models, dict) or not all(
-                isinstance(k, str) and is_int(v) for k, v in state.models.items()):
-            raise TypeError("models must map model ids to engine counts")
+        for name, ok in (("models", is_int), ("sleeping", is_int), ("weight_versions", is_str)):
+            value = getattr(state, name)
+            if not isinstance(value, dict) or not all(isinstance(k, str) and ok(v) for k, v in value.items()):
+                raise TypeError(f"{name} must map model ids to values")
         return state

@@ -3,13 +3,15 @@
 Two channels, one framing — a JSON object per line, ``{"v": CONTROL_VERSION, "t": <type>, ...fields}``:
 
 - the *pipes* of each child: child → supervisor ``Ready``, ``Heartbeat`` (with its load),
-  ``Ack`` (of a cluster-state version), ``BootFailed``, from an engine ``LoraReport`` and, from an
-  expert-parallel engine, ``GroupReport``; supervisor → child ``ClusterUpdate`` (gateways), ``LoraCommand``
+  ``Ack`` (of a cluster-state version), ``BootFailed``, from an engine ``LoraReport``, ``EngineOpReport`` and
+  ``EngineCondition``, from a gateway ``AbortReport`` and, from an expert-parallel engine, ``GroupReport``;
+  supervisor → child ``ClusterUpdate`` and ``AbortRequests`` (gateways), ``LoraCommand`` and ``EngineOp``
   (engines), ``GroupCommand`` and ``GroupFreeze`` (expert-parallel engines);
 - the owner-only *control socket*: one command in (``StatusCommand``, ``ScaleCommand``,
   ``ElasticScaleCommand``, ``PauseCommand``, ``ResumeCommand``, ``LoraLoadCommand``, ``LoraUnloadCommand``,
-  ``StopCommand``), one reply out (``StatusReply``, ``ScaleReply``, ``ElasticScaleReply``, ``PauseReply``,
-  ``LoraReply``, ``StopReply`` or ``ErrorReply``).
+  ``OperationCommand``, ``AbortCommand``, ``StopCommand``), one reply out (``StatusReply``, ``ScaleReply``,
+  ``ElasticScaleReply``, ``PauseReply``, ``LoraReply``, ``OperationReply``, ``AbortReply``, ``StopReply`` or
+  ``ErrorReply``).
 
 Each message is a frozen dataclass validated when built and when decoded, like the engine protocol
 in ``messages``: a malformed line raises ``ProtocolError``, which readers log and drop. Nothing here
@@ -30,7 +32,9 @@ from .holds import Hold
 from .messages import valid_lora_name
 from .validate import ProtocolError, check, is_int, is_nonneg, is_str, is_uint, optional
 
-CONTROL_VERSION = 3  # 3: LoRA adapters (cluster state, engine reports, load/unload); 2: holds per (reason, model)
+# 4: engine operations (sleep, weights, caches, profiling) and aborts; 3: LoRA adapters (cluster state, engine
+# reports, load/unload); 2: holds per (reason, model)
+CONTROL_VERSION = 4
 MAX_LINE = 1 << 20  # a cluster state with many engines still fits
 
 
@@ -154,6 +158,75 @@ class GroupReport(ControlMessage):
               and all(is_uint(e) for e in self.experts), "experts is (first, end)")
 
 
+SLEEP_LEVELS = (1, 2)
+"""Sleep levels (vLLM's): 1 frees the KV cache and moves the weights to host memory (where a CPU engine's already
+are); 2 frees both, and the weights are read again from the checkpoint on wake."""
+WAKE_TAGS = ("weights", "kv_cache")
+ENGINE_OPS = ("sleep", "wake_up", "stage_weights", "commit_weights", "discard_weights", "set_weight_version",
+              "reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache", "start_profile", "stop_profile")
+"""What the supervisor asks of an engine (``EngineOp``): sleep and wake; a weight update in two phases (every engine
+reads the new checkpoint beside the served one, then all swap, or all drop it); a new version label; cache resets;
+the torch profiler."""
+
+
+def _small_dict(v: object) -> bool:
+    return isinstance(v, dict) and len(v) <= 64 and all(is_str(k, 64) for k in v)
+
+
+@dataclass(frozen=True)
+class EngineOpReport(ControlMessage):
+    """An engine's answer to ``EngineOp`` ``id``: ``ok`` with what it did (``result``: memory before and after,
+    a trace's path, seconds), or ``error`` (``busy``: refused for the engine's state, e.g. requests run)."""
+
+    TYPE: ClassVar[str] = "engine_op_report"
+    id: int
+    op: str
+    ok: bool
+    result: dict | None = None
+    error: str | None = None
+    busy: bool = False
+
+    def __post_init__(self) -> None:
+        check(is_int(self.id, 0, 1 << 62) and self.op in ENGINE_OPS and isinstance(self.ok, bool)
+              and isinstance(self.busy, bool), "engine_op_report needs an id, an op and ok")
+        check(optional(self.result, _small_dict) and optional(self.error, is_str), "bad result or error")
+
+
+@dataclass(frozen=True)
+class EngineCondition(ControlMessage):
+    """What an engine is now, beside its load: asleep (``sleeping``: its level, 0 awake; ``asleep``: what is
+    still freed, of WAKE_TAGS) and the weight ``version`` it serves. Sent before Ready and after each change."""
+
+    TYPE: ClassVar[str] = "engine_condition"
+    sleeping: int = 0
+    version: str = ""
+    asleep: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check(self.sleeping in (0, *SLEEP_LEVELS) and is_str(self.version, 256, empty=True)
+              and isinstance(self.asleep, tuple) and all(t in WAKE_TAGS for t in self.asleep),
+              "bad sleeping level, version or asleep tags")
+
+
+@dataclass(frozen=True)
+class AbortReport(ControlMessage):
+    """A gateway's answer to ``AbortRequests`` ``id``: the ids among them it was serving (and has ended)."""
+
+    TYPE: ClassVar[str] = "abort_report"
+    id: int
+    found: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check(is_int(self.id, 0, 1 << 62) and _request_ids(self.found), "abort_report needs an id and request ids")
+
+
+def _request_ids(v: object) -> bool:
+    return isinstance(v, tuple) and len(v) <= MAX_ABORT_IDS and all(is_str(i, 256) for i in v)
+
+
+MAX_ABORT_IDS = 1024
+
+
 def _check_engines(engines: tuple) -> None:
     for e in engines:  # (an EngineInfo's state is an EngineState by construction)
         check(isinstance(e, EngineInfo) and is_int(e.rank, 0, 1 << 16) and is_str(e.endpoint, 1024)
@@ -243,6 +316,36 @@ class GroupFreeze(ControlMessage):
     def __post_init__(self) -> None:
         check(is_int(self.generation, 0, 1 << 62) and isinstance(self.frozen, bool),
               "ep_freeze needs a generation and a frozen flag")
+
+
+@dataclass(frozen=True)
+class EngineOp(ControlMessage):
+    """Carry out operation ``op`` (ENGINE_OPS) with ``args``; answered ``EngineOpReport`` with the same ``id``
+    (``id`` 0: the supervisor brings a newcomer to the cluster's condition, and reads only its EngineCondition)."""
+
+    TYPE: ClassVar[str] = "engine_op"
+    id: int
+    op: str
+    args: dict | None = None
+
+    def __post_init__(self) -> None:
+        check(is_int(self.id, 0, 1 << 62) and self.op in ENGINE_OPS, f"engine_op needs an id and an op in "
+              f"{ENGINE_OPS}")
+        check(optional(self.args, _small_dict), "args must be a small object")
+
+
+@dataclass(frozen=True)
+class AbortRequests(ControlMessage):
+    """End the requests among ``request_ids`` this gateway serves (finish reason ``abort``); answer ``AbortReport``.
+    An id is what a client named a request by: ``/inference/v1/generate``'s ``request_id`` or an ``X-Request-Id``."""
+
+    TYPE: ClassVar[str] = "abort_requests"
+    id: int
+    request_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check(is_int(self.id, 0, 1 << 62) and _request_ids(self.request_ids), "abort_requests needs an id and "
+              f"at most {MAX_ABORT_IDS} request ids")
 
 
 # -- control socket: commands --------------------------------------------------------------------------
@@ -346,6 +449,39 @@ class LoraUnloadCommand(ControlMessage):
         check(valid_lora_name(self.name), "lora_unload needs an adapter name")
 
 
+OPERATIONS = ("sleep", "wake_up", "update_weights", "update_weight_version", "reset_prefix_cache", "reset_mm_cache",
+              "reset_encoder_cache", "start_profile", "stop_profile")
+"""The engine operations of the control socket (``OperationCommand``), each an admin route of the same name."""
+
+
+@dataclass(frozen=True)
+class OperationCommand(ControlMessage):
+    """Carry out engine operation ``op`` (OPERATIONS) with ``args`` on every engine of ``model`` (None: the only
+    model, or every one); answered (``OperationReply``) once every engine has done it and every gateway applied the
+    cluster state that says so."""
+
+    TYPE: ClassVar[str] = "operation"
+    op: str
+    model: str | None = None
+    args: dict | None = None
+
+    def __post_init__(self) -> None:
+        check(self.op in OPERATIONS, f"op must be one of {OPERATIONS}")
+        check(optional(self.model, lambda v: is_str(v, 1024)), "model must be a model id")
+        check(optional(self.args, _small_dict), "args must be a small object")
+
+
+@dataclass(frozen=True)
+class AbortCommand(ControlMessage):
+    """Abort the client requests ``request_ids`` on whichever gateway serves them (``POST /abort_requests``)."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check(_request_ids(self.request_ids) and self.request_ids, f"abort needs 1..{MAX_ABORT_IDS} request ids")
+
+
 @dataclass(frozen=True)
 class ReloadCommand(ControlMessage):
     """Replace every process one at a time (like SIGHUP to the supervisor); answered when it is done."""
@@ -393,6 +529,8 @@ class ProcessStatus(ControlMessage):
     model: str | None = None  # an engine's model
     endpoint: str | None = None  # an engine on another host: where (launch api-server --engine)
     loras: tuple[str, ...] | None = None  # an engine's LoRA adapters, as it reported them
+    sleeping: int | None = None  # an engine's sleep level (0: awake), as it reported it
+    weight_version: str | None = None  # the weight version an engine serves, as it reported it
 
     def __post_init__(self) -> None:
         check(is_str(self.tier, 32) and is_int(self.index, 0, 1 << 16), "bad tier or index")
@@ -407,6 +545,8 @@ class ProcessStatus(ControlMessage):
         check(optional(self.last_exit, is_str), "last_exit must be a str")
         check(optional(self.loras, lambda v: isinstance(v, tuple) and all(valid_lora_name(n) for n in v)),
               "loras must be adapter names")
+        check(optional(self.sleeping, lambda v: v in (0, *SLEEP_LEVELS)) and optional(
+            self.weight_version, lambda v: is_str(v, 256, empty=True)), "bad sleeping level or weight_version")
         for name in ("in_flight", "running", "waiting"):
             check(optional(getattr(self, name), is_uint), f"{name} out of range")
         check(optional(self.kv_used, lambda v: is_nonneg(v) and v <= 1.0), "kv_used out of range")
@@ -544,6 +684,53 @@ class LoraReply(ControlMessage):
               "unacknowledged must be process names")
 
 
+OPERATION_OUTCOMES = {"ok": 200, "invalid": 400, "not_found": 404, "busy": 409, "failed": 500}
+"""How an engine operation ended, and its routes' status: done on every engine; bad input (nothing changed); no
+such model; refused for the cluster's state (requests run, a resize or another operation is in progress: nothing
+changed); an engine failed it or none answered in time (the others were brought back where possible)."""
+
+
+@dataclass(frozen=True)
+class OperationReply(ControlMessage):
+    """The answer to ``OperationCommand``: ``engines`` (one object per engine: ``engine`` rank, ``model``, ``ok``,
+    ``error`` or what it did), the models it covered, how long it took and how long the models' admission was
+    held (``pause_s``), and the cluster-state ``version`` that carries it."""
+
+    TYPE: ClassVar[str] = "operation_reply"
+    outcome: str
+    message: str
+    op: str
+    models: tuple[str, ...] = ()
+    engines: tuple[dict, ...] = ()
+    seconds: float = 0.0
+    pause_s: float | None = None
+    version: int = 0
+    unacknowledged: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check(self.outcome in OPERATION_OUTCOMES and self.op in OPERATIONS, "bad outcome or op")
+        check(is_str(self.message, empty=True) and isinstance(self.models, tuple)
+              and all(is_str(m, 1024) for m in self.models), "bad message or models")
+        check(isinstance(self.engines, tuple) and len(self.engines) <= 1 << 12
+              and all(isinstance(e, dict) for e in self.engines), "engines must be objects")
+        check(is_nonneg(self.seconds) and optional(self.pause_s, is_nonneg) and is_int(self.version, 0, 1 << 62),
+              "bad seconds, pause_s or version")
+        check(isinstance(self.unacknowledged, tuple) and all(is_str(n, 64) for n in self.unacknowledged),
+              "unacknowledged must be process names")
+
+
+@dataclass(frozen=True)
+class AbortReply(ControlMessage):
+    """Which of the ids were aborted (some gateway served them) and which no gateway knew."""
+
+    TYPE: ClassVar[str] = "abort_reply"
+    aborted: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check(_request_ids(self.aborted) and _request_ids(self.unknown), "aborted and unknown are request ids")
+
+
 @dataclass(frozen=True)
 class ReloadReply(ControlMessage):
     TYPE: ClassVar[str] = "reload_reply"
@@ -633,16 +820,18 @@ class EngineRegistry(ControlMessage):
 REGISTRY_REQUESTS: tuple[type[ControlMessage], ...] = (RegistryHello,)
 REGISTRY_REPLIES: tuple[type[ControlMessage], ...] = (EngineRegistry,)
 
-PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport, LoraReport)
+PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport, LoraReport,
+                                                 EngineOpReport, EngineCondition, AbortReport)
 """What a child writes on its status pipe."""
-PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand, GroupFreeze, LoraCommand)
+PIPE_COMMANDS: tuple[type[ControlMessage], ...] = (ClusterUpdate, GroupCommand, GroupFreeze, LoraCommand, EngineOp,
+                                                   AbortRequests)
 """What the supervisor writes on a child's control pipe."""
 COMMANDS: tuple[type[ControlMessage], ...] = (StatusCommand, ScaleCommand, ElasticScaleCommand, PauseCommand,
                                               ResumeCommand, ReloadCommand, StopCommand, LoraLoadCommand,
-                                              LoraUnloadCommand)
+                                              LoraUnloadCommand, OperationCommand, AbortCommand)
 """What the control socket accepts."""
 REPLIES: tuple[type[ControlMessage], ...] = (ErrorReply, StatusReply, ScaleReply, ElasticScaleReply, PauseReply,
-                                             ReloadReply, StopReply, LoraReply)
+                                             ReloadReply, StopReply, LoraReply, OperationReply, AbortReply)
 """What the control socket answers."""
 
 

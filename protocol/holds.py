@@ -30,6 +30,12 @@ HOLD_REASONS: dict[str, HoldReason] = {
     # A rolling restart replaces the model's only engine: requests wait for the replacement.
     "reloading": HoldReason(True, "server_scaling", "{what} is replacing its only engine (a rolling restart) and "
                                                     "admits no new requests; retry shortly", "5"),
+    # The model sleeps (POST /sleep; detail: the level): requests wait for POST /wake_up.
+    "sleeping": HoldReason(True, "model_sleeping", "{what} is asleep ({detail}) and admits no new requests until it "
+                                                   "is woken (POST /wake_up); retry later", "5"),
+    # Every engine of the model swaps in new weights (POST /update_weights): requests wait, then run on them.
+    "updating": HoldReason(True, "server_scaling", "{what} is swapping in new weights and admits no new requests; "
+                                                   "retry shortly", "2"),
     # Every engine of the model is crash-looping (detail: their last exits); the other models serve on.
     "failed": HoldReason(False, "model_failed", "{what} cannot serve: every engine of it is crash-looping "
                                                 "({detail}); retry later", "30"),

@@ -111,6 +111,9 @@ class EngineLaunch:
     # (a restart, a scale-up, a rolling restart): they replace the configuration's ``lora_modules`` and one that
     # fails to load is left out and reported (not a boot error: the others serve on). None: the configuration's.
     loras: tuple[tuple[str, str], ...] | None = None
+    # The label of the weights ``source`` holds (POST /update_weights gives one; an engine that starts later is
+    # given the checkpoint and label the cluster serves now).
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         check(is_int(self.rank, 0, 1 << 20), "rank must be an integer in 0..1048576")
@@ -127,6 +130,7 @@ class EngineLaunch:
                   "expert_share must be [member, size] with 0 <= member < size")
             object.__setattr__(self, "expert_share", share)
         check(optional_text(self.keys_dir), "keys_dir must be a directory or null")
+        check(is_text(self.weight_version), "weight_version must be a label")
         if self.loras is not None:
             check(isinstance(self.loras, (list, tuple)) and all(
                 isinstance(m, (list, tuple)) and len(m) == 2 and all(is_text(v) for v in m) for m in self.loras),

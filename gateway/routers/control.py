@@ -54,7 +54,7 @@ RESIZE_MARGIN = 600.0  # seconds a resize may take beyond its drain: new members
 LORA_TIMEOUT = 300.0  # seconds a LoRA load may take: every engine reads it (launch.ops.lora.ENGINE_TIMEOUT), rolls back
 
 
-async def _forward(state: GatewayState, cmd: ControlMessage, answer: type[R], timeout: float = CONTROL_TIMEOUT,
+async def forward(state: GatewayState, cmd: ControlMessage, answer: type[R], timeout: float = CONTROL_TIMEOUT,
                    refused: int = 500) -> R:
     """Send ``cmd`` to the supervisor and return its ``answer``. ``refused`` is the status of an ``ErrorReply``
     (a request the supervisor cannot carry out); no supervisor, or none answering, is a 503."""
@@ -100,7 +100,7 @@ def _paused_body(paused: bool, reply: PauseReply) -> dict:
 async def pause(request: web.Request) -> web.Response:
     """Stop admitting new requests on every gateway (of one model with ``{"model": NAME}``, of every model
     without); in-flight ones finish. Answered once every gateway applied it."""
-    reply = await _forward(request.app[STATE], PauseCommand(await _model_asked(request)), PauseReply)
+    reply = await forward(request.app[STATE], PauseCommand(await _model_asked(request)), PauseReply)
     return web.json_response(_paused_body(True, reply))
 
 
@@ -108,7 +108,7 @@ async def pause(request: web.Request) -> web.Response:
 @admin_route
 async def resume(request: web.Request) -> web.Response:
     """Admit again what an operator paused: one model's pause with ``{"model": NAME}``, every pause without."""
-    reply = await _forward(request.app[STATE], ResumeCommand(await _model_asked(request)), PauseReply)
+    reply = await forward(request.app[STATE], ResumeCommand(await _model_asked(request)), PauseReply)
     return web.json_response(_paused_body(False, reply))
 
 
@@ -141,7 +141,7 @@ async def scale_elastic_ep(request: web.Request) -> web.Response:
     req: ScaleElasticRequest = parse(ScaleElasticRequest, await request.read())
     model = None if req.model is None else state.for_model(req.model).model.model_id  # the supervisor's name
     cmd = ElasticScaleCommand(req.new_data_parallel_size, req.drain_timeout, model)
-    reply = await _forward(state, cmd, ElasticScaleReply, timeout=req.drain_timeout + RESIZE_MARGIN, refused=400)
+    reply = await forward(state, cmd, ElasticScaleReply, timeout=req.drain_timeout + RESIZE_MARGIN, refused=400)
     status = ELASTIC_OUTCOMES[reply.outcome]
     if status != 200:
         raise APIError(status, f"{reply.message} (the group has {reply.size} members; "
@@ -194,7 +194,7 @@ class AdapterRequest(RequestBody):
 
 async def _lora(state: GatewayState, cmd: LoraLoadCommand | LoraUnloadCommand) -> LoraReply:
     """Send a load or unload to the supervisor; an outcome other than done is its status, in OpenAI's shape."""
-    reply = await _forward(state, cmd, LoraReply, timeout=LORA_TIMEOUT, refused=400)
+    reply = await forward(state, cmd, LoraReply, timeout=LORA_TIMEOUT, refused=400)
     status = LORA_OUTCOMES[reply.outcome]
     if status != 200:
         code = {"not_found": "model_not_found", "invalid": "invalid_lora_adapter"}.get(reply.outcome, reply.outcome)

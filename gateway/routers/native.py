@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 from aiohttp import web
@@ -168,6 +170,30 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine_rid = f"gen-{random_hex()}" if req.request_id else rid
     opts = TextOptions(stop=[], detokenize=False)
     admit(state, parts=len(choices), param="sampling_params.n", what="choices (n)")
+    with abortable(state.engines.client, req.request_id, engine_rid):
+        return await _generate(request, state, req, rid, engine_rid, ids, choices, opts)
+
+
+@contextmanager
+def abortable(client, alias: str | None, engine_rid: str) -> Iterator[None]:
+    """While the request runs, POST /abort_requests finds it by the id its client gave (through any gateway)."""
+    if alias is None:
+        yield
+        return
+    client.aliases.setdefault(alias, set()).add(engine_rid)
+    try:
+        yield
+    finally:
+        left = client.aliases.get(alias)
+        if left is not None:
+            left.discard(engine_rid)
+            if not left:
+                del client.aliases[alias]
+
+
+async def _generate(request: web.Request, state: ModelState, req: GenerateRequest, rid: str, engine_rid: str,
+                    ids: list[int], choices: list[Choice], opts: TextOptions) -> web.StreamResponse:
+    sp = req.sampling_params
     if not req.stream:
         await collect(state, engine_rid, choices, opts)
         outs = [_choice(c, c.token_ids, c.logprobs if sp.logprobs is not None else None, c.finish_reason)

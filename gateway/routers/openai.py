@@ -307,7 +307,7 @@ def model_card(view: ModelState) -> dict:
     return {"id": view.name, "object": "model", "created": int(view.gateway.started_at), "owned_by": "zserve",
             "root": model.model_id if view.lora is None else model.loras[view.lora],
             "parent": None if view.lora is None else model.names[0], "max_model_len": view.max_model_len,
-            "tasks": sorted(view.tasks)}
+            "tasks": sorted(view.tasks), "weight_version": view.gateway.weight_version(model.model_id)}
 
 
 @routes.get("/v1/models")

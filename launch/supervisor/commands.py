@@ -18,12 +18,14 @@ from typing import Protocol
 
 from protocol.cluster import LoraInfo
 from protocol.control import (
+    AbortCommand,
     ControlMessage,
     ElasticScaleCommand,
     ElasticScaleReply,
     ErrorReply,
     LoraLoadCommand,
     LoraUnloadCommand,
+    OperationCommand,
     PauseCommand,
     PauseReply,
     ProcessStatus,
@@ -40,7 +42,9 @@ from zserve.config import MAX_ENGINES_PER_MODEL
 
 from ..control_server import AwaitAcks, Later
 from ..hosts.shared_state import SharedControl
+from ..ops.aborts import Aborts
 from ..ops.elastic import ElasticGroup
+from ..ops.engine_ops import EngineOperations
 from ..ops.lora import LoraAdapters
 from ..ops.reload import RollingRestart
 from ..tiers import ModelTier
@@ -69,6 +73,8 @@ class Server(Protocol):
     elastic: dict[int, ElasticGroup]
     shared: SharedControl | None
     loras: LoraAdapters
+    operations: EngineOperations
+    aborts: Aborts
     url: str
     started_at: float
     reload: Callable[[], RollingRestart]
@@ -131,6 +137,12 @@ class Commands:
             return sup.loras.load(cmd.name, cmd.path, cmd.model, Later())
         if isinstance(cmd, LoraUnloadCommand):
             return sup.loras.unload(cmd.name, Later())
+        if isinstance(cmd, OperationCommand):
+            if sup.render_only:
+                return ErrorReply("this is a render server (launch render): it has no engines to operate on")
+            return sup.operations.request(cmd, Later())
+        if isinstance(cmd, AbortCommand):
+            return sup.aborts.request(cmd, Later())
         if isinstance(cmd, ReloadCommand):
             answer = Later()
             sup.reload().answers.append(answer)
@@ -226,7 +238,9 @@ class Commands:
             state = c.state if c.alive else "exited"  # (not reaped yet)
             procs.append(ProcessStatus(c.tier, c.index, c.pid, state, restarts=max(0, c.slot.restarts - 1),
                                        crash_looping=c.slot.crash_looping(now), uptime_s=round(now - c.started, 1),
-                                       model=self._model_of(c.tier, c.index), loras=c.loras, **load))
+                                       model=self._model_of(c.tier, c.index), loras=c.loras,
+                                       sleeping=c.condition.sleeping if c.condition else None,
+                                       weight_version=c.condition.version if c.condition else None, **load))
         wanted = {(tier, i) for tier, indices, _ in a.wanted() for i in indices}
         for (tier, index), slot in sorted(a.slots.items()):
             if (tier, index) in wanted and not [c for c in a.children if c.slot is slot]:
@@ -239,7 +253,8 @@ class Commands:
         for e in st.engines:
             if (e.rank, e.endpoint) not in local:  # an engine host's
                 procs.append(ProcessStatus("engine", e.rank, e.pid, e.state, 0, False, model=e.model,
-                                           endpoint=e.endpoint, loras=e.loras))
+                                           endpoint=e.endpoint, loras=e.loras, sleeping=e.sleeping,
+                                           weight_version=e.weight_version or None))
         return StatusReply(url=sup.url, models=dict(st.models) or {t.model_id: t.desired for t in sup.tiers},
                            pid=os.getpid(), run_dir=sup.run_dir, uptime_s=round(time.time() - sup.started_at, 1),
                            desired={"gateway": a.desired["gateway"],

@@ -31,7 +31,8 @@ Membership = Callable[[], tuple[tuple[EngineInfo, ...], dict[str, int], int, int
 class ClusterPublisher:
     def __init__(self, membership: Membership, gateways: Callable[[], list[Child]], phase: Callable[[], str],
                  loras: Callable[[], tuple[LoraInfo, ...]] = tuple,
-                 lora_errors: Callable[[], dict[str, str]] = dict):
+                 lora_errors: Callable[[], dict[str, str]] = dict,
+                 conditions: Callable[[], tuple[dict[str, int], dict[str, str]]] = lambda: ({}, {})):
         self.store = ClusterStore()
         self.admission = Admission(self.publish)
         self._membership = membership
@@ -39,6 +40,7 @@ class ClusterPublisher:
         self._phase = phase  # the expert-parallel phase ("" when none)
         self._loras = loras  # the LoRA adapters served (launch.ops.lora)
         self._lora_errors = lora_errors  # those this host's engines refused (an engine host tells gateway hosts)
+        self._conditions = conditions  # the models asleep and each one's weight version (launch.ops.engine_ops)
         self.registry: RegistryServer | None = None  # an engine host's
         self.remote: list[RemoteEngines] = []  # a gateway host's engine hosts
         self._unknown_models: set[str] = set()  # served by an engine host but not here (warned once)
@@ -58,11 +60,14 @@ class ClusterPublisher:
         engines, models = self._with_remote(local, models, now)
         self.admission.follow_remote(h for r in self.remote for h in r.holds(now) if h.model in models)
         holds, phase, loras = self.admission.holds(), self._phase(), self._loras()
+        sleeping, versions = self._conditions()
         st = self.store.get()
-        if (engines, models, gateways, holds, phase, loras) != (st.engines, st.models, st.gateways_desired, st.holds,
-                                                                st.scaling, st.loras):
+        if (engines, models, gateways, holds, phase, loras, sleeping, versions) != (
+                st.engines, st.models, st.gateways_desired, st.holds, st.scaling, st.loras, st.sleeping,
+                st.weight_versions):
             st = self.store.update(engines=engines, models=models, gateways_desired=gateways,
-                                   engines_desired=engines_desired, holds=holds, scaling=phase, loras=loras)
+                                   engines_desired=engines_desired, holds=holds, scaling=phase, loras=loras,
+                                   sleeping=sleeping, weight_versions=versions)
             msg = ClusterUpdate(st)
             for c in self._gateways():
                 c.send(msg)

@@ -33,7 +33,7 @@ from functools import partial
 from gateway.security import write_key_file
 from protocol.cluster import EngineInfo, EngineState
 from protocol.constants import EXIT_CUT_OFF
-from protocol.control import ControlMessage, GroupReport, LoraReport
+from protocol.control import AbortReport, ControlMessage, EngineCondition, EngineOpReport, GroupReport, LoraReport
 from zserve import control
 from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
@@ -44,7 +44,9 @@ from ..children import Child, Slot, spawn
 from ..control_server import ControlServer
 from ..hosts.engine_registry import RegistryServer, RemoteEngines
 from ..hosts.shared_state import SharedControl, is_redis
+from ..ops.aborts import Aborts
 from ..ops.elastic import ElasticGroup
+from ..ops.engine_ops import EngineOperations
 from ..ops.lora import LoraAdapters
 from ..ops.reload import RollingRestart
 from ..sockets import UnixHTTPConnection, create_listener, create_unix_listener
@@ -81,11 +83,16 @@ class Supervisor:
             start=self._start_child, event=self._on_event, died=self._on_death, draining=self._publish,
             reload=self.reload))
         self.publisher = ClusterPublisher(self._membership, lambda: self.arbiter.live("gateway"), self._phase,
-                                          lambda: self.loras.state(), lambda: self.loras.errors())
+                                          lambda: self.loras.state(), lambda: self.loras.errors(),
+                                          lambda: self.operations.state())
         # The LoRA adapters served and wanted (engine hosts' engines: through their registries).
         self.loras = LoraAdapters(self.arbiter, self.publisher, self.tiers, cfg.lora_dirs,
                                   self.publisher.remote_lora_errors)
         self.admission = self.publisher.admission
+        # Engine operations (sleep, weights, caches, profiling) and aborts, from any gateway.
+        self.operations = EngineOperations(self.arbiter, self.publisher, self.admission, self.tiers, cfg.profiler_dir,
+                                           self._operation_busy)
+        self.aborts = Aborts(self.arbiter)
         self.sel = self.arbiter.sel
         self.listener: socket.socket | None = None
         self.control: ControlServer | None = None
@@ -150,12 +157,13 @@ class Supervisor:
             mt = a.tier_of(index)
             group = self.elastic.get(mt.base)
             loras = self.loras.spawn_set(mt.model_id) if self.serving and mt.spec.engine.enable_lora else None
+            source, version = self.operations.spawn_weights(mt)
             engine = handoff.engine_launch(
-                index, a.engine_endpoint(index), mt.source, mt.spec.engine, threads=a.engine_threads(),
+                index, a.engine_endpoint(index), source, mt.spec.engine, threads=a.engine_threads(),
                 device=engine_device(mt.first_device + index - mt.base, a.num_gpus),
                 heartbeat_interval=c.heartbeat_interval, shutdown_timeout=c.shutdown_timeout,
                 expert_share=group.share(index) if group else None,
-                keys_dir=c.keys_dir if c.bind is not None else None, loras=loras)
+                keys_dir=c.keys_dir if c.bind is not None else None, loras=loras, weight_version=version)
             return spawn(slot, "engine_worker", handoff.argv(engine))
         assert self.listener is not None
         fd = self.listener.fileno()
@@ -177,6 +185,13 @@ class Supervisor:
         elif isinstance(msg, LoraReport) and child.tier == "engine":
             self.loras.on_report(child, msg)
             self._publish()
+        elif isinstance(msg, EngineOpReport) and child.tier == "engine":
+            self.operations.on_report(child, msg)
+        elif isinstance(msg, EngineCondition) and child.tier == "engine":
+            self.operations.on_condition(child, msg)
+            self._publish()
+        elif isinstance(msg, AbortReport) and child.tier == "gateway":
+            self.aborts.on_report(child, msg)
 
     def _on_death(self, child: Child, why: str) -> bool:
         group = self.group_of(child)
@@ -194,12 +209,22 @@ class Supervisor:
         a = self.arbiter
         live = sorted(a.live("engine"), key=lambda c: c.index)
         engines = tuple(EngineInfo(c.index, a.engine_endpoint(c.index), self._engine_state(c), c.pid,
-                                   a.tier_of(c.index).model_id, c.loras or ()) for c in live)
+                                   a.tier_of(c.index).model_id, c.loras or (),
+                                   c.condition.sleeping if c.condition else 0,
+                                   c.condition.version if c.condition else "") for c in live)
         return engines, {t.model_id: t.desired for t in self.tiers}, a.desired["gateway"], a.engines_desired
 
     def _phase(self) -> str:
         """The expert-parallel phase the cluster state shows: the first group's that is doing anything."""
         return next((g.phase for g in self.elastic.values() if g.phase), "")
+
+    def _operation_busy(self, model: str) -> str | None:
+        """Why ``model`` takes no engine operation now: a resize or a rolling restart changes its engines."""
+        if self.reloading is not None:
+            return "is being restarted (a rolling restart)"
+        if any(self.admission.holding(reason, model) for reason in ("resizing", "reloading")):
+            return "is resizing its engine group"
+        return None
 
     def _publish(self) -> int:
         return self.publisher.publish()
@@ -236,6 +261,8 @@ class Supervisor:
                     self.reloading = None
             self._follow_failures()
             self._follow_loras(now)
+            self.operations.tick(now)
+            self.aborts.tick(now)
         self.publisher.publish()
         if self.shared is not None:
             self.commands.follow_shared(now)
