@@ -155,3 +155,38 @@ def test_derender_refuses_what_is_not_a_whole_generate_answer(scripted):
             "chat_request.prompt_logprobs", "cannot be derendered")
     refused("/v1/completions/derender", {"completion_request": {"model": model, "prompt": ["a", "b"]},
                                          "generate": [whole]}, "generate", "one per rendered prompt")
+
+
+def test_messages_and_responses_render_the_ids_their_routes_count(scripted):
+    """Anthropic Messages and Responses bodies render to the ids their direct routes feed the engine: as many as
+    the direct answer's usage counts as input; a forced call's opening (the hermes prefill) ends the prompt, and
+    its grammar travels in ``sampling_params``. Rendering a Responses turn reads the chained conversation."""
+    url, model = scripted
+    weather = sm.WEATHER_TOOL["function"]
+    tool = {"name": weather["name"], "description": weather["description"], "input_schema": weather["parameters"]}
+    messages = {"model": model, "max_tokens": 32, "temperature": 0, "system": "Be brief.", "tools": [tool],
+                "messages": [{"role": "user", "content": "Weather? " + sm.WEATHER_TRIGGER}]}
+    for body in (messages, {**messages, "tool_choice": {"type": "tool", "name": weather["name"]}}):
+        rendered = ok(post(url, "/v1/messages/render", body))
+        usage = ok(post(url, "/v1/messages", body))["usage"]
+        assert len(rendered["token_ids"]) == usage["input_tokens"] + usage["cache_read_input_tokens"] > 0
+        assert rendered["request_id"].startswith("msg_") and rendered["sampling_params"]["max_tokens"] == 32
+        forced = "tool_choice" in body
+        assert rendered["prompt"].endswith(sm.NAMED_PREFILL) == forced
+        assert (rendered["sampling_params"]["structured"] is not None) == forced
+
+    first = {"model": model, "input": "Capital? " + sm.THINK_TRIGGER, "instructions": "Be brief.",
+             "temperature": 0}
+    done = ok(post(url, "/v1/responses", first))
+    chained = {"model": model, "input": "And Germany?", "previous_response_id": done["id"], "temperature": 0}
+    for body in (first, chained):
+        rendered = ok(post(url, "/v1/responses/render", body))
+        assert rendered["request_id"].startswith("resp_")
+        assert len(rendered["token_ids"]) == ok(post(url, "/v1/responses", body))["usage"]["input_tokens"]
+    assert sm.ANSWER in rendered["prompt"]  # the chained turn carries the first one's answer
+
+    for path, body, param in (("/v1/messages/render", {**messages, "max_tokens": 0}, "max_tokens"),
+                              ("/v1/responses/render", {**first, "previous_response_id": "resp_nope"},
+                               "previous_response_id")):
+        r = post(url, path, body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
