@@ -14,6 +14,7 @@ from .routers import (
     anthropic,
     control,
     core,
+    derender,
     docs,
     native,
     openai,
@@ -34,7 +35,7 @@ log = logging.getLogger("zserve.gateway")
 # error shape (``serving.admission.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "operations": operations, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
-                  "sagemaker": sagemaker, "docs": docs}
+                  "sagemaker": sagemaker, "docs": docs, "derender": derender}
 
 MAX_BODY_BYTES = 32 << 20
 

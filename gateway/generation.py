@@ -98,6 +98,18 @@ def _shares(text: str, parts: list[str], n: int, skip: int) -> list[str]:
     return shares
 
 
+class _Unmetered:
+    """The token timer of a pipeline that counts nothing (``TextPipeline(metered=False)``)."""
+
+    __slots__ = ()
+
+    def tokens(self, n: int) -> None:
+        pass
+
+
+UNMETERED = _Unmetered()
+
+
 class TextPipeline:
     """One request's engine outputs turned into text deltas, one output at a time and synchronously (so the
     engine reader can run it: ``serving.choices.ChoiceRun``): incremental detokenizing, stop strings,
@@ -110,12 +122,16 @@ class TextPipeline:
     (``ended_early``). ``close`` (idempotent) ends the in-flight gauge's count of the request.
 
     With logprobs, an output of several tokens is detokenized one token at a time, so that its delta says which
-    text each token wrote (``Delta.texts``); without, in one push."""
+    text each token wrote (``Delta.texts``); without, in one push.
+
+    ``metered=False`` (a generate answer replayed by the derender routes, ``serving.replay``) counts nothing: its
+    tokens were counted where they were generated, and its timing is not the engine's."""
 
     __slots__ = ("detok", "stopper", "final_ids", "stop_ids", "prompt_ids", "n_out", "interval", "held", "sent_at",
                  "timer", "ended_early", "_open", "min_tokens")
 
-    def __init__(self, state: ModelState, prompt_ids: list[int], sampling: SamplingParams, opts: TextOptions):
+    def __init__(self, state: ModelState, prompt_ids: list[int], sampling: SamplingParams, opts: TextOptions,
+                 metered: bool = True):
         self.detok = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=opts.skip_special_tokens) \
             if opts.detokenize else None
         self.stopper = StopChecker(opts.stop, opts.include_stop_str_in_output) if opts.stop and self.detok else None
@@ -131,10 +147,11 @@ class TextPipeline:
         self.interval = state.stream_interval
         self.held: Delta | None = None  # what --stream-interval has not yet let out
         self.sent_at = 0  # output tokens when a delta was last let out
-        self.timer = TokenTimer(lora=state.lora, prompt_tokens=len(prompt_ids))
+        self.timer = TokenTimer(lora=state.lora, prompt_tokens=len(prompt_ids)) if metered else UNMETERED
         self.ended_early = False
-        IN_FLIGHT.inc()
-        self._open = True
+        if metered:
+            IN_FLIGHT.inc()
+        self._open = metered
 
     def push(self, out: RequestOutput) -> Delta | None:
         """The delta of one engine output, or None while ``--stream-interval`` holds it back."""

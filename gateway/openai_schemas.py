@@ -248,15 +248,30 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
     return validate(model, json_object(body))
 
 
+def parse_nested(model: type[BaseModel], body: bytes, field: str, inner: type[BaseModel]) -> Any:
+    """``parse``, for a body that carries another route's request in ``field`` (the derender routes'): that
+    request is checked as its own route checks it, fields it does not serve too."""
+    data = json_object(body)
+    if isinstance(data.get(field), dict):
+        check_unsupported(inner, data[field], f"{field}.")
+    return validate(model, data)
+
+
 def parse_query(model: type[BaseModel], query: Mapping[str, str]) -> Any:
     """Validate a query string (the first value of each name), or raise a 400 naming the bad parameter."""
     return validate(model, dict(query))
 
 
-def validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
+def check_unsupported(model: type[BaseModel], data: dict[str, Any], where: str = "") -> None:
+    """A 400 for a field of ``data`` that ``model`` names in its ``UNSUPPORTED`` (``where``: the path to ``data``
+    in the body, for a request nested in another: the derender routes')."""
     for name, inert in getattr(model, "UNSUPPORTED", {}).items():
         if name in data and data[name] not in inert:
-            raise bad_request(f"{name} is not supported by this server", param=name)
+            raise bad_request(f"{where}{name} is not supported by this server", param=where + name)
+
+
+def validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    check_unsupported(model, data)
     try:
         return model.model_validate(data)
     except ValidationError as e:

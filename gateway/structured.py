@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from protocol.constants import ERR_STRUCTURED_OUTPUT, MAX_GRAMMAR_CHARS
+from protocol.messages import STRUCTURED_KINDS
 from zserve.grammar import GrammarError, Unwritable, bytes_no_token_holds, check_spec, choice_grammar
 from zserve.tokenizer import Tokenizer
 
@@ -225,6 +226,17 @@ def from_fields(response_format: Any = None, structured_outputs: Any = None, gui
         first, second = specs[0].source, specs[1].source
         raise _bad(f"{first} and {second} both constrain the output; give one of them", param=second)
     return specs[0] if specs else None
+
+
+def from_pair(pair: tuple[str, str] | None, param: str) -> StructuredSpec | None:
+    """A constraint given as the engine's ``(kind, spec)`` pair, as the render routes show it in their
+    ``sampling_params.structured``: what ``/inference/v1/generate`` takes back, so render → generate composes."""
+    if pair is None:
+        return None
+    kind, spec = pair
+    if kind not in STRUCTURED_KINDS:
+        raise _bad(f"unknown kind {kind!r}; known: {', '.join(STRUCTURED_KINDS)}", param=param)
+    return sized(kind, spec, param)
 
 
 def with_forced_call(spec: StructuredSpec | None, forced: StructuredSpec | None) -> StructuredSpec | None:

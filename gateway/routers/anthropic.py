@@ -1,34 +1,31 @@
 """Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 The request is translated into chat messages (system prompt, text / tool_use / tool_result blocks)
-and OpenAI-style tools, rendered with the model's chat template like a chat completion, and run
-through the serving layer (``gateway.serving``). Responses, stream events and errors take Anthropic's
-shapes, which the official ``anthropic`` SDK parses. An assistant message last in ``messages`` is a
-prefill: the model continues its text. ``x-api-key`` and ``anthropic-version`` are accepted.
+and OpenAI-style tools, rendered with the model's chat template like a chat completion
+(``serving.anthropic_plan``, which ``/v1/messages/render`` shows), and run through the serving layer.
+Responses, stream events and errors take Anthropic's shapes, which the official ``anthropic`` SDK
+parses. An assistant message last in ``messages`` is a prefill: the model continues its text.
+``x-api-key`` and ``anthropic-version`` are accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel
 
-from .. import structured
-from ..errors import APIError, bad_request, error_shape
-from ..ids import random_hex
-from ..openai_schemas import MAX_STOP, MAX_STOP_LEN, MAX_TOOLS, MAX_TOP_K, RequestBody, SamplingFields, parse
+from ..errors import APIError, error_shape
+from ..openai_schemas import parse
 from ..openapi import JSON, SSE, error_schema, request_body, response
 from ..serving.admission import admit
+from ..serving.anthropic_plan import CountTokensRequest, MessagesRequest, messages_prompt, plan_messages
 from ..serving.choices import Choice, collect, run_choices
 from ..serving.engine_errors import ENGINE_ERRORS, engine_error
-from ..serving.prompts import ChatPrompt, chat_prompt, check_prompt_ids
-from ..serving.sampling import build_sampling, text_options
 from ..serving.shapes import json_body
-from ..serving.tools import NO_TOOLS, ToolUse, arguments_dict, final_tool_calls, message_parser, tool_use
+from ..serving.tools import ToolUse, arguments_dict, final_tool_calls
 from ..sse import open_stream, send_event
 from ..state import STATE, ModelState
 from ..text.message import MessagePiece
@@ -59,160 +56,6 @@ class AnthropicError(BaseModel):
 
 
 error_schema(anthropic_error, AnthropicError)
-
-
-# -- request schema -------------------------------------------------------------------------------
-
-class _Block(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextBlock(_Block):
-    type: Literal["text"]
-    text: str
-
-
-class ToolUseBlock(_Block):
-    type: Literal["tool_use"]
-    id: Annotated[str, Field(min_length=1, max_length=256)]
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Block):
-    type: Literal["tool_result"]
-    tool_use_id: Annotated[str, Field(min_length=1, max_length=256)]
-    content: str | list[TextBlock] | None = None
-    is_error: bool | None = None
-
-
-class ThinkingBlock(_Block):
-    type: Literal["thinking", "redacted_thinking"]
-
-
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
-
-
-class Message(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
-
-
-class Tool(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    description: str | None = None
-    input_schema: dict[str, Any]
-
-
-class ToolChoice(RequestBody):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool = False
-
-
-class CountTokensRequest(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: ToolChoice | None = None
-
-
-class MessagesRequest(CountTokensRequest):
-    max_tokens: Annotated[int, Field(ge=1)]
-    stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_LEN)]] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = None
-    metadata: dict[str, Any] | None = None
-    stream: bool = False
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _stops(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        return v
-
-    def sampling_fields(self) -> SamplingFields:
-        stops = [s for s in self.stop_sequences or [] if s]
-        return SamplingFields.model_construct(temperature=self.temperature, top_p=self.top_p,
-                                              top_k=self.top_k or None, stop=stops)
-
-
-# -- request → chat ------------------------------------------------------------------------------
-
-def _text(content: str | list[TextBlock] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "\n".join(b.text for b in content)
-
-
-def chat_messages(req: CountTokensRequest) -> list[dict]:
-    """Anthropic's conversation as chat-template messages: tool_use blocks become an assistant's
-    tool_calls, tool_result blocks become tool messages (before the user's text of that turn)."""
-    out: list[dict] = []
-    if req.system:
-        out.append({"role": "system", "content": _text(req.system)})
-    for m in req.messages:
-        if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
-            continue
-        texts = [b.text for b in m.content if isinstance(b, TextBlock)]
-        if m.role == "assistant":
-            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-                     for b in m.content if isinstance(b, ToolUseBlock)]
-            msg: dict = {"role": "assistant", "content": "\n".join(texts)}
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-            continue
-        for b in m.content:
-            if isinstance(b, ToolResultBlock):
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
-            elif isinstance(b, ToolUseBlock):
-                raise bad_request("tool_use blocks belong to assistant messages", param="messages")
-        if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
-    return out
-
-
-def _tools(req: CountTokensRequest) -> list[dict] | None:
-    if not req.tools:
-        return None
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in req.tools]
-
-
-def _tool_use(state: ModelState, req: CountTokensRequest, tools: list[dict] | None) -> ToolUse:
-    tc = req.tool_choice
-    if tc is None:
-        return tool_use(state, tools, "auto")
-    mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[tc.type]
-    if mode in ("required", "function") and not tools:  # named as the client wrote it, not as ToolUse names it
-        raise bad_request(f'tool_choice of type "{tc.type}" needs tools', param="tool_choice")
-    if mode == "function" and not tc.name:
-        raise bad_request('tool_choice of type "tool" needs a name', param="tool_choice")
-    return tool_use(state, tools, mode, tc.name, parallel=not tc.disable_parallel_tool_use)
-
-
-def _prompt(state: ModelState, req: CountTokensRequest, counting: bool = False) -> tuple[ChatPrompt, ToolUse]:
-    tools = _tools(req)
-    # Counting renders the tools whether or not this server can parse calls (nothing is generated).
-    use = NO_TOOLS if counting and state.tool_parser is None else _tool_use(state, req, tools)
-    messages = chat_messages(req)
-    prefill = req.messages[-1].role == "assistant"  # Anthropic's prefill: continue the assistant's text
-    if prefill and messages[-1].get("tool_calls"):
-        raise bad_request("the final assistant message cannot hold tool_use blocks", param="messages")
-    prompt = chat_prompt(state, messages, tools=tools, use=use, add_generation_prompt=not prefill,
-                         continue_final_message=prefill)
-    return prompt, use
 
 
 # -- response shapes ------------------------------------------------------------------------------
@@ -358,19 +201,13 @@ async def stream_message(request: web.Request, state: ModelState, rid: str, mode
 @error_shape(anthropic_error)
 async def messages(request: web.Request) -> web.StreamResponse:
     req: MessagesRequest = parse(MessagesRequest, await request.read())
-    state = request.app[STATE].for_model(req.model, "generate")
-    prompt, use = _prompt(state, req)
-    max_tokens = check_prompt_ids(state, prompt.ids, req.max_tokens, param="messages")
-    fields = req.sampling_fields()
-    constraint = await structured.check(prompt.forced, state.tokenizer)  # a forced call follows the input_schema
-    c = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, None, 0, structured=constraint),
-               msg=message_parser(state, use, prompt.prefill))
-    rid = f"msg_{random_hex()}"
+    plan = await plan_messages(request.app[STATE], req)
+    state, c, rid = plan.state, plan.choices[0], plan.request_id
     admit(state)
     if req.stream:
-        return await stream_message(request, state, rid, req.model, c, use, len(prompt.ids), text_options(fields))
-    await collect(state, rid, [c], text_options(fields))
-    return json_body(full_message(rid, req.model, c, use, len(prompt.ids)))
+        return await stream_message(request, state, rid, req.model, c, plan.use, plan.prompt_tokens, plan.opts)
+    await collect(state, rid, [c], plan.opts)
+    return json_body(full_message(rid, req.model, c, plan.use, plan.prompt_tokens))
 
 
 @routes.post("/v1/messages/count_tokens")
@@ -379,5 +216,5 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     req: CountTokensRequest = parse(CountTokensRequest, await request.read())
     state = request.app[STATE].for_model(req.model)
-    prompt, _ = _prompt(state, req, counting=True)
+    prompt, _ = messages_prompt(state, req, counting=True)
     return web.json_response({"input_tokens": len(prompt.ids)})

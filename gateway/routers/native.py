@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from .. import structured
 from ..errors import APIError, bad_request
@@ -67,11 +67,21 @@ class DetokenizeRequest(RequestBody):
 
 
 class GenerateSampling(SamplingFields):
-    """vLLM's SamplingParams as JSON (the fields this engine implements)."""
+    """vLLM's SamplingParams as JSON (the fields this engine implements); also as the render routes show them
+    (the engine's own form: ``logit_bias`` as [id, bias] pairs, a checked constraint as ``structured``), so a
+    render's ``sampling_params`` are generated with as they are."""
 
     max_tokens: Annotated[int, Field(ge=1)] = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    structured: tuple[str, str] | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, v: Any) -> Any:
+        if isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+            return {str(k): b for k, b in v}
+        return v
 
 
 class GenerateRequest(RequestBody):
@@ -159,7 +169,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ids = list(req.token_ids)
     max_tokens = check_prompt_ids(state, ids, sp.max_tokens, param="token_ids",
                                   max_tokens_param="sampling_params.max_tokens")
-    constraint = await structured.check(structured.from_request(sp, where="sampling_params."), state.tokenizer)
+    asked = structured.from_request(sp, where="sampling_params.")
+    given = structured.from_pair(sp.structured, "sampling_params.structured")
+    if asked is not None and given is not None:
+        raise bad_request(f"{asked.source} and sampling_params.structured both constrain the output; give one",
+                          param="sampling_params.structured")
+    constraint = await structured.check(asked or given, state.tokenizer)
     choices = [Choice(j, ids, build_sampling(state, sp, max_tokens, sp.logprobs, j, sp.prompt_logprobs,
                                                "sampling_params.", structured=constraint))
                for j in range(sp.n)]

@@ -22,25 +22,33 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Field
 
 from .. import structured
 from ..errors import APIError, bad_request
 from ..ids import random_hex
-from ..openai_schemas import MAX_TOOLS, RequestBody, SamplingFields, parse, parse_query
+from ..openai_schemas import RequestBody, parse, parse_query
 from ..openapi import JSON, SSE, query, request_body, response
 from ..serving.admission import admit
-from ..serving.choices import Choice, run_choices
+from ..serving.choices import run_choices
 from ..serving.engine_errors import ENGINE_ERRORS, engine_error
-from ..serving.prompts import chat_prompt, check_prompt_ids
-from ..serving.sampling import build_sampling, text_options
+from ..serving.responses_plan import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ResponsesRequest,
+    conversation,
+    load_response,
+    plan_response,
+    store_call,
+)
 from ..serving.shapes import json_body
-from ..serving.tools import ToolUse, final_tool_calls, message_parser, tool_use
+from ..serving.tools import final_tool_calls
 from ..sse import encode_event, open_stream
-from ..state import STATE, GatewayState, ModelState
+from ..state import STATE, ModelState
 from ..store import StoreUnavailable
 from ..text.message import MessagePiece
 from ..text.token_text import TokenLogprob
@@ -55,105 +63,6 @@ _background_tasks: set[asyncio.Task] = set()
 
 # -- request schema -------------------------------------------------------------------------------
 
-class MessageItem(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[dict[str, Any]]
-
-
-class FunctionCallItem(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function_call"]
-    call_id: Annotated[str, Field(min_length=1, max_length=256)]
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    arguments: str
-
-
-class FunctionCallOutputItem(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function_call_output"]
-    call_id: Annotated[str, Field(min_length=1, max_length=256)]
-    output: str | list[dict[str, Any]]
-
-
-class ReasoningItem(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["reasoning"]
-
-
-def _item_type(item: Any) -> str | None:
-    # Items without "type" are messages (the SDK's EasyInputMessage).
-    if isinstance(item, dict):
-        return item.get("type", "message")
-    return getattr(item, "type", None)
-
-
-InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
-
-
-class FunctionTool(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value this server can honour
-
-
-class ResponsesRequest(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-    # OpenAI's fields this server does not implement (``openai_schemas.validate`` refuses them): the Conversations
-    # API and stored prompts are not served, and input is never cut to fit (truncation "auto").
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"conversation": (None,), "prompt": (None,),
-                                              "truncation": (None, "disabled")}
-
-    model: str | None = None
-    input: str | list[InputItem]
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    store: bool = True
-    background: bool = False
-    stream: bool = False
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    metadata: dict[str, str] | None = None
-    text: dict[str, Any] | None = None
-    user: str | None = None
-    include: list[str] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    reasoning: dict[str, Any] | None = None  # {"effort", "summary"}: the effort reaches the chat template (vLLM's)
-
-    def wants_logprobs(self) -> bool:
-        """Whether the output text's logprobs were asked for (``include``); any other ``include`` is a 400."""
-        for value in self.include or ():
-            if value != OUTPUT_LOGPROBS:
-                raise bad_request(f"include {value!r} is not supported: the only value this server serves is "
-                                  f"{OUTPUT_LOGPROBS!r}", param="include")
-        wants = OUTPUT_LOGPROBS in (self.include or ())
-        if self.top_logprobs and not wants:
-            raise bad_request(f"top_logprobs needs include [{OUTPUT_LOGPROBS!r}]", param="top_logprobs")
-        return wants
-
-    def template_kwargs(self) -> dict[str, Any] | None:
-        effort = (self.reasoning or {}).get("effort")
-        return None if effort is None else {"reasoning_effort": effort}
-
-
 class InputItemsQuery(RequestBody):
     """The query of ``GET /v1/responses/{id}/input_items``: OpenAI's paging of input items."""
 
@@ -165,47 +74,6 @@ class InputItemsQuery(RequestBody):
 
 
 # -- input → chat ---------------------------------------------------------------------------------
-
-def _output_text(output: str | list[dict[str, Any]]) -> str:
-    if isinstance(output, str):
-        return output
-    return "\n".join(p.get("text", "") for p in output if isinstance(p, dict))
-
-
-def chat_messages(items: str | list) -> list[dict]:
-    """Input items as chat-template messages; consecutive function calls join the assistant turn."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict] = []
-    for item in items:
-        if isinstance(item, MessageItem):
-            role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": item.content})
-        elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif isinstance(item, FunctionCallOutputItem):
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _output_text(item.output)})
-    return out
-
-
-def check_call_outputs(items: str | list, history: list[dict]) -> None:
-    """A ``function_call_output`` answers a call made before it, in this input or in the chained conversation;
-    OpenAI refuses one whose ``call_id`` no call has (400), and so does this server."""
-    if isinstance(items, str):
-        return
-    known = {call.get("id") for message in history for call in message.get("tool_calls") or ()}
-    for i, item in enumerate(items):
-        if isinstance(item, FunctionCallItem):
-            known.add(item.call_id)
-        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in known:
-            raise bad_request(f"input.{i}.call_id: no tool call found for function call output with call_id "
-                              f"{item.call_id!r}", param=f"input.{i}.call_id")
-
 
 def input_items(items: str | list) -> list[dict]:
     """This turn's input as the API lists it (``GET /v1/responses/{id}/input_items``), each with an id."""
@@ -224,16 +92,6 @@ def input_items(items: str | list) -> list[dict]:
             out.append({"type": "function_call_output", "id": _new_id("fco"), "call_id": item.call_id,
                         "output": item.output, "status": "completed"})
     return out
-
-
-def _tool_use(state: ModelState, req: ResponsesRequest, tools: list[dict] | None) -> ToolUse:
-    tc = req.tool_choice
-    if tc is None or tc in ("none", "auto", "required"):
-        return tool_use(state, tools, tc or "auto", parallel=req.parallel_tool_calls)
-    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
-        return tool_use(state, tools, "function", tc["name"], req.parallel_tool_calls)
-    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-                      param="tool_choice")
 
 
 # -- the response object --------------------------------------------------------------------------
@@ -404,24 +262,6 @@ def assistant_turn(items: list[dict]) -> dict:
     return msg
 
 
-# -- store access ---------------------------------------------------------------------------------
-
-async def _store_call(coro: Awaitable) -> Any:
-    try:
-        return await coro
-    except StoreUnavailable as e:
-        raise APIError(503, f"the response store is unavailable: {e}", headers={"Retry-After": "1"}) from None
-    except ValueError as e:  # a record over the store's size limit
-        raise bad_request(str(e)) from None
-
-
-async def _load(state: GatewayState, rid: str, param: str | None = None) -> dict:
-    record = await _store_call(state.responses.get(rid))
-    if record is None:
-        raise APIError(404, f"Response with id '{rid}' not found.", param=param, code="response_not_found")
-    return record
-
-
 # -- generation -----------------------------------------------------------------------------------
 
 class Turn:
@@ -429,29 +269,14 @@ class Turn:
 
     def __init__(self, state: ModelState, req: ResponsesRequest, model: str, history: list[dict]):
         self.state, self.req, self.model = state, req, model
-        self.rid = _new_id("resp")
+        planned = plan_response(state, req, history)
+        self.rid = planned.plan.request_id
         self.created = time.time()
-        check_call_outputs(req.input, history)
-        self.messages = history + chat_messages(req.input)
+        self.messages = planned.messages
         self.input_items = input_items(req.input)
-        tools = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
-                 for t in req.tools or []] or None
-        self.use = _tool_use(state, req, tools)
-        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        self.logprobs = (req.top_logprobs or 0) if req.wants_logprobs() else None
-        prompt = chat_prompt(state, system + self.messages, tools=tools, use=self.use, param="input",
-                             template_kwargs=req.template_kwargs())
-        max_tokens = check_prompt_ids(state, prompt.ids, req.max_output_tokens, param="input",
-                                      max_tokens_param="max_output_tokens")
-        fields = SamplingFields.model_construct(temperature=req.temperature, top_p=req.top_p)
-        self.opts = text_options(fields)
-        # Checked (compiled) by the caller before the turn runs: ``structured.check`` may await.
-        self.constraint = structured.with_forced_call(structured.from_text_format((req.text or {}).get("format")),
-                                                      prompt.forced)
-        self.choice = Choice(0, prompt.ids, build_sampling(state, fields, max_tokens, self.logprobs, 0,
-                                                           structured=None if self.constraint is None
-                                                           else self.constraint.pair),
-                             msg=message_parser(state, self.use, prompt.prefill))
+        self.use, self.opts, self.choice = planned.plan.use, planned.plan.opts, planned.plan.choices[0]
+        self.logprobs = planned.logprobs
+        self.constraint = planned.constraint  # checked (compiled) by the caller before the turn runs
         self.obj = response_object(self.rid, model, req, "in_progress", self.created)
 
     def output_logprobs(self, lps: list[TokenLogprob] | None) -> list[dict] | None:
@@ -508,7 +333,7 @@ class Turn:
             return await self.generate(builder)
         if not self.announced:  # nobody knows the id before the answer: one write, at the end
             obj = await self.generate(builder)
-            await _store_call(store.put(self.rid, self.record(obj)))
+            await store_call(store.put(self.rid, self.record(obj)))
             return obj
         gen = asyncio.create_task(self.generate(builder))
         cancelled = False
@@ -540,7 +365,7 @@ class Turn:
                 gen.cancel()
             await self._abandon(e)
             raise
-        ok, current = await _store_call(store.transition(self.rid, LIVE, self.record(obj)))
+        ok, current = await store_call(store.transition(self.rid, LIVE, self.record(obj)))
         if not ok and current is not None:  # cancelled between the last poll and the end
             return current["response"]
         return obj
@@ -627,18 +452,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.background and req.stream:
         raise bad_request("streaming a background response is not supported; poll GET /v1/responses/{id}",
                           param="stream")
-    history: list[dict] = []
-    if req.previous_response_id:
-        prev = await _load(state.gateway, req.previous_response_id, param="previous_response_id")
-        if prev.get("messages") is None:
-            raise bad_request(f"previous response {req.previous_response_id} is {prev.get('status')}; only a "
-                              "finished response can be continued", param="previous_response_id")
-        history = prev["messages"]
+    history = await conversation(state.gateway, req)
     turn = Turn(state, req, model, history)
     await structured.check(turn.constraint, state.tokenizer)
     admit(state)
     if req.store and turn.announced:
-        await _store_call(state.responses.put(turn.rid, turn.record(turn.obj)))
+        await store_call(state.responses.put(turn.rid, turn.record(turn.obj)))
     if req.background:
         task = asyncio.create_task(_background(turn))
         _background_tasks.add(task)  # the loop keeps only weak references to tasks
@@ -651,7 +470,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/v1/responses/{response_id}")
 async def get_response(request: web.Request) -> web.Response:
-    record = await _load(request.app[STATE], request.match_info["response_id"])
+    record = await load_response(request.app[STATE], request.match_info["response_id"])
     return json_body(record["response"])
 
 
@@ -660,7 +479,7 @@ async def get_response(request: web.Request) -> web.Response:
 async def list_input_items(request: web.Request) -> web.Response:
     """A stored response's input items, paged as OpenAI pages them (``order``, ``limit``, ``after``)."""
     q: InputItemsQuery = parse_query(InputItemsQuery, request.query)
-    items = list((await _load(request.app[STATE], request.match_info["response_id"])).get("input_items") or [])
+    items = list((await load_response(request.app[STATE], request.match_info["response_id"])).get("input_items") or [])
     if q.order == "desc":
         items.reverse()
     if q.after is not None:
@@ -678,7 +497,7 @@ async def delete_response(request: web.Request) -> web.Response:
     """Forget a stored response. An in-progress background one stops generating (its gateway sees the record gone
     within ``CANCEL_POLL_S``); a streamed one goes on to its client, and its result is not stored."""
     rid = request.match_info["response_id"]
-    if not await _store_call(request.app[STATE].responses.delete(rid)):
+    if not await store_call(request.app[STATE].responses.delete(rid)):
         raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")
     return web.json_response({"id": rid, "object": "response", "deleted": True})
 
@@ -687,9 +506,9 @@ async def delete_response(request: web.Request) -> web.Response:
 async def cancel_response(request: web.Request) -> web.Response:
     state = request.app[STATE]
     rid = request.match_info["response_id"]
-    record = await _load(state, rid)
+    record = await load_response(state, rid)
     patch = {"status": "cancelled", "response": {**record["response"], "status": "cancelled"}, "messages": None}
-    ok, current = await _store_call(state.responses.transition(rid, LIVE, patch))
+    ok, current = await store_call(state.responses.transition(rid, LIVE, patch))
     if not ok:
         if current is None:
             raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")

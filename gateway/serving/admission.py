@@ -37,8 +37,8 @@ def refusal(hold: Hold, model_id: str) -> APIError:
 
 
 RENDER_ONLY = ("this is a render-only server (launch render): it has no engine to run requests on; "
-               "/v1/chat/completions/render and /v1/completions/render take the same bodies and answer what the "
-               "engine would get")
+               "the render routes (/v1/chat/completions/render, /v1/completions/render, /v1/messages/render, "
+               "/v1/responses/render) take the same bodies and answer what the engine would get")
 
 
 def admit(state: ModelState, task: str = "generate", parts: int = 1, param: str = "n", what: str = "choices") -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.routers.openai import ChatShape, CompletionShape
+from gateway.serving.completions import ChatShape, CompletionShape
 from gateway.serving.tools import NO_TOOLS
 
 
