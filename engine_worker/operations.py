@@ -15,18 +15,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from protocol.control import WAKE_TAGS, EngineCondition, EngineOp, EngineOpReport
+from zserve.catalog import ModelSource
 
 from .residency import Residency, WeightsRefused, device_bytes, resident_bytes
 
-if TYPE_CHECKING:
-    from zserve.catalog import ModelSource
 
-    from .server import EngineServer
+class Host(Protocol):
+    """What an operation sees of its engine's server (``server.EngineServer``)."""
+
+    rank: int
+    runner: Any
+    scheduler: Any
+    status: Any
 
 log = logging.getLogger("zserve.engine")
 
@@ -35,7 +40,7 @@ WAITING_OPS = ("sleep", "commit_weights")  # carried out once no started request
 
 
 class EngineOps:
-    def __init__(self, server: EngineServer, source: ModelSource | None = None, version: str = DEFAULT_VERSION):
+    def __init__(self, server: Host, source: ModelSource | None = None, version: str = DEFAULT_VERSION):
         self.server = server
         runner = server.runner
         generating = hasattr(runner, "kv")

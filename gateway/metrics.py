@@ -208,12 +208,12 @@ class EngineCollector:
             "requests, and max_lora (the value is the time of the engine's stats).",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", *labels])
         # The cluster's weight version and sleep level of each model (POST /update_weights, /sleep).
-        cl = state.cluster
+        cl = getattr(state, "cluster", None)  # (None before the first cluster state, and without a supervisor)
         weights = GaugeMetricFamily("zserve_model_weight_version_info", "1 for the weight version each model serves "
                                     "(POST /update_weights).", labels=["model", "version"])
         sleeping = GaugeMetricFamily("zserve_model_sleep_level", "A model's sleep level (POST /sleep; 0: awake).",
                                      labels=["model"])
-        for m in state.models:
+        for m in getattr(state, "models", ()):
             model = m.model_id
             weights.add_metric([model, cl.weight_versions.get(model, "default") if cl else "default"], 1.0)
             sleeping.add_metric([model], float(cl.sleeping.get(model, 0) if cl else 0))

@@ -12,23 +12,20 @@ adapters are admin routes: once keys are configured they take the admin key (``g
 from __future__ import annotations
 
 import os
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import orjson
 from aiohttp import web
 from pydantic import AfterValidator, ConfigDict, Field
 
-from protocol import ProtocolError
 from protocol.cluster import ELASTIC_PHASES
 from protocol.control import (
     DEFAULT_DRAIN_TIMEOUT,
     ELASTIC_OUTCOMES,
     LORA_OUTCOMES,
     MAX_SCALE,
-    ControlMessage,
     ElasticScaleCommand,
     ElasticScaleReply,
-    ErrorReply,
     LoraLoadCommand,
     LoraReply,
     LoraUnloadCommand,
@@ -37,40 +34,18 @@ from protocol.control import (
     ResumeCommand,
 )
 from protocol.messages import MAX_LORA_NAME_LEN, valid_lora_name
-from zserve import control
 
 from ..errors import APIError
 from ..openai_schemas import RequestBody, parse
 from ..openapi import request_body
 from ..security import admin_route
+from ..serving.supervisor import forward
 from ..state import STATE, GatewayState
 
 routes = web.RouteTableDef()
 
-R = TypeVar("R", bound=ControlMessage)
-
-CONTROL_TIMEOUT = 10.0  # seconds the supervisor has to answer pause and resume (every gateway acknowledges)
 RESIZE_MARGIN = 600.0  # seconds a resize may take beyond its drain: new members load, the group re-forms
 LORA_TIMEOUT = 300.0  # seconds a LoRA load may take: every engine reads it (launch.ops.lora.ENGINE_TIMEOUT), rolls back
-
-
-async def forward(state: GatewayState, cmd: ControlMessage, answer: type[R], timeout: float = CONTROL_TIMEOUT,
-                   refused: int = 500) -> R:
-    """Send ``cmd`` to the supervisor and return its ``answer``. ``refused`` is the status of an ``ErrorReply``
-    (a request the supervisor cannot carry out); no supervisor, or none answering, is a 503."""
-    if not state.control_socket:
-        raise APIError(503, "this gateway runs without a supervisor; cluster control is unavailable")
-    try:
-        reply = await control.request_async(state.control_socket, cmd, timeout=timeout)
-    except (OSError, ConnectionError, TimeoutError) as e:
-        raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
-    except ProtocolError as e:
-        raise APIError(500, f"the supervisor's reply was malformed: {e}") from None
-    if isinstance(reply, ErrorReply):
-        raise APIError(refused, reply.error)
-    if not isinstance(reply, answer):
-        raise APIError(500, f"the supervisor answered {reply.TYPE} to {cmd.TYPE}")
-    return reply
 
 
 async def _model_asked(request: web.Request) -> str | None:

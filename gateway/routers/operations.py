@@ -32,8 +32,8 @@ from protocol.control import (
 from ..errors import APIError
 from ..openai_schemas import RequestBody
 from ..security import admin_route
+from ..serving.supervisor import forward
 from ..state import STATE, GatewayState
-from .control import forward
 
 routes = web.RouteTableDef()
 

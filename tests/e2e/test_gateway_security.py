@@ -119,6 +119,20 @@ def test_the_admin_key_works_only_on_admin_routes(server):
     assert httpx.get(server.url + "/v1/models", headers=admin).status_code == 401
 
 
+def test_engine_operations_take_the_admin_key(server):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for route in ("/sleep", "/wake_up", "/update_weights", "/update_weight_version", "/reset_prefix_cache",
+                  "/reset_mm_cache", "/reset_encoder_cache", "/start_profile", "/stop_profile", "/abort_requests",
+                  "/inference/v1/abort_requests"):
+        assert httpx.post(server.url + route).status_code == 401, route
+        r = httpx.post(server.url + route, headers=AUTH)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", route
+    r = httpx.post(server.url + "/reset_encoder_cache", headers=admin, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    for route in ("/is_sleeping", "/weight_info", "/get_world_size"):  # reading the state takes an API key
+        assert httpx.get(server.url + route, headers=AUTH).status_code == 200, route
+
+
 def test_cors_preflights_are_answered_for_the_allowed_origin_only(server):
     pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
     ok = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": ORIGIN, **pre})

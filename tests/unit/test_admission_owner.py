@@ -60,7 +60,7 @@ def test_a_refusing_hold_decides_before_a_waiting_one_and_each_reason_says_how()
     holds = (Hold("resizing", "moe", 1.0, "draining"), Hold("paused", None, 2.0))
     assert first_hold(holds, "moe").reason == "paused"  # refused at once: the wait would end in the same refusal
     assert first_hold(holds[:1], "moe").waits and "draining" in first_hold(holds[:1], "moe").message()
-    assert {r for r, how in HOLD_REASONS.items() if how.waits} == {"resizing", "reloading"}
+    assert {r for r, how in HOLD_REASONS.items() if how.waits} == {"resizing", "reloading", "sleeping", "updating"}
     failed = Hold("failed", "embed", 3.0, "engine 64: exit code 1")
     assert "model 'embed'" in failed.message() and "exit code 1" in failed.message()
 

@@ -40,7 +40,9 @@ def every_metric() -> dict[str, tuple[str, tuple[str, ...]]]:
                              stats=EngineStats(rank=0, running=1, waiting=0, kv_used=0.1, generated_tokens=5, steps=5,
                                                timestamp=time.time(), max_loras=2, running_loras=("a",)))
     engines = CollectorRegistry()
-    engines.register(EngineCollector({STATE: SimpleNamespace(engines=SimpleNamespace(engines={0: engine}))}))
+    state = SimpleNamespace(engines=SimpleNamespace(engines={0: engine}), cluster=None,
+                            models=[SimpleNamespace(model_id="m")])
+    engines.register(EngineCollector({STATE: state}))
     return {**exported(gateways), **exported(engines)}
 
 

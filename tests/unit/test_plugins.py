@@ -306,7 +306,7 @@ def test_core_cannot_be_disabled_and_unknown_families_are_refused_with_the_known
     with pytest.raises(ValueError) as e:
         GatewayConfig(disabled_families=("antropic",))
     msg = str(e.value)
-    assert msg.startswith("disabled_families: unknown route family 'antropic'; known: core, control, openai")
+    assert msg.startswith("disabled_families: unknown route family 'antropic'; known: core, control, operations, ")
     assert "anthropic" in msg and "plugins: " in msg and "example" in msg
     with pytest.raises(ValueError, match="list of route family or plugin names"):
         GatewayConfig(disabled_families="anthropic")  # type: ignore[arg-type]
