@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from gateway.config import GatewayConfig
 from zserve.catalog import ModelSource
 from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
+from zserve.proc import redact_option
 
 
 @dataclass
@@ -37,6 +39,14 @@ class ServeConfig:
     # The only directories LoRA adapters may be loaded from at run time (/v1/load_lora_adapter); none: runtime
     # loading is off (adapters given at start with --lora-modules are read from anywhere).
     lora_dirs: tuple[str, ...] = ()
+
+    def options(self) -> dict:
+        """Every option this server runs with (each model's engine options beside it), secrets redacted
+        (``zserve.proc.redact_option``: keys counted, URL passwords masked): what ``/server_info`` shows."""
+        top = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("models", "gateway")}
+        models = [{"model": source.model_id, "path": source.path, "engines": spec.engines, "names": list(spec.names),
+                   "engine": dataclasses.asdict(spec.engine)} for source, spec in self.models]
+        return redact_option("", {**top, "gateway": dataclasses.asdict(self.gateway), "models": models})
 
 
 @dataclass
