@@ -26,7 +26,7 @@ from aiohttp import web
 
 from .errors import APIError
 
-PUBLIC_PATHS = frozenset({"/health", "/ping"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/ready", "/readyz"})
 # The API's description and its pages carry no data, and a browser cannot send a key when it opens a page.
 DOCS_PATHS = frozenset({"/openapi.json", "/docs", "/redoc"})
 API_KEY_ENV, ADMIN_KEY_ENV = "ZSERVE_API_KEY", "ZSERVE_ADMIN_KEY"
