@@ -10,7 +10,7 @@ from aiohttp import web
 from .admission import CORS, GUARD, Guard, gateway_middleware, response_headers
 from .metrics import flush_periodically
 from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
-from .routers import anthropic, control, core, docs, info, native, openai, pooling, render, responses, sagemaker
+from .routers import anthropic, cohere, control, core, docs, info, native, openai, pooling, render, responses, sagemaker
 from .security import CorsPolicy, Keys
 from .state import STATE, GatewayState
 
@@ -22,7 +22,7 @@ log = logging.getLogger("zserve.gateway")
 # error shape (``serving.admission.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
-                  "sagemaker": sagemaker, "docs": docs, "info": info}
+                  "sagemaker": sagemaker, "docs": docs, "cohere": cohere, "info": info}
 
 MAX_BODY_BYTES = 32 << 20
 
