@@ -17,16 +17,16 @@ import time
 import orjson
 from aiohttp import web
 
-from ..errors import APIError
+from ..errors import APIError, bad_request
 from ..generation import Delta, TextOptions
-from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
+from ..openai_schemas import BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import JSON, SSE, request_body, response
 from ..serving.admission import admit
 from ..serving.choices import Choice, ChoiceRun, collect
 from ..serving.engine_errors import ENGINE_ERRORS, engine_error
 from ..serving.plans import plan_chat, plan_completion
 from ..serving.shapes import json_body
-from ..serving.tools import ToolUse, final_tool_calls
+from ..serving.tools import NO_TOOLS, ToolUse, final_tool_calls
 from ..sse import EventWriter, open_stream
 from ..state import STATE, ModelState
 from ..text.token_text import TextOffsets, TokenLogprob, TokenText, finite
@@ -352,3 +352,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await respond(request, plan.state, request_id=plan.request_id, model=plan.model, choices=plan.choices,
                          opts=plan.opts, prompt_tokens=plan.prompt_tokens, stream=req.stream, shape=shape,
                          include_usage=include, continuous_usage=continuous)
+
+
+@routes.post("/v1/chat/completions/batch")
+@request_body(BatchChatCompletionRequest)
+@response(200, JSON)
+async def chat_completions_batch(request: web.Request) -> web.Response:
+    """vLLM's batch of conversations: ``messages`` is a list of conversations, each planned as its own chat
+    completion with the body's other fields, all generated at once; the answer is one chat completion whose choice i
+    answers conversation i. As vLLM's: not streamed, without tools, n 1."""
+    req: BatchChatCompletionRequest = parse(BatchChatCompletionRequest, await request.read())
+    for name, refused in (("stream", req.stream), ("tools", req.tools), ("n", req.n != 1)):
+        if refused:
+            raise bad_request(f"{name} is not supported by /v1/chat/completions/batch", param=name)
+    state = request.app[STATE]
+    plans = [await plan_chat(state, req.model_copy(update={"messages": conv})) for conv in req.messages]
+    choices = [p.choices[0] for p in plans]
+    for i, c in enumerate(choices):
+        c.index = i
+    first = plans[0]
+    shape = ChatShape(first.state.token_text, req.logprobs, NO_TOOLS)
+    return await respond(request, first.state, request_id=first.request_id, model=first.model, choices=choices,
+                         opts=first.opts, prompt_tokens=sum(p.prompt_tokens for p in plans), stream=False,
+                         shape=shape)
