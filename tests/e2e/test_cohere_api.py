@@ -3,12 +3,14 @@ sends it, and vLLM's ``/cohere/v2/chat``), its stream events, its render route, 
 
 The session's two-model server (``rag_server``: tiny-random for chat, all-MiniLM-L6-v2 for embeddings) serves them;
 every answer is checked against what the OpenAI routes of the same server answer for the same request, since a
-Cohere request is planned and run by the same serving code.
+Cohere request is planned and run by the same serving code. Tool calls, their results and reasoning depend on what
+the model writes: the scripted model (``scripted_server``: hermes tool calls, think reasoning) writes them exactly.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 from array import array
 
 import cohere
@@ -16,6 +18,8 @@ import httpx
 import pytest
 
 from zserve.catalog import DEFAULT_EMBEDDING_MODEL, TINY_RANDOM
+
+from . import scripted_model as sm
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["A man is eating food.", "A monkey is playing drums.", "hi"]
@@ -109,3 +113,30 @@ def test_sdk_raises_its_own_errors(sdk):
     # A long text is cut to what the model takes (truncate END, the default), and embeds.
     assert len(sdk.embed(model=DEFAULT_EMBEDDING_MODEL, texts=["hi " * 600], input_type="search_query",
                          embedding_types=["float"]).embeddings.float_[0]) == 384
+
+
+def test_tool_calls_their_results_and_reasoning_take_cohere_shapes(scripted_server, scripted_model):
+    co = cohere.ClientV2(base_url=scripted_server.url, api_key="unused", timeout=120)
+    model, ask = scripted_model.name, [{"role": "user", "content": f"Weather in Paris? {sm.WEATHER_TRIGGER}"}]
+    called = co.chat(model=model, messages=ask, tools=[sm.WEATHER_TOOL], max_tokens=64)
+    assert called.finish_reason == "TOOL_CALL" and called.message.content is None
+    call = called.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    events = list(co.chat_stream(model=model, messages=ask, tools=[sm.WEATHER_TOOL], max_tokens=64))
+    kinds = [e.type for e in events if e.type.startswith("tool-call-")]
+    assert kinds[0] == "tool-call-start" and kinds[-1] == "tool-call-end" and set(kinds[1:-1]) == {"tool-call-delta"}
+    assert "".join(e.delta.message.tool_calls.function.arguments for e in events if e.type == "tool-call-delta") \
+        == sm.PARIS_ARGUMENTS
+    assert events[-2].type == "tool-call-end" and events[-1].delta.finish_reason == "TOOL_CALL"
+    # The call and its result go back as Cohere's assistant and tool messages.
+    sent_call = {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                 "arguments": call.function.arguments}}
+    result = [{"type": "text", "text": f"Sunny {sm.TOOL_RESULT_TRIGGER}"}]
+    answered = co.chat(model=model, tools=[sm.WEATHER_TOOL], max_tokens=64, messages=[
+        *ask, {"role": "assistant", "tool_calls": [sent_call]}, {"role": "tool", "tool_call_id": call.id,
+                                                                  "content": result}])
+    assert answered.finish_reason == "COMPLETE" and answered.message.content[0].text == sm.TOOL_RESULT_ANSWER
+    thought = co.chat(model=model, max_tokens=64,
+                      messages=[{"role": "user", "content": f"Capital? {sm.THINK_TRIGGER}"}])
+    assert [(c.type, c.thinking if c.type == "thinking" else c.text) for c in thought.message.content] == [
+        ("thinking", sm.REASONING), ("text", sm.ANSWER)]
