@@ -14,7 +14,7 @@ import os
 from aiohttp import web
 
 import zserve
-from protocol import PROTOCOL_VERSION
+from protocol import PROTOCOL_VERSION, ProtocolError
 from protocol.control import CONTROL_VERSION, StatusCommand, StatusReply
 from zserve import control
 
@@ -58,7 +58,7 @@ async def supervisor_status(state: GatewayState) -> tuple[StatusReply | None, st
         return None, "this gateway runs without a supervisor"
     try:
         reply = await control.request_async(state.control_socket, StatusCommand(), timeout=STATUS_TIMEOUT)
-    except Exception as e:  # noqa: BLE001 - any failure to ask is reported in the answer, not raised
+    except (OSError, ConnectionError, TimeoutError, ProtocolError) as e:  # reported in the answer, not raised
         return None, f"the supervisor did not answer: {e}"
     if not isinstance(reply, StatusReply):
         return None, f"the supervisor answered {reply.TYPE}"

@@ -32,9 +32,19 @@ def server():
 
 
 @pytest.mark.parametrize("path", ["/ready", "/readyz"])
-def test_readiness_answers_ready_without_a_key(server, path):
+def test_readiness_answers_ready_without_a_key_and_not_ready_while_paused(server, path):
     r = httpx.get(server.url + path, timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ready"}
+    # /pause answers once every gateway applied it: whichever gateway answers the probe is not ready, then is again.
+    assert httpx.post(f"{server.url}/pause", headers=ADMIN_AUTH, timeout=30).json()["paused"] is True
+    try:
+        for _ in range(4):
+            r = httpx.get(server.url + path, timeout=30)
+            assert r.status_code == 503 and r.json()["status"] == "not ready" and "paused" in r.json()["reason"]
+            assert r.headers["Retry-After"] == "1"
+    finally:
+        assert httpx.post(f"{server.url}/resume", headers=ADMIN_AUTH, timeout=30).json()["paused"] is False
+    assert httpx.get(server.url + path, timeout=30).status_code == 200
 
 
 def test_server_info_is_an_admin_route(server):
