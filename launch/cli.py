@@ -116,8 +116,9 @@ server_options = _options(
                       "with tools are refused."),
     # -- who may call it (gateway.security; keys never reach a child's command line or a log) ------------
     click.option("--api-key", "api_keys", multiple=True, envvar=API_KEY_ENV, metavar="KEY",
-                 help="Require this key (Authorization: Bearer KEY, or x-api-key) on every route but /health and "
-                      "/ping. Repeatable; also ZSERVE_API_KEY (keys separated by spaces)."),
+                 help="Require this key (Authorization: Bearer KEY, or x-api-key) on every route but /health, "
+                      "/ping and the readiness probes /ready and /readyz. Repeatable; also ZSERVE_API_KEY (keys "
+                      "separated by spaces)."),
     click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="A file of API keys, one per line (# comments)."),
     click.option("--admin-key", "admin_keys", multiple=True, envvar=ADMIN_KEY_ENV, metavar="KEY",
