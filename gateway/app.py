@@ -12,10 +12,12 @@ from .metrics import flush_periodically
 from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
 from .routers import (
     anthropic,
+    cohere,
     control,
     core,
     derender,
     docs,
+    info,
     native,
     openai,
     operations,
@@ -35,7 +37,7 @@ log = logging.getLogger("zserve.gateway")
 # error shape (``serving.admission.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "operations": operations, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
-                  "sagemaker": sagemaker, "docs": docs, "derender": derender}
+                  "sagemaker": sagemaker, "docs": docs, "derender": derender, "cohere": cohere, "info": info}
 
 MAX_BODY_BYTES = 32 << 20
 

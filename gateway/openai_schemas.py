@@ -221,6 +221,16 @@ class ChatCompletionRequest(PromptFields):
         return {**(self.chat_template_kwargs or {}), **extra} if extra else self.chat_template_kwargs
 
 
+MAX_CONVERSATIONS = 256
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's ``/v1/chat/completions/batch`` body: a chat completion's, ``messages`` a list of conversations."""
+
+    messages: Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]],  # type: ignore[assignment]
+                        Field(min_length=1, max_length=MAX_CONVERSATIONS)]
+
+
 def _param(loc: tuple) -> str:
     union_tags = {"str", "list[str]", "list[int]", "list[list[int]]"}  # pydantic's names for union members
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in union_tags))

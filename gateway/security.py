@@ -7,8 +7,9 @@ digest is compared, so timing says nothing about which key nearly matched).
 
 - No keys configured: every route is open, as before.
 - ``--api-key``: every route needs one (``Authorization: Bearer KEY`` or Anthropic's ``x-api-key``),
-  except liveness (``/health``, ``/ping``), CORS preflights, the API's description (``/openapi.json``,
-  ``/docs``, ``/redoc``), and ``/metrics`` unless ``--metrics-auth``.
+  except liveness and readiness (``/health``, ``/ping``, ``/ready``, ``/readyz``: probes send no key), CORS
+  preflights, the API's description (``/openapi.json``, ``/docs``, ``/redoc``), and ``/metrics`` unless
+  ``--metrics-auth``.
 - ``--admin-key``: routes marked ``@admin_route`` (pause, resume, and any later admin route) need it; an
   API key is refused there (403), and the admin key is not an API key. Without an admin key, admin
   routes are refused whenever API keys are set (an API key must not pause the cluster).
@@ -26,7 +27,7 @@ from aiohttp import web
 
 from .errors import APIError
 
-PUBLIC_PATHS = frozenset({"/health", "/ping"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/ready", "/readyz"})
 # The API's description and its pages carry no data, and a browser cannot send a key when it opens a page.
 DOCS_PATHS = frozenset({"/openapi.json", "/docs", "/redoc"})
 API_KEY_ENV, ADMIN_KEY_ENV = "ZSERVE_API_KEY", "ZSERVE_ADMIN_KEY"

@@ -40,7 +40,7 @@ from protocol.control import (
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, pools_only, resolve
 from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, EngineConfig, ModelSpec, parse_lora_module
-from zserve.proc import redact_url, set_title, setup_logging
+from zserve.proc import SECRET_OPTIONS, redact_option, set_title, setup_logging
 
 from .sockets import ListenError
 from .supervisor import EXIT_SUPERVISOR_FAILED, ServeConfig, StartupError, Supervisor
@@ -119,8 +119,9 @@ server_options = _options(
                       "with tools are refused."),
     # -- who may call it (gateway.security; keys never reach a child's command line or a log) ------------
     click.option("--api-key", "api_keys", multiple=True, envvar=API_KEY_ENV, metavar="KEY",
-                 help="Require this key (Authorization: Bearer KEY, or x-api-key) on every route but /health and "
-                      "/ping. Repeatable; also ZSERVE_API_KEY (keys separated by spaces)."),
+                 help="Require this key (Authorization: Bearer KEY, or x-api-key) on every route but /health, "
+                      "/ping and the readiness probes /ready and /readyz. Repeatable; also ZSERVE_API_KEY (keys "
+                      "separated by spaces)."),
     click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="A file of API keys, one per line (# comments)."),
     click.option("--admin-key", "admin_keys", multiple=True, envvar=ADMIN_KEY_ENV, metavar="KEY",
@@ -445,10 +446,6 @@ def _check_across_hosts(bind: str | None, remote: tuple[str, ...], keys_dir: str
             raise click.BadParameter(str(e), param_hint="--keys") from None
 
 
-SECRET_OPTIONS = frozenset({"api_keys", "admin_keys"})
-"""Options whose values never reach a log: shown as how many were given."""
-
-
 def _start_line() -> str:
     """``zserve VERSION: launch COMMAND`` and every option given a value other than its default (from the
     command line or the environment), secrets redacted, so a log says how the server was started."""
@@ -462,12 +459,10 @@ def _start_line() -> str:
         if ctx.get_parameter_source(p.name) in (None, ParameterSource.DEFAULT) or p.name not in ctx.params:
             continue
         value = ctx.params[p.name]
-        if p.name in SECRET_OPTIONS:
-            shown = f"<{len(value)} redacted>"
-        elif isinstance(value, (tuple, list)):
+        if isinstance(value, (tuple, list)) and p.name not in SECRET_OPTIONS:
             shown = ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value)  # (name, path) pairs
         else:
-            shown = redact_url(str(value)) if isinstance(value, str) else str(value)
+            shown = str(redact_option(p.name, value))
         given.append(f"{p.opts[-1] if p.opts else p.name}={shown}")
     return f"zserve {__version__}: launch {ctx.info_name} {' '.join(given) or '(every option at its default)'}"
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from gateway.config import GatewayConfig
 from zserve.catalog import ModelSource
 from zserve.config import MAX_ENGINES_PER_MODEL, ModelSpec
+from zserve.proc import redact_option
 
 
 @dataclass
@@ -39,6 +41,14 @@ class ServeConfig:
     lora_dirs: tuple[str, ...] = ()
     # Where each engine writes its torch profiler trace (POST /start_profile, /stop_profile); None: profiling off.
     profiler_dir: str | None = None
+
+    def options(self) -> dict:
+        """Every option this server runs with (each model's engine options beside it), secrets redacted
+        (``zserve.proc.redact_option``: keys counted, URL passwords masked): what ``/server_info`` shows."""
+        top = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("models", "gateway")}
+        models = [{"model": source.model_id, "path": source.path, "engines": spec.engines, "names": list(spec.names),
+                   "engine": dataclasses.asdict(spec.engine)} for source, spec in self.models]
+        return redact_option("", {**top, "gateway": dataclasses.asdict(self.gateway), "models": models})
 
 
 @dataclass

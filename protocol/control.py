@@ -32,8 +32,8 @@ from .holds import Hold
 from .messages import valid_lora_name
 from .validate import ProtocolError, check, is_int, is_nonneg, is_str, is_uint, optional
 
-# 4: engine operations (sleep, weights, caches, profiling) and aborts; 3: LoRA adapters (cluster state, engine
-# reports, load/unload); 2: holds per (reason, model)
+# 4: engine operations (sleep, weights, caches, profiling), aborts and the status reply's options; 3: LoRA adapters
+# (cluster state, engine reports, load/unload); 2: holds per (reason, model)
 CONTROL_VERSION = 4
 MAX_LINE = 1 << 20  # a cluster state with many engines still fits
 
@@ -570,8 +570,10 @@ class StatusReply(ControlMessage):
     # model id → its expert-parallel group: size, generation, phase, last_error, last_pause_s
     expert_parallel: dict | None = None
     holds: tuple[Hold, ...] = ()  # what gateways hold or refuse now, per (reason, model)
+    options: dict | None = None  # every option the server was started with, secrets redacted (/server_info)
 
     def __post_init__(self) -> None:
+        check(optional(self.options, lambda v: isinstance(v, dict)), "options must be an object")
         check(optional(self.expert_parallel, lambda v: isinstance(v, dict) and all(
             is_str(k, 1024) and isinstance(g, dict) for k, g in v.items())), "expert_parallel maps models to groups")
         check(is_str(self.url, 1024, empty=True) and is_uint(self.pid) and is_str(self.run_dir, 4096, empty=True),

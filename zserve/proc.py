@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from protocol.constants import EXIT_BOOT_ERROR
 from protocol.control import BootFailed, ControlMessage, encode_line
@@ -126,3 +127,22 @@ def redact_url(value: str) -> str:
         return value
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+SECRET_OPTIONS = frozenset({"api_keys", "admin_keys"})
+"""Options whose values never reach a log or an answer: shown as how many were given."""
+
+
+def redact_option(name: str, value: Any) -> Any:
+    """An option's value as a log line or ``/server_info`` may show it: keys (``SECRET_OPTIONS``) as how many were
+    given, a URL's password masked (``redact_url``: a Redis state URL's), inside lists and mappings too. CURVE keys
+    never are option values (options name their directory), so a directory is shown as it is."""
+    if name in SECRET_OPTIONS:
+        return f"<{len(value) if isinstance(value, (list, tuple)) else 1} redacted>"
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {k: redact_option(k, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_option(name, v) for v in value]
+    return value

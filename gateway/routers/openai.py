@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
+from ..errors import bad_request
+from ..openai_schemas import BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import JSON, SSE, request_body, response
-from ..serving.completions import answer
+from ..serving.completions import ChatShape, answer, respond
 from ..serving.plans import plan_chat, plan_completion
 from ..serving.shapes import json_body
+from ..serving.tools import NO_TOOLS
 from ..state import STATE, ModelState
 
 routes = web.RouteTableDef()
@@ -56,3 +58,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.read())
     return await answer(request, await plan_chat(request.app[STATE], req), req)
+
+
+@routes.post("/v1/chat/completions/batch")
+@request_body(BatchChatCompletionRequest)
+@response(200, JSON)
+async def chat_completions_batch(request: web.Request) -> web.Response:
+    """vLLM's batch of conversations: ``messages`` is a list of conversations, each planned as its own chat
+    completion with the body's other fields, all generated at once; the answer is one chat completion whose choice i
+    answers conversation i. As vLLM's: not streamed, without tools, n 1."""
+    req: BatchChatCompletionRequest = parse(BatchChatCompletionRequest, await request.read())
+    for name, refused in (("stream", req.stream), ("tools", req.tools), ("n", req.n != 1)):
+        if refused:
+            raise bad_request(f"{name} is not supported by /v1/chat/completions/batch", param=name)
+    state = request.app[STATE]
+    plans = [await plan_chat(state, req.model_copy(update={"messages": conv})) for conv in req.messages]
+    choices = [p.choices[0] for p in plans]
+    for i, c in enumerate(choices):
+        c.index = i
+    first = plans[0]
+    shape = ChatShape(first.state.token_text, req.logprobs, NO_TOOLS)
+    return await respond(request, first.state, request_id=first.request_id, model=first.model, choices=choices,
+                         opts=first.opts, prompt_tokens=sum(p.prompt_tokens for p in plans), stream=False,
+                         shape=shape)

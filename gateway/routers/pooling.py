@@ -20,31 +20,36 @@ Inputs longer than the model's context are a 400 unless the request sets ``trunc
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import math
 import time
-from array import array
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import ConfigDict, Field
 
-from protocol import EngineHello, PoolOutput
+from protocol import EngineHello
 
-from ..errors import APIError, bad_request
+from ..errors import bad_request
 from ..ids import random_hex
 from ..openai_schemas import RequestBody, parse
 from ..openapi import request_body
 from ..serving.admission import admit
-from ..serving.engine_errors import ENGINE_ERRORS, engine_error
+from ..serving.pooling import (
+    MAX_INPUT_CHARS,
+    check_count,
+    check_dimensions,
+    encode_input,
+    encode_pair,
+    float32_base64,
+    pool,
+    pool_hello,
+    pool_usage,
+)
 from ..serving.shapes import json_body
 from ..state import STATE, GatewayState, ModelState
 
 routes = web.RouteTableDef()
 
-MAX_INPUTS = 2048  # items in one request
-MAX_INPUT_CHARS = 1 << 20  # characters in one text item (tokenizing more is wasted work)
 
 Text = Annotated[str, Field(max_length=MAX_INPUT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -102,13 +107,6 @@ SCORE_TASKS = ("embed", "classify")  # score and rerank: cosine of embeddings, o
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def _hello(state: ModelState, task: str, parts: int, param: str) -> EngineHello:
-    """A ready engine's announcement, from one that serves ``task``, for a request of ``parts`` inputs to the engines
-    (``admit`` refuses otherwise, naming ``param``)."""
-    admit(state, task, parts, param, "inputs")
-    return next(e.hello for e in state.engines.ready_engines if e.hello is not None and task in e.hello.tasks)
-
-
 def _items(value: Any) -> list:
     """One input or a list of them, as a list (a list of token ids is one input)."""
     if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
@@ -116,79 +114,21 @@ def _items(value: Any) -> list:
     return list(value)
 
 
-def _encode(state: ModelState, item: str | list[int], limit: int, truncate: int | None, param: str,
-            pair: str | None = None) -> list[int]:
-    """Token ids of one input (with the model's special tokens), truncated only when asked; with
-    ``pair``, of the two texts together, as a cross-encoder reads them."""
-    return _encode_with_types(state, item, limit, truncate, param, pair)[0]
-
-
-def _encode_with_types(state: ModelState, item: str | list[int], limit: int, truncate: int | None, param: str,
-                       pair: str | None = None) -> tuple[list[int], int]:
-    """``_encode``, and where the second text's tokens begin (0 for one text)."""
-    if isinstance(item, list):
-        ids = item[:truncate] if truncate else item
-        vocab = state.tokenizer.vocab_size
-        if any(t >= vocab for t in ids):
-            raise bad_request(f"a token id is outside the vocabulary ({vocab})", param=param)
-    else:
-        backend = state.tokenizer.backend
-        enc = backend.encode(item, pair, add_special_tokens=True)
-        if truncate and len(enc.ids) > truncate:
-            special = backend.num_special_tokens_to_add(pair is not None)
-            raw = backend.encode(item, pair, add_special_tokens=False)
-            raw.truncate(max(1, truncate - special))
-            enc = backend.post_process(raw, add_special_tokens=True)
-        ids = enc.ids
-        pair_start = next((i for i, t in enumerate(enc.type_ids) if t), 0) if pair is not None else 0
-    if not ids:
-        raise bad_request("an input is empty", param=param)
-    if len(ids) > limit:
-        raise bad_request(f"an input has {len(ids)} tokens; this model takes at most {limit}. Shorten it or set "
-                          "truncate_prompt_tokens", param=param)
-    return ids, (pair_start if isinstance(item, str) else 0)
-
-
-async def _pool(state: ModelState, rid: str, inputs: list[list[int]], task: str, normalize: bool | None = None,
-                dimensions: int | None = None, pair_starts: list[int] | None = None) -> list[PoolOutput]:
-    """Every input's output, or the first failure: the request is served whole, so when one input fails (every
-    engine's queue was full: one 429) the others are aborted rather than left to fill the queues."""
-    starts = pair_starts or [0] * len(inputs)
-    parts = [asyncio.ensure_future(state.engines.pool(f"{rid}-{i}", ids, task, normalize, dimensions, start))
-             for i, (ids, start) in enumerate(zip(inputs, starts))]
-    try:
-        return list(await asyncio.gather(*parts))
-    except ENGINE_ERRORS as e:
-        raise engine_error(e) from None
-    finally:
-        for part in parts:
-            part.cancel()  # (a no-op for one that ended; a cancelled one aborts its input in the engine)
-
-
 def _inputs(state: GatewayState, req: EmbeddingRequest | ClassifyRequest, task: str
             ) -> tuple[ModelState, EngineHello, list[list[int]]]:
     """The request's model, an engine's announcement for ``task`` and the token ids of every input."""
     view = state.for_model(req.model, task)
     items = _items(req.input)
-    _check_count(len(items), "input")
-    hello = _hello(view, task, len(items), "input")
-    return view, hello, [_encode(view, it, hello.max_model_len, req.truncate_prompt_tokens, "input") for it in items]
-
-
-def _check_count(n: int, param: str) -> None:
-    if n > MAX_INPUTS:
-        raise bad_request(f"{n} inputs; at most {MAX_INPUTS} per request", param=param)
+    check_count(len(items), "input")
+    hello = pool_hello(view, task, len(items), "input")
+    limit, truncate = hello.max_model_len, req.truncate_prompt_tokens
+    return view, hello, [encode_input(view, it, limit, truncate, "input") for it in items]
 
 
 def _listing(rid: str, model: str, data: list[dict], usage: dict) -> web.Response:
     """vLLM's envelope of the pooling, score and classify answers."""
     return json_body({"id": rid, "object": "list", "created": int(time.time()), "model": model,
                       "data": data, "usage": usage})
-
-
-def _usage(outs: list[PoolOutput]) -> dict:
-    n = sum(o.num_prompt_tokens for o in outs)
-    return {"prompt_tokens": n, "total_tokens": n}
 
 
 def _cosine(a: tuple[float, ...], b: tuple[float, ...]) -> float:
@@ -216,21 +156,21 @@ async def _scores(state: ModelState, rid: str, model: str, queries: list[str], d
     elif len(queries) != len(docs):
         raise bad_request(f"text_1 has {len(queries)} texts and text_2 {len(docs)}: give one text_1, or as many as "
                           "text_2", param="text_2")
-    _check_count(len(docs), param)  # (each text is one input, however often it is paired)
+    check_count(len(docs), param)  # (each text is one input, however often it is paired)
     hellos = [e.hello for e in state.engines.ready_engines if e.hello is not None]
     cross = next((h for h in hellos if "classify" in h.tasks and len(h.labels) <= 1), None)
     if cross is not None:  # a cross-encoder reads each pair together
         admit(state, "classify", len(docs), param, "inputs (query and document pairs)")
-        pairs = [_encode_with_types(state, q, cross.max_model_len, truncate, param, pair=d)
+        pairs = [encode_pair(state, q, cross.max_model_len, truncate, param, pair=d)
                  for q, d in zip(queries, docs)]
-        outs = await _pool(state, rid, [p[0] for p in pairs], "classify", pair_starts=[p[1] for p in pairs])
-        return [_sigmoid(o.data[0]) for o in outs], _usage(outs)
+        outs = await pool(state, rid, [p[0] for p in pairs], "classify", pair_starts=[p[1] for p in pairs])
+        return [_sigmoid(o.data[0]) for o in outs], pool_usage(outs)
     uniq = list(dict.fromkeys(queries + docs))  # embed each distinct text once
-    hello = _hello(state, "embed", len(uniq), param)
-    ids = [_encode(state, t, hello.max_model_len, truncate, param) for t in uniq]
-    outs = await _pool(state, rid, ids, "embed")
+    hello = pool_hello(state, "embed", len(uniq), param)
+    ids = [encode_input(state, t, hello.max_model_len, truncate, param) for t in uniq]
+    outs = await pool(state, rid, ids, "embed")
     vec = {t: o.data for t, o in zip(uniq, outs)}
-    return [_cosine(vec[q], vec[d]) for q, d in zip(queries, docs)], _usage(outs)
+    return [_cosine(vec[q], vec[d]) for q, d in zip(queries, docs)], pool_usage(outs)
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -241,21 +181,12 @@ async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse(EmbeddingRequest, await request.read())
     state, hello, ids = _inputs(state, req, "embed")
-    if req.dimensions is not None and (not hello.matryoshka or req.dimensions > hello.embed_size):
-        why = (f"at most {hello.embed_size}" if hello.matryoshka else
-               "this model does not support other dimensions (it is not a Matryoshka model)")
-        raise bad_request(f"dimensions {req.dimensions}: {why}", param="dimensions")
-    outs = await _pool(state, f"embd-{random_hex()}", ids, "embed", req.normalize, req.dimensions)
-    data = []
-    for i, o in enumerate(outs):
-        vec: Any = list(o.data)
-        if req.encoding_format == "base64":
-            packed = array("f", o.data)
-            if packed.itemsize != 4:  # pragma: no cover - every platform we run on
-                raise APIError(500, "float32 is not 4 bytes here")
-            vec = base64.b64encode(packed.tobytes()).decode()
-        data.append({"object": "embedding", "index": i, "embedding": vec})
-    return json_body({"object": "list", "data": data, "model": state.name, "usage": _usage(outs)})
+    check_dimensions(hello, req.dimensions, "dimensions")
+    outs = await pool(state, f"embd-{random_hex()}", ids, "embed", req.normalize, req.dimensions)
+    data = [{"object": "embedding", "index": i,
+             "embedding": float32_base64(o.data) if req.encoding_format == "base64" else list(o.data)}
+            for i, o in enumerate(outs)]
+    return json_body({"object": "list", "data": data, "model": state.name, "usage": pool_usage(outs)})
 
 
 @routes.post("/pooling")
@@ -266,9 +197,9 @@ async def pooling(request: web.Request) -> web.Response:
     req = parse(EmbeddingRequest, await request.read())
     state, _, ids = _inputs(state, req, "embed")
     rid = f"pool-{random_hex()}"
-    outs = await _pool(state, rid, ids, "embed", normalize=False if req.normalize is None else req.normalize)
+    outs = await pool(state, rid, ids, "embed", normalize=False if req.normalize is None else req.normalize)
     data = [{"index": i, "object": "pooling", "data": list(o.data)} for i, o in enumerate(outs)]
-    return _listing(rid, state.name, data, _usage(outs))
+    return _listing(rid, state.name, data, pool_usage(outs))
 
 
 @routes.post("/score")
@@ -326,11 +257,11 @@ async def classify(request: web.Request) -> web.Response:
     req = parse(ClassifyRequest, await request.read())
     state, hello, ids = _inputs(state, req, "classify")
     rid = f"classify-{random_hex()}"
-    outs = await _pool(state, rid, ids, "classify")
+    outs = await pool(state, rid, ids, "classify")
     data = []
     for i, o in enumerate(outs):
         probs = _softmax(o.data)
         best = max(range(len(probs)), key=probs.__getitem__)
         label = hello.labels[best] if best < len(hello.labels) else f"LABEL_{best}"
         data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-    return _listing(rid, state.name, data, _usage(outs))
+    return _listing(rid, state.name, data, pool_usage(outs))

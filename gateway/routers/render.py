@@ -21,7 +21,7 @@ from .. import structured
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest, parse
 from ..openapi import request_body
 from ..serving.anthropic_plan import MessagesRequest, plan_messages
-from ..serving.plans import Plan, plan_chat, plan_completion
+from ..serving.plans import plan_chat, plan_completion
 from ..serving.responses_plan import ResponsesRequest, conversation, plan_response
 from ..serving.shapes import json_body
 from ..state import STATE
@@ -29,45 +29,25 @@ from ..state import STATE
 routes = web.RouteTableDef()
 
 
-def rendered(plan: Plan, i: int) -> dict:
-    """Prompt ``i`` of a plan as the engine would get it.
-
-    ``sampling_params`` is the engine's ``SamplingParams`` of the prompt's first choice, exactly as it
-    travels (max_tokens resolved against the context); choice j of ``n`` differs only in its seed (seed + j).
-    ``text_options`` is what the gateway applies to the engine's tokens on the way back."""
-    text, ids = plan.prompts[i]
-    first = plan.choices[i * plan.n]
-    return {
-        "request_id": plan.request_id,
-        "model": plan.model,
-        "prompt": text if text is not None else plan.state.tokenizer.decode(ids, skip_special_tokens=False),
-        "token_ids": ids,
-        "n": plan.n,
-        "sampling_params": first.sampling.to_wire(),
-        "text_options": {"stop": plan.opts.stop, "include_stop_str_in_output": plan.opts.include_stop_str_in_output,
-                         "skip_special_tokens": plan.opts.skip_special_tokens},
-    }
-
-
 @routes.post("/v1/chat/completions/render")
 @request_body(ChatCompletionRequest)
 async def render_chat_completion(request: web.Request) -> web.Response:
     plan = await plan_chat(request.app[STATE], parse(ChatCompletionRequest, await request.read()))
-    return json_body(rendered(plan, 0))
+    return json_body(plan.render(0))
 
 
 @routes.post("/v1/completions/render")
 @request_body(CompletionRequest)
 async def render_completion(request: web.Request) -> web.Response:
     plan = await plan_completion(request.app[STATE], parse(CompletionRequest, await request.read()))
-    return json_body([rendered(plan, i) for i in range(len(plan.prompts))])
+    return json_body([plan.render(i) for i in range(len(plan.prompts))])
 
 
 @routes.post("/v1/messages/render")
 @request_body(MessagesRequest)
 async def render_messages(request: web.Request) -> web.Response:
     plan = await plan_messages(request.app[STATE], parse(MessagesRequest, await request.read()))
-    return json_body(rendered(plan, 0))
+    return json_body(plan.render(0))
 
 
 @routes.post("/v1/responses/render")
@@ -79,4 +59,4 @@ async def render_response(request: web.Request) -> web.Response:
     state = request.app[STATE].for_model(req.model, "generate")
     planned = plan_response(state, req, await conversation(state.gateway, req))
     await structured.check(planned.constraint, state.tokenizer)
-    return json_body(rendered(planned.plan, 0))
+    return json_body(planned.plan.render(0))

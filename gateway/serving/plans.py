@@ -42,6 +42,25 @@ class Plan:
     def prompt_tokens(self) -> int:
         return sum(len(ids) for _, ids in self.prompts)
 
+    def render(self, i: int) -> dict:
+        """Prompt ``i`` of a plan as the engine would get it.
+
+        ``sampling_params`` is the engine's ``SamplingParams`` of the prompt's first choice, exactly as it
+        travels (max_tokens resolved against the context); choice j of ``n`` differs only in its seed (seed + j).
+        ``text_options`` is what the gateway applies to the engine's tokens on the way back."""
+        text, ids = self.prompts[i]
+        first = self.choices[i * self.n]
+        return {
+            "request_id": self.request_id,
+            "model": self.model,
+            "prompt": text if text is not None else self.state.tokenizer.decode(ids, skip_special_tokens=False),
+            "token_ids": ids,
+            "n": self.n,
+            "sampling_params": first.sampling.to_wire(),
+            "text_options": {"stop": self.opts.stop, "include_stop_str_in_output": self.opts.include_stop_str_in_output,
+                             "skip_special_tokens": self.opts.skip_special_tokens},
+        }
+
 
 def check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     """The request's ``prompt_logprobs``: a streamed answer has no place for them (vLLM refuses them too)."""

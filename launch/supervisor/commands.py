@@ -261,7 +261,7 @@ class Commands:
                                     "engine": sum(st.models.values()) if st.models else a.engines_desired},
                            paused=st.paused, cluster_version=st.version, processes=tuple(procs),
                            expert_parallel={g.tier.model_id: g.status() for g in sup.elastic.values()} or None,
-                           holds=st.holds)
+                           holds=st.holds, options=sup.cfg.options())
 
     def _model_of(self, tier: str, index: int) -> str | None:
         return self.sup.arbiter.tier_of(index).model_id if tier == "engine" else None

@@ -78,13 +78,14 @@ def test_without_a_key_every_protected_route_is_401_in_its_familys_shape_and_rea
                 assert r.json()["type"] == "error"  # Anthropic's shape
     assert httpx.get(server.url + "/health").status_code == 200  # liveness stays open
     assert httpx.post(server.url + "/ping").status_code == 200
+    assert httpx.get(server.url + "/readyz").status_code == 200  # so do readiness probes
     # ...and so does the API's description; every route it lists (plugins' too) is closed without a key.
     spec = httpx.get(server.url + "/openapi.json").json()
     assert httpx.get(server.url + "/docs").status_code == 200
     listed = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
     assert {(m, p.replace(MODEL, "{model}")) for m, p, _ in PROTECTED} - listed == set()  # the spec lists them all
     for method, path in sorted(listed):
-        if path in ("/health", "/ping", "/metrics", "/openapi.json", "/docs", "/redoc") or \
+        if path in ("/health", "/ping", "/ready", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc") or \
                 path.startswith("/docs/assets/"):
             continue
         r = httpx.request(method, server.url + path.replace("{", "").replace("}", ""), json={})

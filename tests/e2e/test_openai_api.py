@@ -129,3 +129,19 @@ def test_repeated_long_prompt_reports_cached_tokens(client):
     second = client.chat.completions.create(model=DEFAULT_CHAT_MODEL, messages=messages, temperature=0, max_tokens=8)
     assert second.usage.prompt_tokens_details.cached_tokens > 100
     assert second.choices[0].message.content == first.choices[0].message.content
+
+
+def test_chat_batch_answers_each_conversation_as_a_chat_completion_would(smollm_server, client):
+    """vLLM's /v1/chat/completions/batch: choice i is the greedy answer to conversation i alone; stream is refused."""
+    other = [{"role": "user", "content": "Name a primary colour."}]
+    body = {"model": DEFAULT_CHAT_MODEL, "messages": [QUESTION, other], "temperature": 0, "max_tokens": 12}
+    r = httpx.post(f"{smollm_server.url}/v1/chat/completions/batch", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert batch["object"] == "chat.completion" and [c["index"] for c in batch["choices"]] == [0, 1]
+    alone = [client.chat.completions.create(model=DEFAULT_CHAT_MODEL, messages=m, temperature=0, max_tokens=12)
+             for m in (QUESTION, other)]
+    assert [c["message"]["content"] for c in batch["choices"]] == [a.choices[0].message.content for a in alone]
+    assert batch["usage"]["prompt_tokens"] == sum(a.usage.prompt_tokens for a in alone)
+    refused = httpx.post(f"{smollm_server.url}/v1/chat/completions/batch", json={**body, "stream": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"

@@ -1,5 +1,5 @@
 """A request's parts (choices, pooled inputs) are admitted whole: engines announce how many requests they queue,
-the gateway reads the model's limit from that, and ``routers.pooling._pool`` serves its inputs whole or refuses
+the gateway reads the model's limit from that, and ``serving.pooling.pool`` serves its inputs whole or refuses
 them whole."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from gateway.engine_client import EngineClient, EngineConnection, EnginesBusy, ModelEngines
 from gateway.errors import APIError
-from gateway.routers.pooling import _pool
+from gateway.serving.pooling import pool
 from protocol import EngineHello, decode, encode
 
 
@@ -50,7 +50,7 @@ def test_when_one_input_is_refused_the_others_are_aborted_and_the_request_is_one
 
     async def main() -> APIError:
         with pytest.raises(APIError) as refused:
-            await _pool(SimpleNamespace(engines=Engines()), "embd-x", [[1], [2], [3]], "embed")  # type: ignore[arg-type]
+            await pool(SimpleNamespace(engines=Engines()), "embd-x", [[1], [2], [3]], "embed")  # type: ignore[arg-type]
         for _ in range(100):  # cancellations run on the next turns of the loop (a bounded wait: no hang if none)
             if len(aborted) == len(waiting):
                 break
