@@ -60,6 +60,7 @@ class GroupedEngineServer(EngineServer):
         self._reader = None  # reads new experts from the checkpoint (made on the first reshard)
         self.freezing = False  # told to freeze: finishing the requests here first
         self.frozen = False  # frozen: requests that arrive wait; no group step is started for them
+        self.share: tuple[int, int] | None = None  # (member, size) in the group it serves in
 
     # -- inbound ---------------------------------------------------------------------------------------
     def on_control(self, msg: ControlMessage) -> None:
@@ -70,6 +71,17 @@ class GroupedEngineServer(EngineServer):
                 self.freezing, self.frozen = msg.frozen, False
         else:
             super().on_control(msg)
+
+    # An engine operation (``operations``) that waits for the running requests runs only while the whole group is
+    # idle (every member stopped at the same empty step), never between two group steps of a busy group.
+    def quiet(self) -> bool:
+        return not self.active
+
+    def expert_share(self) -> tuple[int, int] | None:
+        return self.share
+
+    def use_source(self, source: ModelSource) -> None:
+        self.source, self._reader = source, None
 
     def on_wake(self, msg: GroupWake) -> None:
         if msg.generation == self.generation:
@@ -91,7 +103,9 @@ class GroupedEngineServer(EngineServer):
                 self.poll_inbound(int(self.stats_interval * 1000))
                 self.publish_stats()
                 continue
-            busy = self.scheduler.has_work
+            self.ops.poll()
+            self.scheduler.hold_new = self.ops.holding
+            busy = self.scheduler.has_work and not self.ops.asleep  # (asleep: requests wait for the wake)
             if busy and self.draining and not self.active:
                 self.end_requests()  # taken just before SIGTERM (a leaver): another member serves them
                 continue
@@ -163,6 +177,7 @@ class GroupedEngineServer(EngineServer):
 
             configure_cpu_threads(cmd.threads)  # the cores are shared among the group's new size
         self.group = group
+        self.share = (cmd.rank, cmd.size)
         self.runner.set_group(group)
         self.epoch, self.woken, self.active = 0, -1, False
         self.freezing = self.frozen = False

@@ -33,6 +33,18 @@ class Host(Protocol):
     scheduler: Any
     status: Any
 
+    def quiet(self) -> bool:
+        """Whether the engine steps no batch now (an expert-parallel member: its whole group is idle)."""
+        ...
+
+    def expert_share(self) -> tuple[int, int] | None:
+        """An expert-parallel member's (member, size); None for any other engine."""
+        ...
+
+    def use_source(self, source: ModelSource) -> None:
+        """The weights come from ``source`` from now on (a member reads new experts there on a resize)."""
+        ...
+
 log = logging.getLogger("zserve.engine")
 
 DEFAULT_VERSION = "default"  # the weight version of the weights an engine started with (SGLang's word)
@@ -44,7 +56,7 @@ class EngineOps:
         self.server = server
         runner = server.runner
         generating = hasattr(runner, "kv")
-        self.residency = Residency(runner, source) if generating else None
+        self.residency = Residency(runner, source, server.expert_share) if generating else None
         self.version = version
         self.pending: list[EngineOp] = []
         self.pool_asleep = 0  # a pooling engine's sleep level (it frees nothing: no KV cache; weights kept)
@@ -77,7 +89,7 @@ class EngineOps:
         """Carry out the waiting operations once no request that has started runs."""
         sched = self.server.scheduler
         started = getattr(sched, "running", None) or any(getattr(s, "output_ids", None) for s in sched.waiting)
-        if not self.pending or started:
+        if not self.pending or started or not self.server.quiet():
             return
         ops, self.pending = self.pending, []
         for msg in ops:
@@ -157,6 +169,7 @@ class EngineOps:
         if self.residency is None or self.residency.staged is None:
             raise RuntimeError("no weights are staged on this engine")
         staged = self.residency.commit()
+        self.server.use_source(staged.source)
         self.server.scheduler.block_manager.reset()  # keys and values of the old weights are no one's prefix
         self.version = staged.version or self.version
         log.info("engine %d serves weights %r from %s", self.server.rank, self.version, staged.source.path)

@@ -98,10 +98,11 @@ class Residency:
     """Sleep, wake and weight replacement of one ``ModelRunner``; ``source``: where its weights were read from (a
     level-2 wake reads them again from there)."""
 
-    def __init__(self, runner: ModelRunner, source: ModelSource | None, expert_share: tuple[int, int] | None = None):
+    def __init__(self, runner: ModelRunner, source: ModelSource | None,
+                 expert_share: Callable[[], tuple[int, int] | None] = lambda: None):
         self.runner = runner
         self.source = source
-        self.expert_share = expert_share
+        self.expert_share = expert_share  # an expert-parallel member's (member, size) now: the experts it reads
         self.asleep: set[str] = set()  # what is freed now: "weights", "kv_cache"
         self.level = 0
         self.staged: Staged | None = None
@@ -218,7 +219,7 @@ class Residency:
 
     def _read(self, source: ModelSource, device: torch.device) -> LoadedModel:
         r = self.runner
-        loaded = load_model(source, r.dtype, device, expert_share=self.expert_share)
+        loaded = load_model(source, r.dtype, device, expert_share=self.expert_share())
         model = loaded.model
         model.dtype = r.dtype
         if r.packed:

@@ -100,6 +100,16 @@ class EngineServer:
         self._stalled = False  # the last step had work but ran nothing (grammars still compiling)
         self.ops = EngineOps(self, source, weight_version)  # sleep, weights, caches, profiling
 
+    # -- what an operation asks of its server (``operations.Host``) -----------------------------------
+    def quiet(self) -> bool:
+        return True  # (between two steps, which is when operations run)
+
+    def expert_share(self) -> tuple[int, int] | None:
+        return None
+
+    def use_source(self, source: ModelSource) -> None:
+        pass
+
     def send(self, client: bytes, msg) -> None:
         try:
             self.sock.send_multipart([client, *encode(msg)], flags=zmq.NOBLOCK, copy=False)

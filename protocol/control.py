@@ -819,8 +819,33 @@ class EngineRegistry(ControlMessage):
                    tuple(Hold.from_json(h) for h in holds), body.get("lora_errors") or None)
 
 
-REGISTRY_REQUESTS: tuple[type[ControlMessage], ...] = (RegistryHello,)
-REGISTRY_REPLIES: tuple[type[ControlMessage], ...] = (EngineRegistry,)
+@dataclass(frozen=True)
+class RemoteOperation(ControlMessage):
+    """A gateway host asks an engine host to carry out engine operation ``op`` on its engines of ``model`` (as its
+    own control socket's ``OperationCommand``); answered ``RemoteOperationReply`` with the same ``id``."""
+
+    TYPE: ClassVar[str] = "remote_operation"
+    id: int
+    op: str
+    model: str
+    args: dict | None = None
+
+    def __post_init__(self) -> None:
+        check(is_int(self.id, 0, 1 << 62) and self.op in OPERATIONS and is_str(self.model, 1024),
+              "remote_operation needs an id, an op and a model")
+        check(optional(self.args, _small_dict), "args must be a small object")
+
+
+@dataclass(frozen=True)
+class RemoteOperationReply(OperationReply):
+    """An engine host's ``OperationReply`` to the gateway host's ``RemoteOperation`` ``id``."""
+
+    TYPE: ClassVar[str] = "remote_operation_reply"
+    id: int = 0
+
+
+REGISTRY_REQUESTS: tuple[type[ControlMessage], ...] = (RegistryHello, RemoteOperation)
+REGISTRY_REPLIES: tuple[type[ControlMessage], ...] = (EngineRegistry, RemoteOperationReply)
 
 PIPE_EVENTS: tuple[type[ControlMessage], ...] = (Ready, Heartbeat, Ack, BootFailed, GroupReport, LoraReport,
                                                  EngineOpReport, EngineCondition, AbortReport)

@@ -34,6 +34,8 @@ from protocol.control import (
     REGISTRY_REQUESTS,
     EngineRegistry,
     RegistryHello,
+    RemoteOperation,
+    RemoteOperationReply,
     decode_line,
     encode_line,
 )
@@ -91,10 +93,19 @@ class RegistryServer:
         self.loras: dict[bytes, dict] = {}  # identity → the LoRA adapters its last hello asked for, by model
         self.state = EngineRegistry(0)
         self.marks: list[tuple[int, int]] = []  # (cluster-state version, the registry version that carried it)
+        self.operations: list[tuple[bytes, RemoteOperation]] = []  # asked by gateway hosts, not taken yet
         self.bad = _Throttled()
 
     def fileno(self) -> int:
         return self.sock.getsockopt(zmq.FD)
+
+    def take_operations(self) -> list[tuple[bytes, RemoteOperation]]:
+        """The engine operations gateway hosts asked for since the last call (who asked, what)."""
+        ops, self.operations = self.operations, []
+        return ops
+
+    def answer(self, who: bytes, reply: RemoteOperationReply) -> None:
+        self._send(who, encode_line(reply))
 
     def pump(self) -> None:
         """Answer every hello waiting (the descriptor signals edges: read until none is left)."""
@@ -111,6 +122,9 @@ class RegistryServer:
                 msg = decode_line(line, REGISTRY_REQUESTS)
             except ProtocolError as e:
                 self.bad.warn("engine registry: dropped a bad message: %s", e)
+                continue
+            if isinstance(msg, RemoteOperation):
+                self.operations.append((who, msg))
                 continue
             assert isinstance(msg, RegistryHello)
             if who not in self.subscribers:
@@ -191,10 +205,19 @@ class RemoteEngines:
         self.heard = 0.0
         self.said = -interval
         self.lost_logged = False
+        self.replies: dict[int, RemoteOperationReply] = {}  # engine operations answered, by id
         self.bad = _Throttled()
 
     def fileno(self) -> int:
         return self.sock.getsockopt(zmq.FD)
+
+    def operate(self, msg: RemoteOperation) -> bool:
+        """Ask the engine host to carry out an engine operation; False when it cannot be sent now."""
+        try:
+            self.sock.send(encode_line(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def say_hello(self, now: float) -> None:
         self.said = now
@@ -244,6 +267,9 @@ class RemoteEngines:
                 msg = decode_line(line, REGISTRY_REPLIES)
             except ProtocolError as e:
                 self.bad.warn("engine host %s: dropped a bad registry message: %s", self.url, e)
+                continue
+            if isinstance(msg, RemoteOperationReply):
+                self.replies[msg.id] = msg
                 continue
             assert isinstance(msg, EngineRegistry)
             if self.registry is not None and msg.version < self.registry.version:

@@ -16,8 +16,12 @@ goes on once it holds — every engine answered (``EngineOpReport``), every gate
 - **reset_prefix_cache** and the others: every engine does it, and says what it did.
 
 Engines that start later are given the model's current weights in their launch value (``spawn_weights``) and are
-put to sleep as soon as they report, when their model sleeps. A state machine the supervisor's loop turns; it sees
-the processes, the publisher and the admission owner only through ``launch.interfaces``.
+put to sleep as soon as they report, when their model sleeps. A gateway host (its engines on engine hosts) sends the
+operation to every engine host serving the model (``RemoteOperation``), which carries it out as its own and answers
+with its engines' results; the engine host's holds reach the gateway host's gateways through its registry.
+
+A state machine the supervisor's loop turns; it sees the processes, the publisher and the admission owner only
+through ``launch.interfaces``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from protocol.control import (
     EngineOpReport,
     OperationCommand,
     OperationReply,
+    RemoteOperation,
 )
 from zserve.catalog import ModelSource
 
@@ -48,6 +53,8 @@ from ..tiers import ModelTier
 log = logging.getLogger("zserve.launch")
 
 ENGINE_TIMEOUT = 300.0  # seconds every engine has for one step of an operation (a sleep waits for its requests)
+REMOTE_TIMEOUT = 3 * ENGINE_TIMEOUT  # seconds an engine host has for a whole operation (an update has three steps)
+OUTCOME_ORDER = ("failed", "busy", "invalid", "not_found", "ok")  # the worst of several engine hosts' outcomes
 DEFAULT_VERSION = "default"
 
 Condition = Callable[[float], bool]
@@ -83,13 +90,15 @@ class _Op:
 
 class EngineOperations:
     def __init__(self, processes: Processes, publisher: Publisher, holds: Holds, tiers: list[ModelTier],
-                 profiler_dir: str | None = None, busy: Callable[[str], str | None] = lambda model: None):
+                 profiler_dir: str | None = None, busy: Callable[[str], str | None] = lambda model: None,
+                 remote: Callable[[], list] = list):
         self.processes = processes
         self.publisher = publisher
         self.holds = holds
         self.tiers = tiers
         self.profiler_dir = profiler_dir
         self.busy = busy  # why a model cannot take an operation now (a resize, a rolling restart), or None
+        self.remote = remote  # a gateway host's engine hosts (``RemoteEngines``): its engines are theirs
         self.sleeping: dict[str, int] = {}  # model id -> level
         self.weights: dict[str, tuple[ModelSource, str]] = {}  # model id -> the weights served, once updated
         self.running: list[_Op] = []
@@ -124,15 +133,18 @@ class EngineOperations:
 
     # -- the command ---------------------------------------------------------------------------------------
     def request(self, cmd: OperationCommand, answer: Later) -> Later:
+        hosts = self.remote()
         try:
-            tiers = self._tiers(cmd.model)
+            tiers = self._tiers(cmd.model, every=bool(hosts))
             for t in tiers:
                 if any(cmd.op != "stop_profile" and t in o.tiers for o in self.running):
                     raise Refused(f"another operation runs on model {t.model_id!r}; retry once it is over", "busy")
                 why = self.busy(t.model_id)
                 if why is not None:
                     raise Refused(f"model {t.model_id!r} {why}; retry once it is over", "busy")
-            steps = self._steps(cmd, tiers)
+            steps = self._steps(cmd, tiers, local=not hosts)
+            if hosts:
+                steps = lambda op: self._on_hosts(op, hosts)  # noqa: E731 - (checked above, carried out there)
         except Refused as e:
             answer.set(OperationReply(e.outcome, str(e), cmd.op))
             return answer
@@ -142,11 +154,10 @@ class EngineOperations:
         self._advance(op, time.monotonic())
         return answer
 
-    def _steps(self, cmd: OperationCommand, tiers: list[ModelTier]) -> Callable[[_Op], Steps]:
-        """Check ``cmd``'s arguments (``Refused``) and choose its steps."""
+    def _steps(self, cmd: OperationCommand, tiers: list[ModelTier], local: bool = True) -> Callable[[_Op], Steps]:
+        """Check ``cmd``'s arguments (``Refused``) and choose its steps. What only the engines' host can check (a
+        weights path, its --profiler-dir) is checked where they run (``local``)."""
         args = dict(cmd.args or {})
-        if cmd.op in ("sleep", "update_weights") and any(t.spec.engine.expert_parallel for t in tiers):
-            raise Refused(f"{cmd.op} is not supported for expert-parallel models yet")
         if cmd.op == "sleep":
             level = args.get("level", 1)
             if level not in SLEEP_LEVELS or isinstance(level, bool):
@@ -163,7 +174,7 @@ class EngineOperations:
                 raise Refused("path must be a checkpoint directory (or .gguf file)")
             if version is not None and not (isinstance(version, str) and 0 < len(version) <= 256):
                 raise Refused("version must be a label of 1..256 characters")
-            if not os.path.exists(path):
+            if local and not os.path.exists(path):
                 raise Refused(f"the weights path {path!r} does not exist")
             if len(tiers) != 1:
                 raise Refused("name the model whose weights to update")
@@ -175,7 +186,7 @@ class EngineOperations:
                 raise Refused("version must be a label of 1..256 characters")
             return lambda op: self._relabel(op, version)
         if cmd.op in ("start_profile", "stop_profile"):
-            if not self.profiler_dir:
+            if local and not self.profiler_dir:
                 raise Refused("profiling is off: start the server with --profiler-dir DIR (where each engine "
                               "writes its trace)")
             extra = {"dir": self.profiler_dir} if cmd.op == "stop_profile" else {
@@ -257,6 +268,55 @@ class EngineOperations:
             op.version = self.publisher.publish()
             yield from self._acks(op)
         self._finish(op, *(("failed", f"relabelling failed on {failed}") if failed else ()))
+
+    def _on_hosts(self, op: _Op, hosts: list) -> Steps:
+        """A gateway host's operation: every engine host serving one of the models carries it out as its own; the
+        cluster state here follows what they did."""
+        now, asked = time.monotonic(), {}
+        for t in op.tiers:
+            for host in hosts:
+                if t.model_id in host.models(now):
+                    self._ids += 1
+                    if host.operate(RemoteOperation(self._ids, op.cmd.op, t.model_id, op.cmd.args)):
+                        asked[(host, self._ids)] = t.model_id
+        deadline = now + REMOTE_TIMEOUT
+        yield lambda now: all(i in h.replies for h, i in asked) or now > deadline
+        outcomes, messages, done = [], [], {t.model_id: True for t in op.tiers}
+        for (host, i), model in asked.items():
+            reply = host.replies.pop(i, None)
+            if reply is None:
+                outcomes.append("failed")
+                messages.append(f"engine host {host.url} did not answer in {REMOTE_TIMEOUT:.0f}s")
+                done[model] = False
+                continue
+            for e in reply.engines:
+                op.results[len(op.results)] = {**e, "host": host.url}
+            op.pause_s = max(op.pause_s or 0.0, reply.pause_s or 0.0) if reply.pause_s is not None else op.pause_s
+            outcomes.append(reply.outcome)
+            messages.append(f"engine host {host.url}: {reply.message}")
+            done[model] = done[model] and reply.outcome == "ok"
+        if not asked:
+            outcomes, messages = ["failed"], ["no engine host serving the model answers"]
+        self._follow_hosts(op, {m for m, ok in done.items() if ok and asked})
+        op.version = self.publisher.publish()
+        yield from self._acks(op)
+        worst = min(outcomes, key=OUTCOME_ORDER.index)
+        self._finish(op, worst, "; ".join(messages))
+
+    def _follow_hosts(self, op: _Op, models: set[str]) -> None:
+        """What the engine hosts did, in this host's cluster state: the models asleep, the weight versions."""
+        args = op.cmd.args or {}
+        for model in models:
+            engines = [r for r in op.results.values() if r.get("model") == model]
+            if op.cmd.op == "sleep":
+                self.sleeping[model] = max(int(args.get("level", 1)), self.sleeping.get(model, 0))
+            elif op.cmd.op == "wake_up" and not any(r.get("sleeping") for r in engines):
+                self.sleeping.pop(model, None)
+            elif op.cmd.op in ("update_weights", "update_weight_version"):
+                version = next((r["version"] for r in engines if r.get("version")), None)
+                tier = next(t for t in op.tiers if t.model_id == model)
+                if version is not None:
+                    self.weights[model] = (self.spawn_weights(tier)[0], version)
 
     # -- the building blocks ---------------------------------------------------------------------------------
     def _on_engines(self, op: _Op, name: str, args: dict, record: bool = True) -> Generator[Condition, None, str]:
@@ -346,8 +406,9 @@ class EngineOperations:
     def _model_of(self, rank: int) -> str:
         return next((t.model_id for t in self.tiers if t.owns(rank)), "")
 
-    def _tiers(self, model: str | None) -> list[ModelTier]:
-        tiers = [t for t in self.tiers if t.desired > 0 or t.spec.engines > 0]
+    def _tiers(self, model: str | None, every: bool = False) -> list[ModelTier]:
+        """The models ``model`` names (None: every one with engines; ``every``: the engines are on engine hosts)."""
+        tiers = [t for t in self.tiers if every or t.desired > 0 or t.spec.engines > 0]
         if model is None:
             if not tiers:
                 raise Refused("this server runs no engine (a render server, or engines on other hosts)")

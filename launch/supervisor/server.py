@@ -28,12 +28,23 @@ import socket
 import tempfile
 import time
 import urllib.request
+from dataclasses import fields
 from functools import partial
 
 from gateway.security import write_key_file
 from protocol.cluster import EngineInfo, EngineState
 from protocol.constants import EXIT_CUT_OFF
-from protocol.control import AbortReport, ControlMessage, EngineCondition, EngineOpReport, GroupReport, LoraReport
+from protocol.control import (
+    AbortReport,
+    ControlMessage,
+    EngineCondition,
+    EngineOpReport,
+    GroupReport,
+    LoraReport,
+    OperationCommand,
+    OperationReply,
+    RemoteOperationReply,
+)
 from zserve import control
 from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
@@ -41,7 +52,7 @@ from zserve.paths import no_cache_warning, user_cache_dir
 
 from .. import handoff, systemd
 from ..children import Child, Slot, spawn
-from ..control_server import ControlServer
+from ..control_server import ControlServer, Later
 from ..hosts.engine_registry import RegistryServer, RemoteEngines
 from ..hosts.shared_state import SharedControl, is_redis
 from ..ops.aborts import Aborts
@@ -91,7 +102,8 @@ class Supervisor:
         self.admission = self.publisher.admission
         # Engine operations (sleep, weights, caches, profiling) and aborts, from any gateway.
         self.operations = EngineOperations(self.arbiter, self.publisher, self.admission, self.tiers, cfg.profiler_dir,
-                                           self._operation_busy)
+                                           self._operation_busy, lambda: self.publisher.remote)
+        self._remote_ops: list[tuple[bytes, int, Later]] = []  # an engine host's operations for gateway hosts
         self.aborts = Aborts(self.arbiter)
         self.sel = self.arbiter.sel
         self.listener: socket.socket | None = None
@@ -218,6 +230,22 @@ class Supervisor:
         """The expert-parallel phase the cluster state shows: the first group's that is doing anything."""
         return next((g.phase for g in self.elastic.values() if g.phase), "")
 
+    def _follow_remote_operations(self) -> None:
+        """An engine host carries out the engine operations its gateway hosts ask for, and answers each."""
+        registry = self.publisher.registry
+        if registry is None:
+            return
+        for who, msg in registry.take_operations():
+            answer = self.operations.request(OperationCommand(msg.op, msg.model, msg.args), Later())
+            self._remote_ops.append((who, msg.id, answer))
+        for item in list(self._remote_ops):
+            who, i, answer = item
+            if isinstance(answer.reply, OperationReply):
+                reply = answer.reply
+                registry.answer(who, RemoteOperationReply(**{f.name: getattr(reply, f.name) for f in fields(reply)},
+                                                          id=i))
+                self._remote_ops.remove(item)
+
     def _operation_busy(self, model: str) -> str | None:
         """Why ``model`` takes no engine operation now: a resize or a rolling restart changes its engines."""
         if self.reloading is not None:
@@ -261,6 +289,7 @@ class Supervisor:
                     self.reloading = None
             self._follow_failures()
             self._follow_loras(now)
+            self._follow_remote_operations()
             self.operations.tick(now)
             self.aborts.tick(now)
         self.publisher.publish()

@@ -6,6 +6,9 @@ the model writes, only on which weights wrote it)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +18,18 @@ import httpx
 import orjson
 import pytest
 
-from tests.helpers import Server, StreamResult, Traffic, pinned_client, run_stream, status, stream_body, wait_until
+from tests.helpers import (
+    LAUNCH,
+    ROOT,
+    Server,
+    StreamResult,
+    Traffic,
+    pinned_client,
+    run_stream,
+    status,
+    stream_body,
+    wait_until,
+)
 
 from .tiny_checkpoint import write_tiny_checkpoint
 
@@ -234,3 +248,27 @@ def test_weight_update_under_load_never_mixes_weights(server, gateways, tmp_path
     assert a.get("/weight_info").json()["models"] == {MODEL: "v2.1"}
     assert b.get("/get_world_size").json() == {"world_size": 2, "models": {MODEL: 2}}
     print("weight update: admission held", updated["pause_s"], "s; whole operation", updated["seconds"], "s")
+
+
+def test_engines_that_start_later_start_in_the_clusters_condition(server, gateways):
+    """After the update above: a killed engine's replacement and an added engine read the new weights (v2.1's
+    label), and one that starts while the model sleeps is put to sleep with it."""
+    a, b = gateways
+    ok(a.post("/sleep", json={"level": 1}))
+    old = {p["index"]: p["pid"] for p in status(server)["processes"] if p["tier"] == "engine"}
+    os.kill(old[0], signal.SIGKILL)
+    wait_until(lambda: any(p["tier"] == "engine" and p["index"] == 0 and p["pid"] not in (None, old[0])
+                           and p["state"] == "ready" and p.get("sleeping") == 1 for p in status(server)["processes"]),
+               120, 0.2, "engine 0's replacement to be put to sleep")
+    assert b.get("/is_sleeping").json()["is_sleeping"] is True
+    ok(b.post("/wake_up"))
+    r = subprocess.run([*LAUNCH, "scale", "engine", "3", "--port", str(server.port), "--timeout", "120"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wait_until(lambda: len([e for e in a.get("/weight_info").json()["engines"] if e["state"] == "ready"]) == 3, 120,
+               0.2, "the third engine")
+    engines = a.get("/weight_info").json()["engines"]
+    assert [(e["weight_version"], e["sleeping"]) for e in engines] == [("v2.1", 0)] * 3
+    new_outputs = {p: greedy(a, p) for p in PROMPTS[:3]}
+    for _ in range(2):  # whichever engine serves them, the new weights write the same
+        assert {p: greedy(b, p) for p in PROMPTS[:3]} == new_outputs

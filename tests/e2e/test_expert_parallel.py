@@ -135,6 +135,24 @@ def test_two_members_give_the_reference_tokens(ep, reference):
     assert greedy(ep.url) == reference
 
 
+def test_every_member_sleeps_wakes_and_takes_new_weights_together(ep, moe_dir, reference):
+    """Engine operations reach every member of the group: a level-2 sleep frees each member's share of the experts,
+    the wake reads it again from the checkpoint, a weight update swaps every member's share; the tokens stay the
+    reference's (the checkpoint is the same), and the members say so."""
+    two_members(ep)
+    with httpx.Client(base_url=ep.url, timeout=300) as c:
+        slept = c.post("/sleep", json={"level": 2})
+        assert slept.status_code == 200 and len(slept.json()["engines"]) == 2, slept.text
+        assert [p.get("sleeping") for p in engines(ep)] == [2, 2]
+        woke = c.post("/wake_up")
+        assert woke.status_code == 200, woke.text
+        assert greedy(ep.url) == reference
+        updated = c.post("/update_weights", json={"path": str(moe_dir), "version": "same-again"})
+        assert updated.status_code == 200, updated.text
+        assert [e["weight_version"] for e in c.get("/weight_info").json()["engines"]] == ["same-again"] * 2
+    assert greedy(ep.url) == reference
+
+
 def test_resizes_under_load_through_both_gateways(ep, reference):
     """2 → 3 through one gateway, 3 → 1 through the other, while requests stream: none fails; both gateways
     say a resize runs while it does; a second resize meanwhile is refused with 409; every size gives the

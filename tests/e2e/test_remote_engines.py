@@ -249,6 +249,33 @@ def test_a_lora_adapter_loaded_through_a_gateway_host_is_loaded_by_the_engine_ho
     wait_until(lambda: loras(engine_host) == [set()] * 2, 30, 0.2, "the engine host's engines to drop it")
 
 
+def test_engine_operations_through_a_gateway_host_reach_the_engine_hosts_engines(engine_host, gateways, tmp_path):
+    from .tiny_checkpoint import write_tiny_checkpoint
+
+    with httpx.Client(base_url=gateways.url, timeout=300) as c:
+        reset = c.post("/reset_prefix_cache")
+        assert reset.status_code == 200, reset.text
+        assert [(e["host"], e["ok"]) for e in reset.json()["engines"]] == [(engine_host.url, True)] * 2
+        assert c.post("/sleep", json={"level": 1}).status_code == 200
+        assert c.get("/is_sleeping").json()["is_sleeping"] is True
+        assert [p.get("sleeping") for p in procs(engine_host, "engine")] == [1, 1]
+        held: list[str] = []
+        reader = threading.Thread(target=lambda: held.append(completion(gateways.url)))
+        reader.start()
+        reader.join(1.0)  # (a bound on how long the check waits, not a sleep: it ends at once if it is not held)
+        assert held == []  # the engine host's hold reached this host's gateways
+        assert c.post("/wake_up").status_code == 200
+        reader.join(60)
+        assert len(held) == 1 and c.get("/is_sleeping").json()["is_sleeping"] is False
+        ckpt = write_tiny_checkpoint(tmp_path / "tiny-v2")  # (one filesystem: the engine host reads the same path)
+        r = c.post("/update_weights", json={"path": str(ckpt), "version": "v2"})
+        assert r.status_code == 200, r.text
+        assert c.get("/weight_info").json()["models"] == {"tiny-random": "v2"}
+        assert {e["weight_version"] for e in c.get("/weight_info").json()["engines"]} == {"v2"}
+        bad = c.post("/update_weights", json={"path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "does not exist" in bad.text and engine_host.url in bad.text, bad.text
+
+
 def test_unauthenticated_clients_reach_nothing_and_are_logged(engine_host, gateways, keys):
     import zmq.auth
 

@@ -38,6 +38,8 @@ class FakeChild:
     loras: tuple[str, ...] | None = None
     lora_sent: set = field(default_factory=set)
     lora_failed: dict = field(default_factory=dict)
+    condition: object = None  # an engine's EngineCondition (launch.ops.engine_ops)
+    sleep_sent: bool = False
 
     @property
     def name(self) -> str:
