@@ -11,6 +11,8 @@ back. After any change of addresses on a GPU the decode graphs are captured agai
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import os
@@ -44,6 +46,18 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``): freed weights live in malloc's arenas
+    (their chunks are below the allocator's mmap threshold once it has grown), which ``free`` alone keeps resident."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:  # (not glibc: nothing to trim)
+        pass
 
 
 def device_bytes(device: torch.device) -> int | None:
@@ -129,6 +143,7 @@ class Residency:
         self.level = max(self.level, level)
         if r.device.type == "cuda":
             torch.cuda.empty_cache()
+        release_free_memory()
 
     def wake(self, tags: tuple[str, ...]) -> None:
         """Bring back what ``tags`` name (weights, kv_cache) of what sleep freed."""
@@ -216,6 +231,7 @@ class Residency:
 
     def discard(self) -> None:
         self.staged = None
+        release_free_memory()
 
     def _read(self, source: ModelSource, device: torch.device) -> LoadedModel:
         r = self.runner
@@ -230,6 +246,8 @@ class Residency:
     def _install(self, loaded: LoadedModel) -> None:
         r = self.runner
         _transplant(r.model, loaded.model)
+        del loaded
+        release_free_memory()  # (the replaced weights)
         group = r.group
         if group is not None:
             r.model.set_expert_group(group)
