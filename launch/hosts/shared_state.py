@@ -9,7 +9,10 @@ supervisor of every host keeps, in one Redis (the one the Responses store uses):
   data counts from 1 again, and until something is written hosts keep theirs;
 - ``zserve:hosts``: a hash host id → ``{"seen": unix time, "applied": version}``, written every heartbeat;
 - a pub/sub channel ``zserve:control`` that says "changed", so hosts apply a change at once rather than at
-  their next heartbeat.
+  their next heartbeat;
+- ``zserve:aborts``: the last 64 aborts asked through any host (``POST /abort_requests``: ``{"key", "ids"}`` each);
+  every other host ends those requests on its gateways and writes which it found to the hash
+  ``zserve:aborted:KEY`` (host → ids, kept a minute), which the asking host merges into its answer.
 
 A control request on any host (``/pause``, ``/resume``, a LoRA load or unload) writes the state and is answered
 only once every host heard from within the liveness window has applied that version (its own gateways acknowledged
@@ -38,6 +41,8 @@ from zserve.proc import redact_url
 log = logging.getLogger("zserve.launch")
 
 KEY, HOSTS, CHANNEL = "zserve:control", "zserve:hosts", "zserve:control"
+ABORTS, ABORTED = "zserve:aborts", "zserve:aborted:"
+KEPT_ABORTS = 64  # the aborts the list keeps (a host reads them when told of a change)
 TIMEOUT_S = 0.5  # each Redis call; a host whose Redis hangs stalls its loop at most this long per call
 LIVE_S = 10.0  # a host not seen for this long is not waited for
 
@@ -63,6 +68,8 @@ class SharedControl:
         self.up: bool | None = None
         self.last_beat = 0.0
         self.reported = 0  # the version this host last said it applied
+        self.aborts_seen: set[str] | None = None  # the abort keys read (None: none read yet, the old ones are not ours)
+        self.aborts: list[tuple[str, tuple[str, ...]]] = []  # other hosts' aborts to carry out here
         self.stopping = False
         threading.Thread(target=self._listen, name="zserve-shared-state", daemon=True).start()
 
@@ -111,6 +118,7 @@ class SharedControl:
                 self._failed(e)
                 self.last_beat = now
                 return None
+            self._read_aborts()
             if not got:  # a Redis that lost its data (restarted empty): keep ours; what is written next counts
                 self.version = self.reported = 0
             else:
@@ -148,6 +156,96 @@ class SharedControl:
             return None
         self.version, self.paused, self.loras = version, paused, loras
         return version
+
+    # -- aborts ------------------------------------------------------------------------------------------------
+    def post_abort(self, ids: tuple[str, ...]) -> str | None:
+        """Ask every other host to abort ``ids``; the key their answers come under (None: Redis is away)."""
+        key = f"{self.host}:{time.time_ns()}"
+        try:
+            pipe = self.client.pipeline()
+            pipe.rpush(ABORTS, orjson.dumps({"key": key, "ids": list(ids)}))
+            pipe.ltrim(ABORTS, -KEPT_ABORTS, -1)
+            pipe.execute()
+            self.client.publish(CHANNEL, b"abort")
+            self._ok()
+        except self.errors as e:
+            self._failed(e)
+            return None
+        if self.aborts_seen is not None:
+            self.aborts_seen.add(key)
+        return key
+
+    def _read_aborts(self) -> None:
+        try:
+            raw = self.client.lrange(ABORTS, 0, -1)
+        except self.errors:
+            return
+        entries = []
+        for line in raw:
+            try:
+                e = orjson.loads(line)
+                entries.append((str(e["key"]), tuple(str(i) for i in e["ids"])))
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue
+        if self.aborts_seen is None:  # (aborts asked before this host came are not its business)
+            self.aborts_seen = {k for k, _ in entries}
+            return
+        for key, ids in entries:
+            if key not in self.aborts_seen and not key.startswith(self.host + ":"):
+                self.aborts.append((key, ids))
+            self.aborts_seen.add(key)
+        keys = {k for k, _ in entries}
+        self.aborts_seen &= keys | {k for k, _ in self.aborts}
+
+    def take_aborts(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Other hosts' aborts not carried out here yet (key, ids)."""
+        out, self.aborts = self.aborts, []
+        return out
+
+    def answer_abort(self, key: str, found: list[str]) -> None:
+        """This host's answer to abort ``key``: the ids its gateways were serving."""
+        try:
+            pipe = self.client.pipeline()
+            pipe.hset(ABORTED + key, self.host, orjson.dumps(found))
+            pipe.expire(ABORTED + key, 60)
+            pipe.execute()
+            self.client.publish(CHANNEL, b"aborted")
+        except self.errors as e:
+            self._failed(e)
+
+    def abort_answers(self, key: str) -> tuple[set[str], set[str]]:
+        """The ids the other hosts found for abort ``key``, and which hosts have answered."""
+        try:
+            got = self.client.hgetall(ABORTED + key)
+        except self.errors as e:
+            self._failed(e)
+            return set(), set()
+        found, hosts = set(), set()
+        for host, raw in got.items():
+            try:
+                found.update(str(i) for i in orjson.loads(raw))
+            except (orjson.JSONDecodeError, TypeError):
+                continue
+            hosts.add(host.decode(errors="replace"))
+        return found, hosts
+
+    def live_hosts(self) -> set[str]:
+        """The other hosts heard from within the liveness window."""
+        try:
+            hosts = self.client.hgetall(HOSTS)
+        except self.errors as e:
+            self._failed(e)
+            return set()
+        now, live = time.time(), set()
+        for host, raw in hosts.items():
+            try:
+                seen = float(orjson.loads(raw)["seen"])
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+            name = host.decode(errors="replace")
+            if name != self.host and now - seen <= LIVE_S:
+                live.add(name)
+        return live
 
     def applied_by_all(self, version: int) -> list[str]:
         """The live hosts (other than this one) that have not applied ``version`` yet; [] when Redis is away."""

@@ -184,11 +184,12 @@ class Commands:
         return behind
 
     def follow_shared(self, now: float) -> None:
-        """Apply the operators' pauses another gateway host wrote to the shared state."""
+        """Apply the operators' pauses, the adapters and the aborts another gateway host wrote to the shared state."""
         shared, admission = self.sup.shared, self.sup.admission
         assert shared is not None
         loras = self.sup.loras
         state = shared.poll(now, lambda: not self.sup.publisher.lagging(self._shared_local) and not loras.adopting())
+        self.sup.aborts.follow_shared(shared)  # (aborts other hosts asked for come without a new version)
         if state is None:
             return
         paused, adapters = state

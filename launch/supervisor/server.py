@@ -104,7 +104,7 @@ class Supervisor:
         self.operations = EngineOperations(self.arbiter, self.publisher, self.admission, self.tiers, cfg.profiler_dir,
                                            self._operation_busy, lambda: self.publisher.remote)
         self._remote_ops: list[tuple[bytes, int, Later]] = []  # an engine host's operations for gateway hosts
-        self.aborts = Aborts(self.arbiter)
+        self.aborts = Aborts(self.arbiter, lambda: self.shared)
         self.sel = self.arbiter.sel
         self.listener: socket.socket | None = None
         self.control: ControlServer | None = None

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.helpers import TINY, Server, Traffic, free_port, ready_pids, start_redis, stop_process, wait_until
@@ -107,6 +109,27 @@ def test_a_lora_adapter_loaded_through_one_host_is_served_by_both_when_it_answer
     r = httpx.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "shared"}, timeout=60)
     assert r.status_code == 200, r.text
     assert [complete(h.url) for h in (a, b) for _ in range(8)] == [404] * 16
+
+
+def test_an_abort_through_one_host_ends_the_request_another_host_serves(hosts):
+    a, b = hosts
+    finish: list[str | None] = []
+
+    def generate() -> None:
+        with httpx.stream("POST", b.url + "/inference/v1/generate", timeout=120, json={
+                "model": "tiny-random", "token_ids": [1, 2, 3], "request_id": "rollout-on-b", "stream": True,
+                "sampling_params": {"max_tokens": 3000, "ignore_eos": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    finish.append(orjson.loads(line[6:])["choices"][0]["finish_reason"])
+
+    reader = threading.Thread(target=generate)
+    reader.start()
+    wait_until(lambda: len(finish) >= 2, 60, what="the generation on host B to stream")
+    r = httpx.post(a.url + "/abort_requests", json={"request_ids": ["rollout-on-b", "nowhere"]}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"aborted": ["rollout-on-b"], "unknown": ["nowhere"]}, r.text
+    reader.join(60)
+    assert finish[-1] == "abort"
 
 
 def test_losing_redis_crashes_nothing_and_control_is_shared_again_when_it_returns(hosts, redis_server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.cluster import ClusterState, EngineInfo, EngineState
 from protocol.control import Heartbeat
 
 
@@ -113,6 +114,22 @@ class FakePublisher:
 
     def lagging(self, version: int) -> list[str]:
         return list(self.behind)
+
+
+class StatePublisher(FakePublisher):
+    """A publisher whose cluster state lists the fake engines of ``model``: each one's state and the adapters it
+    reported (the LoRA and engine-operation state machines read it)."""
+
+    def __init__(self, processes: FakeProcesses, model: str):
+        super().__init__()
+        self.processes = processes
+        self.model = model
+
+    @property
+    def state(self) -> ClusterState:
+        return ClusterState(self.version, tuple(
+            EngineInfo(c.index, f"ipc://{c.index}", EngineState.READY if c.ready else EngineState.STARTING, c.pid,
+                       self.model, c.loras or ()) for c in self.processes.live("engine")))
 
 
 class FakeHolds:

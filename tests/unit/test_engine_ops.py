@@ -13,31 +13,18 @@ import pytest
 from launch.control_server import Later
 from launch.ops.engine_ops import EngineOperations
 from launch.tiers import ModelTier
-from protocol.cluster import ClusterState, EngineInfo, EngineState
 from protocol.control import EngineCondition, EngineOp, EngineOpReport, OperationCommand, OperationReply
 from zserve.catalog import TINY_RANDOM, resolve
 from zserve.config import EngineConfig, ModelSpec
 
-from .fakes import FakeHolds, FakeProcesses, FakePublisher
-
-
-class Publisher(FakePublisher):
-    def __init__(self, processes: FakeProcesses):
-        super().__init__()
-        self.processes = processes
-
-    @property
-    def state(self) -> ClusterState:
-        return ClusterState(self.version, tuple(
-            EngineInfo(c.index, f"ipc://{c.index}", EngineState.READY if c.ready else EngineState.STARTING, c.pid,
-                       TINY_RANDOM) for c in self.processes.live("engine")))
+from .fakes import FakeHolds, FakeProcesses, StatePublisher
 
 
 @pytest.fixture
 def parts(tmp_path):
     tier = ModelTier(resolve(TINY_RANDOM), ModelSpec(TINY_RANDOM, 2, EngineConfig()), 2, 0, 0)
     processes = FakeProcesses([tier], gateways=2)
-    publisher = Publisher(processes)
+    publisher = StatePublisher(processes, TINY_RANDOM)
     holds = FakeHolds(publisher)
     busy: dict[str, str] = {}
     ops = EngineOperations(processes, publisher, holds, [tier], str(tmp_path), busy=busy.get)

@@ -14,26 +14,11 @@ import pytest
 from launch.control_server import Later
 from launch.ops.lora import ENGINE_TIMEOUT, LoraAdapters, LoraRefused, confined_path
 from launch.tiers import ModelTier
-from protocol.cluster import ClusterState, EngineInfo, EngineState
 from protocol.control import LoraCommand, LoraReport
 from zserve.catalog import TINY_RANDOM, resolve
 from zserve.config import EngineConfig, ModelSpec
 
-from .fakes import FakeProcesses, FakePublisher
-
-
-class Publisher(FakePublisher):
-    """What the cluster state says of the fake engines: each one's state and the adapters it reported."""
-
-    def __init__(self, processes: FakeProcesses):
-        super().__init__()
-        self.processes = processes
-
-    @property
-    def state(self) -> ClusterState:
-        return ClusterState(self.version, tuple(
-            EngineInfo(c.index, f"ipc://{c.index}", EngineState.READY if c.ready else EngineState.STARTING, c.pid,
-                       TINY_RANDOM, c.loras or ()) for c in self.processes.live("engine")))
+from .fakes import FakeProcesses, StatePublisher
 
 
 def adapter_dir(root: Path) -> Path:
@@ -49,7 +34,7 @@ def parts(tmp_path):
     processes = FakeProcesses([tier], gateways=2)
     for c in processes.live("engine"):
         c.loras = ()  # (reported before ready)
-    publisher = Publisher(processes)
+    publisher = StatePublisher(processes, TINY_RANDOM)
     adapter_dir(tmp_path / "dir" / "x")
     return LoraAdapters(processes, publisher, [tier], (str(tmp_path / "dir"),)), processes, publisher
 
