@@ -208,6 +208,14 @@ class StreamResult:
         self.leave = threading.Event()  # set: the client closes the stream at its next chunk of tokens
 
 
+def collect_finishes(response: httpx.Response, out: list) -> None:
+    """Append the finish reason of every choice of every SSE chunk of ``response`` to ``out`` as it arrives (None
+    until a choice ends): a test watches a stream go on, then sees how it ended."""
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.extend(c["finish_reason"] for c in orjson.loads(line[6:])["choices"])
+
+
 def run_stream(url: str, body: dict, res: StreamResult) -> None:
     try:
         _read_stream(url, body, res)

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import orjson
 import pytest
 
 from tests.helpers import (
@@ -24,6 +23,7 @@ from tests.helpers import (
     Server,
     StreamResult,
     Traffic,
+    collect_finishes,
     pinned_client,
     run_stream,
     status,
@@ -171,9 +171,7 @@ def test_aborts_reach_the_request_through_another_gateway(server, gateways):
         with a.stream("POST", "/inference/v1/generate", json={
                 "model": MODEL, "token_ids": [1, 2, 3, 4], "request_id": "rl-rollout-7", "stream": True,
                 "sampling_params": {"max_tokens": 2000, "ignore_eos": True}}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    finish.append(orjson.loads(line[6:])["choices"][0]["finish_reason"])
+            collect_finishes(r, finish)
 
     reader = threading.Thread(target=generate)
     reader.start()
@@ -190,9 +188,7 @@ def test_aborts_reach_the_request_through_another_gateway(server, gateways):
         with a.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "chat-42"}, json={
                 "model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
                 "ignore_eos": True, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chat.extend(c["finish_reason"] for c in orjson.loads(line[6:])["choices"])
+            collect_finishes(r, chat)
 
     reader = threading.Thread(target=chat_stream)
     reader.start()

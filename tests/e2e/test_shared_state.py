@@ -13,10 +13,19 @@ import threading
 
 import httpx
 import openai
-import orjson
 import pytest
 
-from tests.helpers import TINY, Server, Traffic, free_port, ready_pids, start_redis, stop_process, wait_until
+from tests.helpers import (
+    TINY,
+    Server,
+    Traffic,
+    collect_finishes,
+    free_port,
+    ready_pids,
+    start_redis,
+    stop_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +128,7 @@ def test_an_abort_through_one_host_ends_the_request_another_host_serves(hosts):
         with httpx.stream("POST", b.url + "/inference/v1/generate", timeout=120, json={
                 "model": "tiny-random", "token_ids": [1, 2, 3], "request_id": "rollout-on-b", "stream": True,
                 "sampling_params": {"max_tokens": 3000, "ignore_eos": True}}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    finish.append(orjson.loads(line[6:])["choices"][0]["finish_reason"])
+            collect_finishes(r, finish)
 
     reader = threading.Thread(target=generate)
     reader.start()
