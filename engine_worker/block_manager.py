@@ -5,10 +5,12 @@ holds an ordered *block table* (block ids) that covers its tokens. This module o
 hashes; the tensors live in ``kv_cache.PagedKVCache``.
 
 Prefix caching: once a block is full, its content is identified by a hash chained with the
-hash of the block before it, ``h_i = hash((h_{i-1}, tokens_i))``, so one hash names a whole
-prefix. The first block's parent is the chain's *root*: None for the base model, an adapter's own
-value for a LoRA request (``LoraManager.prefix_root``), since the same tokens computed through
-other weights are other keys and values. Full blocks stay registered under their hash after
+hash of the block before it, ``h_i = block_hash(h_{i-1}, tokens_i)`` (``protocol.kv_events``: stable across
+processes, so a gateway computes the same), so one hash names a whole prefix. The first block's parent is the
+chain's *root*: the model's (``chain_root``), an adapter's own value for a LoRA request
+(``LoraManager.prefix_root``), since the same tokens computed through other weights are other keys and values.
+With an ``events`` list, every block registered, evicted or forgotten is told there as a KV event
+(``protocol.kv_events``), which the engine publishes after each step. Full blocks stay registered under their hash after
 their request ends; a later request whose prompt starts with the same tokens takes those blocks
 (reference-counted, shared, never written again) and skips their prefill. Free blocks wait in
 one LRU queue; a cached block is evicted (its hash forgotten) only when the queue reaches it and
@@ -21,14 +23,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, adapter_id, block_hash
+
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None,
                  start_block: int = 0) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids`` from block ``start_block`` on."""
     out: list[int] = []
     for i in range(start_block, len(token_ids) // block_size):
-        key = (parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
-        parent = hash(key)
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)
     return out
 
@@ -36,7 +39,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None =
 class BlockManager:
     """Allocates blocks to requests and keeps full blocks findable by content."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: list[KvEvent] | None = None, medium: str | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -47,6 +51,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._key_of: dict[int, tuple] = {}  # block -> (parent hash, tokens) it is registered under
         self._block_of: dict[tuple, int] = {}  # (parent hash, tokens) -> block
+        self._hash_of: dict[int, int] = {}  # block -> its chained hash (what a BlockRemoved names)
+        self.events = events  # where KV events go (None: nobody listens)
+        self.medium = medium  # vLLM's name of where these blocks live ("GPU"; None: the engine's own memory)
         # Stats: prompt tokens looked up / found in the cache since start.
         self.queries = 0
         self.hits = 0
@@ -89,7 +96,7 @@ class BlockManager:
             if block is None:
                 break
             found.append(block)
-            parent = hash(key)
+            parent = self._hash_of[block]
         return found
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
@@ -120,6 +127,9 @@ class BlockManager:
             key = self._key_of.pop(b, None)
             if key is not None:
                 del self._block_of[key]
+                h = self._hash_of.pop(b)
+                if self.events is not None:
+                    self.events.append(BlockRemoved((h,), self.medium))
             self.ref_count[b] = 1
             out.append(b)
         return out
@@ -144,12 +154,19 @@ class BlockManager:
         one. Blocks requests hold now keep their contents but are no one's prefix any more."""
         self._key_of.clear()
         self._block_of.clear()
+        self._hash_of.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
-    def register(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> int:
+    def register(self, block: int, parent: int | None, tokens: tuple[int, ...], lora: str | None = None) -> int:
         """Make a just-filled block findable; return its chained hash. When another block
         already holds this content the first one stays registered (no duplicates)."""
         key = (parent, tokens)
+        h = block_hash(parent, tokens)
         if self.enable_prefix_caching and key not in self._block_of and block not in self._key_of:
             self._block_of[key] = block
             self._key_of[block] = key
-        return hash(key)
+            self._hash_of[block] = h
+            if self.events is not None:
+                self.events.append(BlockStored((h,), parent, tokens, self.block_size, adapter_id(lora), self.medium))
+        return h

@@ -190,11 +190,12 @@ class Engine:
 
             return GroupedEngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
                                        max_waiting=cfg.max_waiting, keys=keys, control_fd=control_fd, status=status,
-                                       source=launch.source, weight_version=launch.weight_version)
+                                       source=launch.source, weight_version=launch.weight_version,
+                                       kv_events=launch.kv_events)
         return EngineServer(launch.rank, launch.endpoint, self.runner, self.scheduler, self.hello,
                             max_waiting=cfg.max_waiting, keys=keys, drain_timeout=launch.shutdown_timeout,
                             control_fd=control_fd, status=status, source=launch.source,
-                            weight_version=launch.weight_version)
+                            weight_version=launch.weight_version, kv_events=launch.kv_events)
 
     def serve(self, launch: EngineLaunch, status: StatusPipe, control_fd: int | None = None,
               keys: CurveKeys | None = None) -> None:

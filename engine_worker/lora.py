@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_worker import cpu_kernels
+from protocol.kv_events import chain_root
 
 if TYPE_CHECKING:
     from engine_worker.models.layers import Linear
@@ -427,7 +428,7 @@ class LoraManager:
         """The parent of the first prefix-cache block of a request for ``name``: KV computed through one adapter
         is never found by the base model (whose root is None) or by another adapter. Keyed by the load too, so an
         adapter unloaded and loaded again under the same name (other weights, perhaps) starts a fresh chain."""
-        return hash(("lora", name, self._loads.get(name, 0)))
+        return chain_root(f"lora load {self._loads.get(name, 0)}", name)
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, spans: dict[str, list[tuple[int, int]]]) -> LoraStep:

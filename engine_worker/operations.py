@@ -45,6 +45,10 @@ class Host(Protocol):
         """The weights come from ``source`` from now on (a member reads new experts there on a resize)."""
         ...
 
+    def publish_kv(self) -> None:
+        """Send the KV events the operation caused (a cache forgotten)."""
+        ...
+
 log = logging.getLogger("zserve.engine")
 
 DEFAULT_VERSION = "default"  # the weight version of the weights an engine started with (SGLang's word)
@@ -94,6 +98,7 @@ class EngineOps:
         ops, self.pending = self.pending, []
         for msg in ops:
             self._run(msg)
+        self.server.publish_kv()
 
     # -- carrying one out --------------------------------------------------------------------------------
     def _run(self, msg: EngineOp) -> None:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from protocol import PoolOutput, PoolRequest, RequestOutput, SamplingParams, TopLogprobs
 from protocol.constants import ERR_STRUCTURED_OUTPUT
+from protocol.kv_events import chain_root
 
 from .block_manager import BlockManager, block_hashes
 from .expert_parallel import GroupLost
@@ -94,6 +95,7 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.root = chain_root(getattr(runner, "model_id", ""))  # the base model's prefix chain starts here
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -509,14 +511,16 @@ class Scheduler:
         while len(seq.block_hashes) < seq.num_computed // bs:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq)
-            h = bm.register(seq.block_table[i], parent, tuple(seq.tokens(i * bs, (i + 1) * bs)))
+            h = bm.register(seq.block_table[i], parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), seq.lora)
             seq.block_hashes.append(h)
             if h in seq.inflight:
                 self._drop_inflight(seq, h)
 
     def _root(self, seq: Sequence) -> int | None:
-        """Where ``seq``'s prefix-cache chain starts: None for the base model, its adapter's own root."""
-        return None if seq.lora is None or self.loras is None else self.loras.prefix_root(seq.lora)
+        """Where ``seq``'s prefix-cache chain starts: the model's root, or its adapter's own."""
+        if seq.lora is None or self.loras is None:
+            return self.root
+        return self.loras.prefix_root(seq.lora)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling

@@ -45,6 +45,7 @@ from zserve.catalog import ModelSource
 from zserve.curve import CurveKeys, secure_server
 from zserve.proc import StatusPipe
 
+from .kv_publisher import KvEventPublisher
 from .operations import DEFAULT_VERSION, EngineOps
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -61,7 +62,8 @@ class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
                  stats_interval: float = 0.1, max_waiting: int | None = None, keys: CurveKeys | None = None,
                  drain_timeout: float | None = None, control_fd: int | None = None, status: StatusPipe | None = None,
-                 source: ModelSource | None = None, weight_version: str = DEFAULT_VERSION):
+                 source: ModelSource | None = None, weight_version: str = DEFAULT_VERSION,
+                 kv_events: str | None = None):
         self.rank = rank
         # Seconds a drain lets running requests finish before handing the rest back (None: until they finish).
         self.drain_timeout = drain_timeout
@@ -99,6 +101,14 @@ class EngineServer:
         self.step_started: float | None = None  # set while a forward pass runs
         self._stalled = False  # the last step had work but ran nothing (grammars still compiling)
         self.ops = EngineOps(self, source, weight_version)  # sleep, weights, caches, profiling
+        # KV cache events (``kv_publisher``): the block manager tells, the publisher sends after each step.
+        self.kv: KvEventPublisher | None = None
+        bm = getattr(scheduler, "block_manager", None)
+        if kv_events is not None and bm is not None:
+            self.kv = KvEventPublisher(self.ctx, kv_events, keys)
+            bm.events = []
+            bm.medium = "GPU" if getattr(runner, "device", None) is not None and runner.device.type == "cuda" else None
+            self.poller.register(self.kv.replay, zmq.POLLIN)
 
     # -- what an operation asks of its server (``operations.Host``) -----------------------------------
     def quiet(self) -> bool:
@@ -217,6 +227,8 @@ class EngineServer:
             self.read_control()
         if self.sock in ready:
             self.take_inbound()
+        if self.kv is not None and self.kv.replay in ready:
+            self.kv.serve_replay()
 
     # -- the supervisor's control pipe ---------------------------------------------------------
     def read_control(self) -> None:
@@ -239,6 +251,7 @@ class EngineServer:
             self.on_lora(msg)
         elif isinstance(msg, EngineOp):
             self.ops.handle(msg)
+            self.publish_kv()  # (a reset or a swap forgets blocks)
         else:
             log.warning("engine %d: ignored a %s control message", self.rank, msg.TYPE)
 
@@ -287,6 +300,7 @@ class EngineServer:
         self._stalled = self.scheduler.steps == steps and not outs
         if getattr(self.scheduler, "lora_closing", None):
             self.scheduler.drop_closed_loras()
+        self.publish_kv()
         per_client: dict[bytes, list] = {}
         for out in outs:
             done = isinstance(out, PoolOutput) or out.finish_reason is not None
@@ -299,6 +313,11 @@ class EngineServer:
                 self.send(client, PoolOutputs(self.rank, pooled))
             if len(pooled) < len(mine):
                 self.send(client, StepOutputs(self.rank, tuple(o for o in mine if not isinstance(o, PoolOutput))))
+
+    def publish_kv(self) -> None:
+        """Send the KV events of what just happened (blocks stored, evicted, forgotten) as one batch."""
+        if self.kv is not None:
+            self.kv.publish(self.scheduler.block_manager.events)
 
     def stats(self) -> EngineStats:
         return EngineStats(rank=self.rank, timestamp=time.time(), **self.scheduler.stats_fields())

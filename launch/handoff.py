@@ -17,7 +17,7 @@ def engine_launch(rank: int, endpoint: str, source: ModelSource, config: EngineC
                   device: int | None, heartbeat_interval: float, shutdown_timeout: float,
                   expert_share: tuple[int, int] | None = None, keys_dir: str | None = None,
                   loras: tuple[tuple[str, str], ...] | None = None,
-                  weight_version: str = "default") -> EngineLaunch:
+                  weight_version: str = "default", kv_events: str | None = None) -> EngineLaunch:
     """One engine's value. ``threads``: the supervisor's share of the cores, for a configuration that does not
     say; ``expert_share``: (member, size) of an expert-parallel tier's group; ``keys_dir``: CURVE keys of an
     engine host's TCP endpoint (None on one host); ``loras``: the LoRA adapters served now, for an engine that
@@ -26,7 +26,7 @@ def engine_launch(rank: int, endpoint: str, source: ModelSource, config: EngineC
     return EngineLaunch(rank, endpoint, source, config.replace(threads=config.threads or threads), device=device,
                         heartbeat_interval=heartbeat_interval, shutdown_timeout=shutdown_timeout,
                         expert_share=expert_share, keys_dir=keys_dir or None, loras=loras,
-                        weight_version=weight_version)
+                        weight_version=weight_version, kv_events=kv_events)
 
 
 def gateway_launch(index: int, fd: int,

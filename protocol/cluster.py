@@ -49,6 +49,7 @@ class EngineInfo:
     loras: tuple[str, ...] = ()
     sleeping: int = 0  # its sleep level as it reported it (0: awake; ``control.SLEEP_LEVELS``)
     weight_version: str = ""  # the weight version it serves, as it reported it ("" until it has)
+    kv_events: str = ""  # where it publishes its KV cache events (``protocol.kv_events``; "": it does not)
 
     def __post_init__(self) -> None:
         # The one constructor of every entry (the supervisor's, and each decoded from the wire): a state outside
@@ -57,8 +58,10 @@ class EngineInfo:
         if not isinstance(self.loras, list | tuple) or not all(valid_lora_name(n) for n in self.loras):
             raise TypeError("an engine's loras must be adapter names")
         object.__setattr__(self, "loras", tuple(self.loras))
-        if not (is_int(self.sleeping) and 0 <= self.sleeping <= 2 and is_str(self.weight_version, 256, empty=True)):
-            raise TypeError("an engine's sleeping is a level 0..2, its weight_version a short str")
+        if not (is_int(self.sleeping) and 0 <= self.sleeping <= 2 and is_str(self.weight_version, 256, empty=True)
+                and is_str(self.kv_events, 1024, empty=True)):
+            raise TypeError("an engine's sleeping is a level 0..2, its weight_version a short str, kv_events an "
+                            "endpoint")
 
 
 @dataclass(frozen=True)

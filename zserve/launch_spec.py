@@ -114,6 +114,8 @@ class EngineLaunch:
     # The label of the weights ``source`` holds (POST /update_weights gives one; an engine that starts later is
     # given the checkpoint and label the cluster serves now).
     weight_version: str = "default"
+    # Where it publishes its KV cache events (a ZeroMQ PUB endpoint; the replay socket beside it); None: it does not.
+    kv_events: str | None = None
 
     def __post_init__(self) -> None:
         check(is_int(self.rank, 0, 1 << 20), "rank must be an integer in 0..1048576")
@@ -131,6 +133,8 @@ class EngineLaunch:
             object.__setattr__(self, "expert_share", share)
         check(optional_text(self.keys_dir), "keys_dir must be a directory or null")
         check(is_text(self.weight_version), "weight_version must be a label")
+        check(self.kv_events is None or (is_text(self.kv_events) and self.kv_events.startswith(("ipc://", "tcp://"))),
+              "kv_events must be an ipc:// or tcp:// ZeroMQ endpoint or null")
         if self.loras is not None:
             check(isinstance(self.loras, (list, tuple)) and all(
                 isinstance(m, (list, tuple)) and len(m) == 2 and all(is_text(v) for v in m) for m in self.loras),

@@ -16,6 +16,7 @@ from aiohttp import web
 import zserve
 from protocol import PROTOCOL_VERSION, ProtocolError
 from protocol.control import CONTROL_VERSION, StatusCommand, StatusReply
+from protocol.kv_events import DEFAULT_TOPIC, replay_endpoint
 from zserve import control
 
 from ..openapi import JSON, response
@@ -115,3 +116,16 @@ async def tokenizer_info(request: web.Request) -> web.Response:
         "model_max_length": view.max_model_len, "chat_template": tok.chat_template,
         "all_special_ids": sorted(tok.all_special_ids),
     })
+
+
+@routes.get("/kv_event_sources")
+@response(200, JSON)
+async def kv_event_sources(request: web.Request) -> web.Response:
+    """Where each engine publishes its KV cache events (vLLM's format: ``protocol.kv_events``), for routers that
+    follow them: its PUB endpoint, the replay socket beside it, the topic. The same on every gateway."""
+    state = request.app[STATE]
+    engines = state.cluster.engines if state.cluster else ()
+    sources = [{"engine": e.rank, "model": e.model, "state": str(e.state), "endpoint": e.kv_events,
+                "replay_endpoint": replay_endpoint(e.kv_events), "topic": DEFAULT_TOPIC.decode(),
+                "format": "vllm.kv_events (msgpack)"} for e in engines if e.kv_events]
+    return json_body({"sources": sources})

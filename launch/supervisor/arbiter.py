@@ -105,6 +105,11 @@ class Arbiter:
             return engine_endpoint(self.cfg.bind, rank)
         return f"ipc://{self.run_dir}/engine-{rank}.sock"
 
+    def kv_events_endpoint(self, rank: int) -> str | None:
+        """Where engine ``rank`` publishes its KV cache events: beside its socket on one host (None on an engine
+        host, for now: its TCP ports are the engines' own)."""
+        return None if self.cfg.bind is not None else f"ipc://{self.run_dir}/engine-{rank}-kv.sock"
+
     def engine_threads(self, tier: ModelTier | None = None, size: int | None = None) -> int:
         """CPU threads per engine: engines (of every model) share the cores unless told how many each may use;
         ``size``: as if ``tier`` had that many engines (an expert-parallel group being re-formed)."""

@@ -175,7 +175,8 @@ class Supervisor:
                 device=engine_device(mt.first_device + index - mt.base, a.num_gpus),
                 heartbeat_interval=c.heartbeat_interval, shutdown_timeout=c.shutdown_timeout,
                 expert_share=group.share(index) if group else None,
-                keys_dir=c.keys_dir if c.bind is not None else None, loras=loras, weight_version=version)
+                keys_dir=c.keys_dir if c.bind is not None else None, loras=loras, weight_version=version,
+                kv_events=a.kv_events_endpoint(index))
             return spawn(slot, "engine_worker", handoff.argv(engine))
         assert self.listener is not None
         fd = self.listener.fileno()
@@ -223,7 +224,8 @@ class Supervisor:
         engines = tuple(EngineInfo(c.index, a.engine_endpoint(c.index), self._engine_state(c), c.pid,
                                    a.tier_of(c.index).model_id, c.loras or (),
                                    c.condition.sleeping if c.condition else 0,
-                                   c.condition.version if c.condition else "") for c in live)
+                                   c.condition.version if c.condition else "", a.kv_events_endpoint(c.index) or "")
+                        for c in live)
         return engines, {t.model_id: t.desired for t in self.tiers}, a.desired["gateway"], a.engines_desired
 
     def _phase(self) -> str:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
+from protocol.kv_events import AllBlocksCleared, BlockStored, chain_root, decode_batch, prefix_hashes
 from tests.helpers import (
     LAUNCH,
     ROOT,
@@ -147,6 +149,55 @@ def test_reset_prefix_cache_empties_every_engine(server, gateways):
     reset = ok(a.post("/reset_prefix_cache"))
     assert sorted(e["engine"] for e in reset["engines"]) == [0, 1] and any(e["cached_blocks"] for e in reset["engines"])
     assert cached(b) == 0  # whichever engine serves it
+
+
+def test_engines_publish_their_kv_cache_events_in_vllms_format(server, gateways):
+    """Every engine publishes what its prefix cache stores and forgets: the hashes a gateway computes from the token
+    ids alone, and a reset's AllBlocksCleared; a late subscriber replays what it missed."""
+    a, b = gateways
+    sources = b.get("/kv_event_sources").json()["sources"]
+    assert sorted(s["engine"] for s in sources) == [0, 1] and all(s["endpoint"].startswith("ipc://") for s in sources)
+    ctx = zmq.Context.instance()
+    subs = []
+    for s in sources:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, s["topic"].encode())
+        sub.connect(s["endpoint"])
+        subs.append(sub)
+    ids = list(range(1000, 1000 + 64))  # four full blocks of 16
+    want = prefix_hashes(ids, 16, chain_root(MODEL))
+    stored: list[int] = []
+    cleared = False
+
+    def read() -> None:
+        nonlocal cleared
+        for sub in subs:
+            while sub.poll(0):
+                _, _, payload = sub.recv_multipart()
+                for e in decode_batch(payload)[1]:
+                    stored.extend(getattr(e, "block_hashes", ()) if isinstance(e, BlockStored) else ())
+                    cleared = cleared or isinstance(e, AllBlocksCleared)
+
+    def sent_until_stored() -> bool:  # (a subscription takes a moment: a request until its events arrive)
+        r = a.post("/inference/v1/generate", json={"model": MODEL, "token_ids": ids,
+                                                   "sampling_params": {"max_tokens": 1, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        read()
+        return set(want) <= set(stored)
+
+    wait_until(sent_until_stored, 60, 0.2, "the engine's BlockStored events")
+    ok(b.post("/reset_prefix_cache"))
+    wait_until(lambda: read() or cleared, 30, 0.05, "AllBlocksCleared")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(sources[0]["replay_endpoint"])
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    replayed = []
+    while not replayed or replayed[-1][0] != (-1).to_bytes(8, "big", signed=True):
+        assert dealer.poll(5000), replayed
+        replayed.append(dealer.recv_multipart()[1:])
+    assert [int.from_bytes(f[0], "big") for f in replayed[:-1]] == list(range(len(replayed) - 1))  # from 0, no gap
+    for sock in (*subs, dealer):
+        sock.close(0)
 
 
 def test_profiles_are_written_by_every_engine(server, gateways, profiler_dir):

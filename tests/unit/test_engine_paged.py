@@ -15,6 +15,7 @@ from engine_worker.loader import load_model
 from engine_worker.runner import ModelRunner
 from engine_worker.scheduler import Scheduler, run_until_done
 from engine_worker.sequence import Sequence
+from protocol.kv_events import block_hash
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve
 
@@ -46,7 +47,7 @@ def test_full_blocks_are_found_by_chained_content_hash():
     parent = None
     for i in range(2):  # two full blocks
         parent = bm.register(table[i], parent, tuple(toks[2 * i : 2 * i + 2]))
-    assert block_hashes(toks, 2) == [hash((None, (5, 6))), parent]
+    assert block_hashes(toks, 2) == [block_hash(None, (5, 6)), parent]  # (stable: a gateway computes the same)
     assert bm.lookup(toks, 4) == table[:2]
     assert bm.lookup(toks, 3) == table[:1]  # at most 3 tokens: whole blocks only
     assert bm.lookup([5, 6, 0, 8, 9], 4) == table[:1]  # the chain breaks at the first difference
@@ -68,7 +69,7 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_used_and_last():
     # ...then the least recently freed cached block goes first.
     assert bm.allocate(1) == first and bm.num_cached == 1
     assert bm.lookup([1], 1) == [] and bm.lookup([2], 1) == second
-    assert h1 == hash((None, (1,)))
+    assert h1 == block_hash(None, (1,))
 
 
 def test_a_cache_hit_takes_the_block_out_of_the_free_queue():

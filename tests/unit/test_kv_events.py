@@ -1,0 +1,131 @@
+"""KV cache events (``protocol.kv_events``, ``engine_worker.kv_publisher``): vLLM's wire format, decoded here with
+vLLM's own message types (msgspec structs written from its documented fields), the block manager's events and the
+hashes a gateway computes from token ids alone, the publisher's sequence numbers and its replay."""
+
+from __future__ import annotations
+
+import msgpack
+import msgspec
+import pytest
+import zmq
+
+from engine_worker.block_manager import BlockManager
+from engine_worker.kv_publisher import KvEventPublisher
+from protocol.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    adapter_id,
+    block_hash,
+    chain_root,
+    decode_batch,
+    encode_batch,
+    prefix_hashes,
+    seq_bytes,
+)
+from protocol.validate import ProtocolError
+
+
+# vLLM's types, as its documentation lists their fields (array-like, tagged structs).
+class _Event(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class VllmBlockStored(_Event, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class VllmBlockRemoved(_Event, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class VllmAllBlocksCleared(_Event, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+def test_a_batch_is_what_vllm_decodes_and_decodes_back():
+    events = [BlockStored((11, 12), 7, tuple(range(8)), 4, adapter_id("sql"), None), BlockRemoved((11,), "GPU"),
+              AllBlocksCleared()]
+    payload = encode_batch(events, ts=12.5)
+    theirs = msgspec.msgpack.Decoder(VllmBatch).decode(payload)
+    assert theirs.ts == 12.5 and [type(e).__name__ for e in theirs.events] == [
+        "VllmBlockStored", "VllmBlockRemoved", "VllmAllBlocksCleared"]
+    assert theirs.events[0].block_hashes == [11, 12] and theirs.events[0].token_ids == list(range(8))
+    assert decode_batch(payload) == (12.5, events)
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, [["Nope"]]]),
+                                     msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 4, None, None]]]),
+                                     msgpack.packb([1.0, [["BlockRemoved", "x"]]])])
+def test_malformed_batches_are_refused(payload):
+    with pytest.raises(ProtocolError):
+        decode_batch(payload)
+
+
+def test_the_block_manager_tells_what_it_stores_evicts_and_forgets_in_hashes_a_gateway_computes():
+    events: list = []
+    bm = BlockManager(2, 4, events=events)
+    root = chain_root("m")
+    tokens = list(range(100, 108))
+    table = bm.allocate(2)
+    parent = root
+    for i in range(2):
+        parent = bm.register(table[i], parent, tuple(tokens[4 * i:4 * i + 4]))
+    expected = prefix_hashes(tokens, 4, root)  # what a gateway computes from the token ids alone
+    assert [e.block_hashes[0] for e in events] == expected and events[0].parent_block_hash == root
+    assert chain_root("m") != chain_root("m", "adapter") != chain_root("other")  # model and adapter are in it
+    bm.free(table)
+    events.clear()
+    bm.allocate(1)  # the least recently used cached block is evicted
+    assert events == [BlockRemoved((expected[1],))]
+    bm.reset()
+    assert events[-1] == AllBlocksCleared() and bm.num_cached == 0
+    assert block_hash(None, (1, 2)) == block_hash(None, [1, 2]) != block_hash(0, (1, 2))
+
+
+def test_batches_carry_sequence_numbers_and_a_late_subscriber_replays_them(tmp_path):
+    ctx = zmq.Context.instance()
+    pub = KvEventPublisher(ctx, f"ipc://{tmp_path}/e-kv.sock")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    try:
+        # (a PUB drops what it sends before the subscription arrives: publish until one is read)
+        for _ in range(200):
+            pub.publish([AllBlocksCleared()])
+            if sub.poll(20):
+                break
+        topic, seq, payload = sub.recv_multipart()
+        first = int.from_bytes(seq, "big")
+        assert topic == b"" and decode_batch(payload)[1] == [AllBlocksCleared()]
+        pub.publish([])  # nothing to say: no batch, no number
+        pub.publish([BlockRemoved((5,))])
+        _, seq, _ = sub.recv_multipart()
+        assert int.from_bytes(seq, "big") == pub.seq == first + 1  # one number per batch
+        req = ctx.socket(zmq.DEALER)  # (a REQ socket reads one answer: a replay is several)
+        req.connect(pub.replay_at)
+        req.send_multipart([b"", seq_bytes(pub.seq - 1)])  # REQ's envelope: an empty frame, then the number
+        assert pub.replay.poll(2000)
+        pub.serve_replay()  # (every answer goes out at once)
+        got = []
+        while not got or got[-1][0] != END_SEQ:
+            assert req.poll(2000), got
+            got.append(req.recv_multipart()[1:])
+        assert [int.from_bytes(f[0], "big", signed=True) for f in got] == [pub.seq - 1, pub.seq, -1]
+        assert decode_batch(got[1][1])[1] == [BlockRemoved((5,))] and got[-1][1] == b""
+        req.close(0)
+    finally:
+        sub.close(0)
+        pub.close()
