@@ -25,6 +25,7 @@ from functools import partial
 
 from protocol.constants import EXIT_BOOT_ERROR
 from protocol.control import PIPE_EVENTS, Ack, BootFailed, ControlMessage, Heartbeat, Ready
+from protocol.kv_events import replay_endpoint
 
 from ..children import CRASH_LOOP_WINDOW, Child, Slot
 from ..hosts.engine_registry import engine_endpoint
@@ -231,10 +232,12 @@ class Arbiter:
                 log.error("%s (pid %d) died (%s); restarting it in %.1fs", c.name, c.pid, why, delay)
 
     def _clean_after(self, c: Child) -> None:
-        if c.tier == "engine":
-            path = self.engine_endpoint(c.index).removeprefix("ipc://")
-            if os.path.exists(path) and not [o for o in self.live("engine") if o.index == c.index]:
-                os.unlink(path)
+        if c.tier == "engine":  # its sockets: its own and its KV events' (a killed engine leaves them behind)
+            kv = self.kv_events_endpoint(c.index)
+            for endpoint in (self.engine_endpoint(c.index), *((kv, replay_endpoint(kv)) if kv else ())):
+                path = endpoint.removeprefix("ipc://")
+                if os.path.exists(path) and not [o for o in self.live("engine") if o.index == c.index]:
+                    os.unlink(path)
         else:
             with contextlib.suppress(ImportError):
                 from prometheus_client import multiprocess

@@ -38,6 +38,11 @@ from tests.helpers import (
 )
 
 
+def engine_sockets(*ranks: int) -> list[str]:
+    """The socket files engines of ``ranks`` keep in the run directory (each its own and its KV events'), sorted."""
+    return sorted(f"engine-{r}{suffix}.sock" for r in ranks for suffix in ("", "-kv", "-kv-replay"))
+
+
 def test_without_migration_engine_death_fails_its_requests_within_a_second_and_a_replacement_joins():
     """``--migration-limit 0``: what every stream on a dead engine got before migration (tests/e2e/test_migration.py),
     an error event within a second."""
@@ -74,8 +79,7 @@ def test_without_migration_engine_death_fails_its_requests_within_a_second_and_a
         wait_until(lambda: len(ready_pids(s, "engine")) == 2 and victim["pid"] not in ready_pids(s, "engine"), 60,
                    what="a replacement engine")
         run_dir = status(s)["run_dir"]
-        assert sorted(f for f in os.listdir(run_dir) if f.endswith(".sock")) == ["control.sock", "engine-0.sock",
-                                                                                  "engine-1.sock"]
+        assert sorted(f for f in os.listdir(run_dir) if f.endswith(".sock")) == ["control.sock", *engine_sockets(0, 1)]
         replacement = next(p for p in procs(s, "engine") if p["index"] == victim["index"])
         assert replacement["restarts"] == 1
 
@@ -248,7 +252,8 @@ def test_scaling_both_tiers_while_serving_fails_no_request():
         assert st["desired"] == {"gateway": 2, "engine": 1}
         assert len(ready_pids(s, "gateway")) == 2 and len(ready_pids(s, "engine")) == 1
         # the drained engine 1 left no socket file behind
-        assert sorted(f for f in os.listdir(st["run_dir"]) if f.endswith(".sock")) == ["control.sock", "engine-0.sock"]
+        sockets = sorted(f for f in os.listdir(st["run_dir"]) if f.endswith(".sock"))
+        assert sockets == ["control.sock", *engine_sockets(0)]
     finally:
         s.stop()
 
