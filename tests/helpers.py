@@ -107,9 +107,11 @@ def wait_until(cond, timeout: float, interval: float = 0.05, what: str = "condit
 
 
 def streams_go_on(streams, at: list[int], what: str, more: int = 20, timeout: float = 60) -> None:
-    """Wait until every stream has failed or read ``more`` chunks past ``at`` (the counts at some event: a kill, a
-    drain), as streams read by ``run_stream`` (or any object with ``chunks`` and ``error``) do."""
-    wait_until(lambda: all(s.error or s.chunks > n + more for s, n in zip(streams, at)), timeout, what=what)
+    """Wait until every stream has failed, read ``more`` chunks past ``at`` (the counts at some event: a kill, a
+    drain) or ended with a finish reason (one that reached its last tokens sooner), as streams read by ``run_stream``
+    (or any object with ``chunks``, ``error`` and ``finish``) do."""
+    wait_until(lambda: all(s.error or s.chunks > n + more or s.finish is not None for s, n in zip(streams, at)),
+               timeout, what=what)
 
 
 def close_streams(streams, readers) -> None:
