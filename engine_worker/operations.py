@@ -91,9 +91,11 @@ class EngineOps:
 
     def poll(self) -> None:
         """Carry out the waiting operations once no request that has started runs."""
+        if not self.pending:
+            return  # (the step loop's usual case: nothing to look at)
         sched = self.server.scheduler
         started = getattr(sched, "running", None) or any(getattr(s, "output_ids", None) for s in sched.waiting)
-        if not self.pending or started or not self.server.quiet():
+        if started or not self.server.quiet():
             return
         ops, self.pending = self.pending, []
         for msg in ops:

@@ -199,8 +199,6 @@ class Residency:
                              served.tokenizer_path if served else found.tokenizer_path)
         try:
             loaded = self._read(source, torch.device("cpu") if self.asleep else r.device)
-        except WeightsRefused:
-            raise
         except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as e:
             raise WeightsRefused(f"{path!r} could not be read: {e}") from None
         ours, theirs = r.model.config, loaded.config
