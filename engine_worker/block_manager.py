@@ -7,8 +7,9 @@ hashes; the tensors live in ``kv_cache.PagedKVCache``.
 Prefix caching: once a block is full, its content is identified by a hash chained with the
 hash of the block before it, ``h_i = block_hash(h_{i-1}, tokens_i)`` (``protocol.kv_events``: stable across
 processes, so a gateway computes the same), so one hash names a whole prefix. The first block's parent is the
-chain's *root*: the model's (``chain_root``), an adapter's own value for a LoRA request
-(``LoraManager.prefix_root``), since the same tokens computed through other weights are other keys and values.
+chain's *root*: the model's (``chain_root(model)``), an adapter's own for a LoRA request
+(``chain_root(model, adapter)``; forgotten when the adapter is unloaded: ``forget_adapter``), since the same
+tokens computed through other weights are other keys and values.
 With an ``events`` list, every block registered, evicted or forgotten is told there as a KV event
 (``protocol.kv_events``), which the engine publishes after each step. Full blocks stay registered under their hash after
 their request ends; a later request whose prompt starts with the same tokens takes those blocks
@@ -52,6 +53,7 @@ class BlockManager:
         self._key_of: dict[int, tuple] = {}  # block -> (parent hash, tokens) it is registered under
         self._block_of: dict[tuple, int] = {}  # (parent hash, tokens) -> block
         self._hash_of: dict[int, int] = {}  # block -> its chained hash (what a BlockRemoved names)
+        self._lora_of: dict[int, str] = {}  # block -> the adapter that computed it (registered blocks only)
         self.events = events  # where KV events go (None: nobody listens)
         self.medium = medium  # vLLM's name of where these blocks live ("GPU"; None: the engine's own memory)
         # Stats: prompt tokens looked up / found in the cache since start.
@@ -124,12 +126,8 @@ class BlockManager:
         out = []
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
-            key = self._key_of.pop(b, None)
-            if key is not None:
-                del self._block_of[key]
-                h = self._hash_of.pop(b)
-                if self.events is not None:
-                    self.events.append(BlockRemoved((h,), self.medium))
+            if b in self._key_of:
+                self._unregister(b)
             self.ref_count[b] = 1
             out.append(b)
         return out
@@ -149,12 +147,25 @@ class BlockManager:
                     self._free[b] = None
                     self._free.move_to_end(b, last=False)
 
+    def _unregister(self, b: int) -> None:
+        del self._block_of[self._key_of.pop(b)]
+        self._lora_of.pop(b, None)
+        h = self._hash_of.pop(b)
+        if self.events is not None:
+            self.events.append(BlockRemoved((h,), self.medium))
+
+    def forget_adapter(self, name: str) -> None:
+        """Forget the blocks adapter ``name`` computed (it was unloaded): no later request finds them."""
+        for b in [b for b, n in self._lora_of.items() if n == name]:
+            self._unregister(b)
+
     def reset(self) -> None:
         """Forget every cached prefix (``POST /reset_prefix_cache``, new weights, sleep): no later request finds
         one. Blocks requests hold now keep their contents but are no one's prefix any more."""
         self._key_of.clear()
         self._block_of.clear()
         self._hash_of.clear()
+        self._lora_of.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
 
@@ -167,6 +178,8 @@ class BlockManager:
             self._block_of[key] = block
             self._key_of[block] = key
             self._hash_of[block] = h
+            if lora is not None:
+                self._lora_of[block] = lora
             if self.events is not None:
                 self.events.append(BlockStored((h,), parent, tokens, self.block_size, adapter_id(lora), self.medium))
         return h

@@ -237,7 +237,7 @@ def _heartbeat(server: EngineServer, status: StatusPipe, interval: float) -> Non
         if server.alive():
             f = server.scheduler.stats_fields()
             status.send(Heartbeat(running=f["running"], waiting=f["waiting"], kv_used=round(f["kv_used"], 4),
-                                  draining=server.draining))
+                                  kv_blocks_cached=f.get("kv_blocks_cached"), draining=server.draining))
         time.sleep(interval)
 
 

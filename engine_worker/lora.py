@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_worker import cpu_kernels
-from protocol.kv_events import chain_root
 
 if TYPE_CHECKING:
     from engine_worker.models.layers import Linear
@@ -364,7 +363,6 @@ class LoraManager:
         self.device = model.embed_weight.device
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self._paths: dict[str, str] = {}
-        self._loads: dict[str, int] = {}  # name -> how many times it was loaded (kept after unload)
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self._owner: list[str | None] = [None] * max_loras  # slot -> adapter
         self._layouts: list[dict[str, Layout]] = [{} for _ in range(max_loras)]  # slot -> kind -> its layout
@@ -403,7 +401,6 @@ class LoraManager:
             raise LoraError(f"adapter {name!r} is already loaded (from {self._paths[name]!r}); unload it first")
         adapter = self._read(name, str(path))
         self._paths[name] = str(path)
-        self._loads[name] = self._loads.get(name, 0) + 1
         self._keep(adapter)
 
     def unload(self, name: str) -> None:
@@ -423,12 +420,6 @@ class LoraManager:
 
     def __contains__(self, name: object) -> bool:
         return name in self._paths
-
-    def prefix_root(self, name: str) -> int:
-        """The parent of the first prefix-cache block of a request for ``name``: KV computed through one adapter
-        is never found by the base model (whose root is None) or by another adapter. Keyed by the load too, so an
-        adapter unloaded and loaded again under the same name (other weights, perhaps) starts a fresh chain."""
-        return chain_root(f"lora load {self._loads.get(name, 0)}", name)
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, spans: dict[str, list[tuple[int, int]]]) -> LoraStep:

@@ -95,7 +95,8 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
-        self.root = chain_root(getattr(runner, "model_id", ""))  # the base model's prefix chain starts here
+        self.model_id = getattr(runner, "model_id", "")
+        self.root = chain_root(self.model_id)  # the base model's prefix chain starts here
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -176,6 +177,9 @@ class Scheduler:
         for name in [n for n in self.lora_closing if not self._lora_users(n)]:
             self.lora_closing.discard(name)
             self.loras.unload(name)  # type: ignore[union-attr]
+            # Its KV is forgotten: an adapter loaded again under this name (other weights, perhaps) chains from
+            # the same root (``chain_root(model, name)``, which gateways compute too) and must find none of it.
+            self.block_manager.forget_adapter(name)
 
     def _lora_users(self, name: str) -> int:
         return sum(s.lora == name for s in self.running) + sum(s.lora == name for s in self.waiting)
@@ -241,7 +245,7 @@ class Scheduler:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_used": min(1.0, max(0.0, float(self.kv_used))), "generated_tokens": self.generated_tokens,
                 "steps": self.steps, "preempted": self.num_preempted, "preemptions": self.preemptions,
-                "kv_blocks_used": bm.num_used, "kv_blocks_total": bm.num_blocks,
+                "kv_blocks_used": bm.num_used, "kv_blocks_total": bm.num_blocks, "kv_blocks_cached": bm.num_cached,
                 "prefix_cache_hit_rate": min(1.0, max(0.0, bm.hit_rate)), "prefix_cache_hits": bm.hits,
                 "prompt_tokens": self.prompt_tokens, "tokens_per_step": float(self.tokens_per_step),
                 **self._lora_stats()}
@@ -520,7 +524,7 @@ class Scheduler:
         """Where ``seq``'s prefix-cache chain starts: the model's root, or its adapter's own."""
         if seq.lora is None or self.loras is None:
             return self.root
-        return self.loras.prefix_root(seq.lora)
+        return chain_root(self.model_id, seq.lora)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling

@@ -109,6 +109,8 @@ class EngineServer:
             bm.events = []
             bm.medium = "GPU" if getattr(runner, "device", None) is not None and runner.device.type == "cuda" else None
             self.poller.register(self.kv.replay, zmq.POLLIN)
+            # Gateways compute a request's block hashes with the engine's block size to score it (prefix routing).
+            self.hello = replace(self.hello, kv_block_size=bm.block_size if bm.enable_prefix_caching else 0)
 
     # -- what an operation asks of its server (``operations.Host``) -----------------------------------
     def quiet(self) -> bool:

@@ -26,6 +26,7 @@ from zserve.launch_spec import (
 )
 
 from .families import FAMILY_NAMES, check_disabled, installed_plugin_names
+from .routing import DEFAULT_MAX_SHARE, ROUTING_POLICIES
 from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
 from .text.reasoning import REASONING_PARSERS
 from .text.tool_parsers import TOOL_PARSERS
@@ -56,6 +57,11 @@ class GatewayConfig:
     # longest prompt + generated tokens a move re-sends (None: whatever the engines take).
     migration_limit: int = 3
     migration_max_len: int | None = None
+    # Which engine of a model takes a request (``gateway.routing``): ``prefix`` by what each engine's prefix cache
+    # holds (its KV events) within ``routing_max_share`` times the fair share of the load; ``load``: least loaded;
+    # ``round-robin``.
+    routing_policy: str = "prefix"
+    routing_max_share: float = DEFAULT_MAX_SHARE
     metrics_auth: bool = False  # with API keys: /metrics needs one too (else it stays open for scrapers)
     # CORS (vLLM's options): origins allowed to call the API from a browser; () = none, "*" = any
     allowed_origins: tuple[str, ...] = ()
@@ -83,6 +89,11 @@ class GatewayConfig:
         if not (isinstance(self.migration_limit, int) and not isinstance(self.migration_limit, bool)
                 and 0 <= self.migration_limit <= 100):
             raise ValueError("migration_limit must be an integer in 0..100")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}")
+        if not (isinstance(self.routing_max_share, (int, float)) and not isinstance(self.routing_max_share, bool)
+                and 1.0 <= self.routing_max_share <= 100.0):
+            raise ValueError("routing_max_share must be a number in 1..100")
         if self.migration_max_len is not None and not (isinstance(self.migration_max_len, int)
                                                         and not isinstance(self.migration_max_len, bool)
                                                         and 1 <= self.migration_max_len <= 1 << 20):

@@ -70,7 +70,9 @@ from protocol.cluster import ClusterState
 from protocol.constants import ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING, ERR_GROUP_LOST
 from zserve.curve import CurveKeys, is_tcp, secure_client
 
+from .kv_index import KvFollower
 from .logs import REQUEST_ID
+from .routing import Router
 
 log = logging.getLogger("zserve.gateway.engines")
 
@@ -289,7 +291,9 @@ class EngineClient:
         self._streams: dict[str, _Stream] = {}
         self._static = list(endpoints or [])
         self.any_ready = asyncio.Event()
-        self._turn = 0
+        # Each engine's KV cache events, followed (by endpoint), and the routing that reads them (``routing``).
+        self.followers: dict[str, KvFollower] = {}
+        self.router = Router(followers=self.followers)
         self.version = 0  # bumped whenever an engine joins, leaves, says hello, drops or changes state
         self._ready: list[EngineConnection] = []
         # ``_ready`` by (model, LoRA adapter), as asked
@@ -345,6 +349,7 @@ class EngineClient:
 
     async def _drop(self, eng: EngineConnection, why: str) -> None:
         self.engines.pop(eng.endpoint, None)
+        self._unfollow(eng.endpoint)
         self._update_ready()
         if any(st.engine is eng for st in self._streams.values()):
             await self._settle(eng)
@@ -375,10 +380,25 @@ class EngineClient:
             eng.cluster_state = info.state
             eng.model = info.model or None
             eng.loras = frozenset(info.loras)
+            self._follow(ep, info.kv_events)
         for ep, eng in list(self.engines.items()):
             if ep not in wanted:
                 await self._drop(eng, f"lost engine {eng.rank} while serving the request")
         self._update_ready()
+
+    def _follow(self, endpoint: str, kv_events: str) -> None:
+        """Follow the KV events of the engine at ``endpoint`` where it publishes them (``kv_index``)."""
+        f = self.followers.get(endpoint)
+        if f is not None and f.endpoint != kv_events:
+            self._unfollow(endpoint)
+            f = None
+        if f is None and kv_events:
+            self.followers[endpoint] = KvFollower(self.ctx, kv_events, self.keys)
+
+    def _unfollow(self, endpoint: str) -> None:
+        f = self.followers.pop(endpoint, None)
+        if f is not None:
+            f.close()
 
     async def wait_hello(self, endpoints: list[str], timeout: float) -> bool:
         """Wait up to ``timeout`` s until every engine at ``endpoints`` has said hello; whether they all did."""
@@ -389,6 +409,15 @@ class EngineClient:
             if asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(0.01)
+
+    async def wait_caught_up(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until every engine's KV events have been replayed here; whether they were."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while any(f.state.replaying for f in self.followers.values()):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def _update_ready(self) -> None:
         """Recompute what routing reads on every request; called on every membership change."""
@@ -434,7 +463,9 @@ class EngineClient:
         return len(self._streams)
 
     def pick_engine(self, exclude: set[str] = frozenset(), model: str | None = None,
-                    lora: str | None = None) -> EngineConnection:
+                    lora: str | None = None, prompt: tuple[int, ...] | None = None) -> EngineConnection:
+        """The engine of ``model`` (through ``lora``) that takes a request for ``prompt`` (None: a pooling request),
+        by the routing policy (``routing.Router``)."""
         ready = self._ready_by_model.get((model, lora))
         if ready is None:
             ready = self._ready_by_model[model, lora] = [e for e in self._ready if e.serves(model, lora)]
@@ -445,10 +476,7 @@ class EngineClient:
         if not ready:
             raise NoEngineAvailable("no engine is ready" + (f" for model {model!r}" if model else "")
                                     + (f" with LoRA adapter {lora!r}" if lora else ""))
-        least = min(e.load for e in ready)
-        tied = [e for e in ready if e.load == least]
-        self._turn += 1  # ties rotate, so light sequential traffic still reaches every engine
-        return tied[self._turn % len(tied)]
+        return self.router.pick(ready, prompt, model, lora)
 
     # -- the sockets ----------------------------------------------------------------------------
     def _send_now(self, eng: EngineConnection, frames: list) -> None:
@@ -509,6 +537,8 @@ class EngineClient:
                 was = eng.rank
                 eng.hello = None
                 eng.stats = None
+                if (f := self.followers.get(eng.endpoint)) is not None:
+                    f.engine_lost()
                 self._update_ready()
                 eng.tasks = [t for t in eng.tasks if not t.done()]
                 eng.tasks.append(asyncio.get_running_loop().create_task(self._lost(eng, was)))
@@ -560,6 +590,8 @@ class EngineClient:
         elif kind is EngineHello:
             eng.hello = msg  # type: ignore[assignment]
             eng.known_rank = msg.rank  # type: ignore[union-attr]
+            if (f := self.followers.get(eng.endpoint)) is not None:
+                f.engine_hello(msg.pid)  # type: ignore[union-attr]
             self._update_ready()
             log.info("engine %d at %s: %s, %s/%s", msg.rank, eng.endpoint, msg.model_id,  # type: ignore[union-attr]
                      msg.device, msg.dtype)  # type: ignore[union-attr]
@@ -761,7 +793,9 @@ class EngineClient:
             if len(st.refused) > MAX_HANDBACKS:
                 raise NoEngineAvailable("no engine would take the request")
             try:
-                eng = self.pick_engine(st.refused, st.model, st.add.lora if st.add is not None else None)
+                add = st.add
+                eng = self.pick_engine(st.refused, st.model, add.lora if add is not None else None,
+                                       add.prompt_token_ids if add is not None else None)
             except NoEngineAvailable:
                 if st.busy:
                     raise EnginesBusy("every engine of the model has a full queue") from None
@@ -799,6 +833,11 @@ class EngineClient:
             self._park(st, wait)  # sent once the engine greets this gateway; failed if it does not in time
             return
         self._streams[request_id] = st
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The rank of the engine a request in flight was sent to (None: none yet, or it has ended)."""
+        st = self._streams.get(request_id)
+        return st.engine.rank if st is not None and st.engine is not None else None
 
     def cancel(self, request_id: str) -> None:
         """Stop a request early (its client went away, a stop string ended it): abort it in its engine. Its
@@ -976,6 +1015,9 @@ class ModelEngines:
 
     def cancel(self, request_id: str) -> None:
         self.client.cancel(request_id)
+
+    def engine_of(self, request_id: str) -> int | None:
+        return self.client.engine_of(request_id)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  coalesce: bool = True) -> AsyncIterator[RequestOutput]:

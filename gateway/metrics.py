@@ -161,13 +161,21 @@ class Recorder:
         self.lora_generation_tokens = BufferedCounter(Counter(
             "zserve_lora_generation_tokens_total", "Tokens generated through a LoRA adapter, by adapter.", ["lora"],
             registry=registry))
+        self.routing_decisions = BufferedCounter(Counter(
+            "zserve_routing_decisions_total", "Requests routed to an engine of a model with two or more, by engine "
+            "and reason (gateway.routing: cache, hash, bound, load, round-robin).", ["model", "engine", "reason"],
+            registry=registry))
         self._all = (self.http_requests, self.http_duration, self.ttft, self.inter_token, self.prompt_tokens,
                      self.generation_tokens, self.in_flight, self.migrations, self.migrations_exhausted,
-                     self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens)
+                     self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens, self.routing_decisions)
 
     def migration(self, cause: str, moved: bool) -> None:
         """A request lost its engine while streaming (``EngineClient.on_migration``)."""
         (self.migrations if moved else self.migrations_exhausted).inc(labels=(cause,))
+
+    def routing(self, model: str | None, reason: str, engine: int | None) -> None:
+        """A request was routed (``routing.Router.on_decision``)."""
+        self.routing_decisions.inc(labels=(model or "", "" if engine is None else engine, reason))
 
     def flush(self) -> None:
         """Add everything recorded since the last flush to the prometheus_client metrics."""

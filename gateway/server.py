@@ -123,6 +123,8 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
     engines.hold = state.wait_for
     engines.migration_limit, engines.migration_max_len = cfg.migration_limit, cfg.migration_max_len
     engines.migration_wait, engines.on_migration = cfg.scaling_wait, RECORDER.migration
+    engines.router.policy, engines.router.max_share = cfg.routing_policy, cfg.routing_max_share
+    engines.router.on_decision = RECORDER.routing
     with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
         app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
                         PluginContext(state, cfg),
@@ -163,6 +165,9 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
         async with asyncio.timeout(a.engine_timeout):
             while state.cluster is None:
                 await asyncio.sleep(0.01)
+        # and once it knows what every engine's prefix cache holds (a replay of its KV events): a gateway started
+        # late routes its first request as the others do
+        await engines.wait_caught_up(HELLO_WAIT)
 
     async def heartbeat() -> None:
         while True:

@@ -13,12 +13,17 @@ import asyncio
 import orjson
 from aiohttp import web
 
+# The ranks of the engines a generation went to (comma-separated, one per engine): which engine prefix routing
+# chose, for clients and benchmarks (``launch bench`` reports how often a prefix's requests agree on one).
+ENGINE_HEADER = "X-Zserve-Engine"
 
-async def open_stream(request: web.Request) -> web.StreamResponse:
+
+async def open_stream(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={
         "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no",  # tell nginx-style proxies not to buffer the stream
+        **(headers or {}),
     })
     await resp.prepare(request)
     return resp

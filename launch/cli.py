@@ -21,6 +21,7 @@ from typing import NoReturn, TypeVar
 import click
 
 from gateway.config import GatewayConfig
+from gateway.routing import ROUTING_POLICIES
 from gateway.security import ADMIN_KEY_ENV, API_KEY_ENV
 from gateway.text.reasoning import REASONING_PARSERS
 from gateway.text.tool_parsers import TOOL_PARSERS
@@ -281,6 +282,16 @@ across_hosts_options = _options(
 @click.option("--migration-max-len", type=click.IntRange(1, 1 << 20), default=_GATEWAY.migration_max_len,
               help="The longest request (prompt + generated tokens) a migration re-sends; a longer one fails as its "
                    "engine does. Default: any the engines take.")
+@click.option("--routing-policy", type=click.Choice(ROUTING_POLICIES), default=_GATEWAY.routing_policy,
+              show_default=True,
+              help="Which engine of a model takes a request. prefix: the one whose prefix cache holds most of the "
+                   "prompt, as the engines' KV cache events tell every gateway (the same choice from any gateway), "
+                   "within --routing-max-share; load: the least loaded; round-robin.")
+@click.option("--routing-max-share", type=click.FloatRange(1.0, 100.0), default=_GATEWAY.routing_max_share,
+              show_default=True,
+              help="With --routing-policy prefix, the most load an engine is sent as a multiple of its fair share "
+                   "(the model's running and waiting requests over its engines): past it, a hot prefix spills to "
+                   "other engines.")
 def api_server(**options) -> None:
     """Serve MODEL(s) over HTTP with COUNT gateways in front of each model's ENGINES engine workers."""
     serve(**options)
@@ -632,7 +643,7 @@ def scale(tier: str, count: int, port: int, wait: bool, timeout: float, model: s
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 def status(port: int, as_json: bool) -> None:
     """Print every process of a running server: tier, index, pid, state, restarts, uptime, load (and each engine's
-    LoRA adapters)."""
+    prefix-cache blocks and LoRA adapters)."""
     reply = _status(port)
     st = reply.to_wire()
     if as_json:
@@ -656,6 +667,8 @@ def status(port: int, as_json: bool) -> None:
     for p in st["processes"]:
         if p["tier"] == "engine":
             load = f"running {p.get('running', '-')} waiting {p.get('waiting', '-')} kv {p.get('kv_used', 0):.0%}"
+            if p.get("kv_blocks_cached") is not None:
+                load += f" cached {p['kv_blocks_cached']} blocks"
         else:
             load = f"in-flight {p.get('in_flight', '-')}"
         if p.get("crash_looping"):

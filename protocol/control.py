@@ -86,10 +86,11 @@ class Heartbeat(ControlMessage):
     running: int | None = None
     waiting: int | None = None
     kv_used: float | None = None  # fraction of the KV cache in use
+    kv_blocks_cached: int | None = None  # blocks its prefix cache holds (what its KV events describe)
 
     def __post_init__(self) -> None:
         check(isinstance(self.draining, bool), "draining must be a bool")
-        for name in ("in_flight", "running", "waiting"):
+        for name in ("in_flight", "running", "waiting", "kv_blocks_cached"):
             check(optional(getattr(self, name), is_uint), f"{name} out of range")
         check(optional(self.kv_used, lambda v: is_nonneg(v) and v <= 1.0), "kv_used out of range")
 
@@ -526,6 +527,7 @@ class ProcessStatus(ControlMessage):
     running: int | None = None
     waiting: int | None = None
     kv_used: float | None = None
+    kv_blocks_cached: int | None = None
     model: str | None = None  # an engine's model
     endpoint: str | None = None  # an engine on another host: where (launch api-server --engine)
     loras: tuple[str, ...] | None = None  # an engine's LoRA adapters, as it reported them
@@ -547,7 +549,7 @@ class ProcessStatus(ControlMessage):
               "loras must be adapter names")
         check(optional(self.sleeping, lambda v: v in (0, *SLEEP_LEVELS)) and optional(
             self.weight_version, lambda v: is_str(v, 256, empty=True)), "bad sleeping level or weight_version")
-        for name in ("in_flight", "running", "waiting"):
+        for name in ("in_flight", "running", "waiting", "kv_blocks_cached"):
             check(optional(getattr(self, name), is_uint), f"{name} out of range")
         check(optional(self.kv_used, lambda v: is_nonneg(v) and v <= 1.0), "kv_used out of range")
 

@@ -231,9 +231,13 @@ class EngineHello(Message):
     # Requests it queues before refusing more (None: unbounded): a gateway refuses a request with more parts
     # than that (each choice or pooled input waits as one) before sending any of them.
     max_waiting: int | None = None
+    # Tokens per KV block of the prefix cache it publishes events of (``protocol.kv_events``; 0: it publishes
+    # none): gateways hash a request's prompt in blocks of this size to find how much each engine holds.
+    kv_block_size: int = 0
 
     def __post_init__(self) -> None:
         check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
+        check(is_int(self.kv_block_size) and 0 <= self.kv_block_size <= 1024, "kv_block_size out of range")
         check(isinstance(self.model_id, str) and 0 < len(self.model_id) <= 256, "model_id must be a short str")
         for name in ("max_num_seqs", "max_model_len", "vocab_size", "pid"):
             v = getattr(self, name)
@@ -471,6 +475,9 @@ class EngineStats(Message):
     kv_blocks_used: int = _metric("gauge", "zserve_engine_kv_cache_blocks_used", "KV blocks held by requests.",
                                   default=0)
     kv_blocks_total: int = _metric("gauge", "zserve_engine_kv_cache_blocks", "KV blocks in the cache.", default=0)
+    kv_blocks_cached: int = _metric("gauge", "zserve_engine_kv_cache_blocks_cached",
+                                    "KV blocks findable in the prefix cache (what its KV events describe).",
+                                    default=0)
     prefix_cache_hit_rate: float = _metric("gauge", "zserve_engine_prefix_cache_hit_ratio",
                                            "Share of prompt tokens found in the prefix cache.", default=0.0)
     prefix_cache_hits: int = _metric("counter", "zserve_engine_prefix_cache_hit_tokens",
@@ -491,7 +498,7 @@ class EngineStats(Message):
     def __post_init__(self) -> None:
         check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
         for name in ("running", "waiting", "generated_tokens", "steps", "preempted", "preemptions",
-                     "kv_blocks_used", "kv_blocks_total", "prefix_cache_hits", "prompt_tokens"):
+                     "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hits", "prompt_tokens"):
             v = getattr(self, name)
             check(is_int(v) and v >= 0, f"{name} out of range")
         check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0,

@@ -230,11 +230,14 @@ async def status(request: web.Request) -> web.Response:
     """This gateway's view of the cluster (the same on every gateway once they acknowledged)."""
     state = request.app[STATE]
     cl = state.cluster
-    engines = [e.describe() for e in state.engines.engines.values()]
+    followers = state.engines.followers
+    # kv_blocks_known: the blocks this gateway's router knows the engine holds (its KV events); None: not followed
+    engines = [{**e.describe(), "kv_blocks_known": len(f.state.blocks) if (f := followers.get(ep)) else None}
+               for ep, e in state.engines.engines.items()]
     return web.json_response({
         "gateway": state.index, "pid": os.getpid(), "models": [m.model_id for m in state.models],
         "paused": state.paused, "holds": [h.to_json() for h in state.holds],
         "draining": state.draining, "cluster_version": cl.version if cl else None,
         "gateways_desired": cl.gateways_desired if cl else None, "engines": engines,
-        "in_flight": state.engines.in_flight,
+        "in_flight": state.engines.in_flight, "routing_policy": state.engines.router.policy,
     })

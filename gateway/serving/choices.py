@@ -111,6 +111,7 @@ class ChoiceRun:
         self.on_delta = on_delta
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._left = len(choices)
+        self.engines_used = ""  # the ranks of the engines the choices went to (the X-Zserve-Engine header)
         self._sinks = [_ChoiceSink(self, f"{request_id}-{c.index}", c, TextPipeline(state, c.prompt_ids, c.sampling,
                                                                                      opts)) for c in choices]
 
@@ -120,6 +121,8 @@ class ChoiceRun:
             for s in self._sinks:
                 self.engines.submit(s.rid, s.choice.prompt_ids, s.choice.sampling, s)
                 s.live = True
+            ranks = (self.engines.engine_of(s.rid) for s in self._sinks)
+            self.engines_used = ",".join(str(r) for r in dict.fromkeys(ranks) if r is not None)
         except BaseException:
             self.cancel()
             raise
@@ -219,11 +222,13 @@ async def run_choices(state: ModelState, request_id: str, choices: list[Choice],
         run.cancel()
 
 
-async def collect(state: ModelState, request_id: str, choices: list[Choice], opts: TextOptions) -> None:
-    """Run every choice to its end (non-streamed responses); engine failures become API errors."""
+async def collect(state: ModelState, request_id: str, choices: list[Choice], opts: TextOptions) -> str:
+    """Run every choice to its end (non-streamed responses); engine failures become API errors. The ranks of the
+    engines they went to (``ChoiceRun.engines_used``)."""
     run = ChoiceRun(state, request_id, choices, opts, Choice.collect)
     try:
         run.start()
         await run.wait()
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None
+    return run.engines_used

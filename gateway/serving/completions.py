@@ -18,7 +18,7 @@ from aiohttp import web
 from ..errors import APIError
 from ..generation import Delta, TextOptions
 from ..openai_schemas import ChatCompletionRequest, CompletionRequest
-from ..sse import EventWriter, open_stream
+from ..sse import ENGINE_HEADER, EventWriter, open_stream
 from ..state import ModelState
 from ..text.token_text import TextOffsets, TokenLogprob, TokenText, finite
 from ..text.tool_parsers import ToolCall, ToolCallDelta
@@ -77,16 +77,17 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
               what="choices (one per prompt and n)" if several_prompts else "choices (n)")
     created = int(time.time())
     if not stream:
+        used = ""
         if replay is None:
-            await collect(state, request_id, choices, opts)
+            used = await collect(state, request_id, choices, opts)
         else:
             await replay.run(Choice.collect)
         body = shape.full(request_id, created, model, choices, usage(prompt_tokens, choices))
-        return json_body(body)
+        return json_body(body, headers={ENGINE_HEADER: used} if used else None)
 
-    resp = await open_stream(request)
-    events = EventWriter(request, resp)
     head = shape.chunk_head(request_id, created, model)
+    events: EventWriter | None = None
+    early: list[bytes] = []  # what the engines wrote before the stream opened
 
     def chunk(entries: list[dict], usage_: dict | None = None) -> bytes:
         """``shape.chunk``'s JSON, from the bytes every chunk of the stream starts with."""
@@ -99,29 +100,45 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
         c.take(d)
         delta = shape.delta(c, d)
         if delta is not None:
-            events.data(chunk([delta]))
+            if events is None:
+                early.append(chunk([delta]))
+            else:
+                events.data(chunk([delta]))
 
+    # The choices go to their engines before the stream opens, so its headers can say which (ENGINE_HEADER); a
+    # failure to send them is still written as the stream's error event, as one that comes later is.
+    run = failed = None
+    if replay is None:
+        run = ChoiceRun(state, request_id, choices, opts, on_delta)
+        try:
+            run.start()
+        except (*ENGINE_ERRORS, APIError) as e:
+            failed = e
     try:
+        resp = await open_stream(request, {ENGINE_HEADER: run.engines_used} if run and run.engines_used else None)
+        events = EventWriter(request, resp)
         for c in choices:
             first = shape.first_chunk(c)
             if first is not None:
                 events.data(chunk([first]))
-        if replay is not None:
-            await replay.run(on_delta)
+        for data in early:
+            events.data(data)
+        if failed is not None:
+            raise failed
+        if run is None:
+            await replay.run(on_delta)  # type: ignore[union-attr]
         else:
-            run = ChoiceRun(state, request_id, choices, opts, on_delta)
-            try:
-                run.start()
-                await events.until(run.done)
-            finally:
-                run.cancel()
+            await events.until(run.done)
         if include_usage:
             events.data(chunk([], usage(prompt_tokens, choices)))
     except (*ENGINE_ERRORS, APIError) as e:
-        events.send((e if isinstance(e, APIError) else engine_error(e)).body())
+        events.send((e if isinstance(e, APIError) else engine_error(e)).body())  # type: ignore[union-attr]
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("client went away during %s; aborted its generation", request_id)
         raise
+    finally:
+        if run is not None:
+            run.cancel()
     await events.close()
     return resp
 

@@ -129,3 +129,20 @@ def test_batches_carry_sequence_numbers_and_a_late_subscriber_replays_them(tmp_p
     finally:
         sub.close(0)
         pub.close()
+
+
+def test_an_unloaded_adapters_blocks_are_forgotten_and_its_hashes_are_what_a_gateway_computes():
+    events: list = []
+    bm = BlockManager(8, 4, events=events)
+    root = chain_root("m", "sql")  # the scheduler's root of an adapter's requests: the same on every engine
+    tokens = list(range(8))
+    blocks = bm.allocate(2)
+    hashes = [bm.register(blocks[0], root, tuple(tokens[:4]), "sql")]
+    hashes.append(bm.register(blocks[1], hashes[0], tuple(tokens[4:]), "sql"))
+    other = bm.allocate(1)
+    bm.register(other[0], chain_root("m"), tuple(tokens[:4]))  # the base model's: kept
+    assert hashes == prefix_hashes(tokens, 4, root)
+    events.clear()
+    bm.forget_adapter("sql")
+    assert {h for e in events for h in e.block_hashes} == set(hashes)
+    assert bm.lookup(tokens, 8, root) == [] and bm.lookup(tokens, 8, chain_root("m")) == other

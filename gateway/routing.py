@@ -1,0 +1,144 @@
+"""Which engine of a model takes a request: ``--routing-policy prefix`` (default), ``load`` or ``round-robin``.
+
+``prefix`` scores each engine by the prompt tokens its prefix cache would find — what the engine's own KV events
+say it holds (``gateway.kv_index``), not a guess kept per gateway — against its load:
+
+1. **The bound.** An engine whose load (its running and waiting requests as it reported them, or this gateway's
+   own requests on it if more) would pass ``max_share`` times the fair share (the model's load, the new request
+   included, over its engines; rounded up) takes none: under a single hot prefix the engine that holds it fills to
+   the bound and the rest spills to the others, which then hold the prefix too.
+2. **The longest match.** Of the others, the engines holding the longest run of the prompt's leading blocks.
+3. **Rendezvous hashing.** Ties (the new part of a prompt, held by none; or a prefix held by several) go to the
+   engine that ranks first by a hash of the first block none of them holds and each engine's rank. Every gateway
+   computes it the same way: the first requests of a new prefix reach one engine from every gateway, before any
+   event has told of it; and requests that share a prefix held everywhere spread by their differing suffixes.
+
+Only the inputs differ between gateways: the events each has received (the same, a step late at most) and the loads
+(each engine reports them to every gateway; a gateway adds its own requests sent since). So two gateways route a
+prefix to the same engine unless one of them sees that engine at the bound.
+
+A prompt shorter than one block, an engine that publishes no events (``kv_block_size`` 0, a standalone
+``--engine``), and pooling requests are routed by load. Hashing walks the prompt's blocks only while some engine
+holds them: a long prompt that no engine holds costs one block hash.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from protocol.kv_events import block_hash, chain_root
+
+if TYPE_CHECKING:
+    from .engine_client import EngineConnection
+    from .kv_index import KvFollower
+
+ROUTING_POLICIES = ("prefix", "load", "round-robin")
+DEFAULT_MAX_SHARE = 1.5
+# Why an engine was chosen (the metric's ``reason`` label):
+#   cache — it holds the longest run of the prompt's blocks; hash — a tie broken by rendezvous hashing (a new
+#   prefix, or one several engines hold); bound — an engine holding more was at the bound; load — least load
+#   (the load policy, a prompt under a block, no events); round-robin.
+ROUTING_REASONS = ("cache", "hash", "bound", "load", "round-robin")
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit value of ``x``, the same in every process."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def busy(eng: EngineConnection) -> int:
+    """An engine's load for the bound: its running and waiting requests as it last reported them, or this gateway's
+    own requests on it if more (sent since its report)."""
+    st = eng.stats
+    return max(eng.outstanding, st.running + st.waiting if st is not None else 0)
+
+
+class Router:
+    """One gateway's routing. ``followers``: each engine's KV event follower by endpoint (the engine client's)."""
+
+    def __init__(self, policy: str = "prefix", max_share: float = DEFAULT_MAX_SHARE,
+                 followers: dict[str, KvFollower] | None = None,
+                 on_decision: Callable[[str | None, str, int | None], None] | None = None):
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}")
+        self.policy = policy
+        self.max_share = max_share
+        self.followers = followers if followers is not None else {}
+        self.on_decision = on_decision  # (model, reason, engine rank): the gateway's metrics
+        self._turn = 0
+        self._roots: dict[tuple[str, str | None], int] = {}
+
+    def pick(self, ready: list[EngineConnection], prompt: Sequence[int] | None, model: str | None,
+             lora: str | None) -> EngineConnection:
+        """The engine of ``ready`` (two or more) that takes a request for ``prompt`` (None: a pooling request)."""
+        eng, reason = self._choose(ready, prompt, lora)
+        if self.on_decision is not None:
+            self.on_decision(model, reason, eng.rank)
+        return eng
+
+    def _choose(self, ready: list[EngineConnection], prompt: Sequence[int] | None,
+                lora: str | None) -> tuple[EngineConnection, str]:
+        if self.policy == "round-robin":
+            self._turn += 1
+            return ready[self._turn % len(ready)], "round-robin"
+        if self.policy == "prefix" and prompt is not None:
+            chosen = self._by_prefix(ready, prompt, lora)
+            if chosen is not None:
+                return chosen
+        return self._least_loaded(ready), "load"
+
+    def _least_loaded(self, ready: list[EngineConnection]) -> EngineConnection:
+        least = min(e.load for e in ready)
+        tied = [e for e in ready if e.load == least]
+        self._turn += 1  # ties rotate, so light sequential traffic still reaches every engine
+        return tied[self._turn % len(tied)]
+
+    def _root(self, model_id: str, lora: str | None) -> int:
+        root = self._roots.get((model_id, lora))
+        if root is None:
+            root = self._roots[model_id, lora] = chain_root(model_id, lora)
+        return root
+
+    def _by_prefix(self, ready: list[EngineConnection], prompt: Sequence[int],
+                   lora: str | None) -> tuple[EngineConnection, str] | None:
+        hello = ready[0].hello
+        bs = hello.kv_block_size if hello is not None else 0
+        if bs <= 0 or len(prompt) < bs or any(e.hello is None or e.hello.kv_block_size != bs for e in ready):
+            return None
+        followers = self.followers
+        held = [followers.get(e.endpoint) for e in ready]
+        if not any(held):
+            return None
+        loads = [busy(e) for e in ready]
+        cap = math.ceil(self.max_share * (sum(loads) + 1) / len(ready))
+        eligible = [i for i, load in enumerate(loads) if load + 1 <= cap] or list(range(len(ready)))
+        # Walk the prompt's blocks while some engine holds them: matched[i] = blocks engine i would find.
+        matched = [0] * len(ready)
+        alive = [i for i in range(len(ready)) if held[i] is not None]
+        parent = self._root(hello.model_id, lora)  # type: ignore[union-attr]
+        hashes: list[int] = []
+        for b in range(len(prompt) // bs):
+            parent = block_hash(parent, prompt[b * bs:(b + 1) * bs])
+            hashes.append(parent)
+            alive = [i for i in alive if parent in held[i].state.blocks]  # type: ignore[union-attr]
+            if not alive:
+                break
+            for i in alive:
+                matched[i] = b + 1
+        best = max(matched[i] for i in eligible)
+        tied = [i for i in eligible if matched[i] == best]
+        if len(tied) == 1:
+            i = tied[0]
+            reason = "cache" if best else "hash"
+        else:  # the first block none of them holds (or the prompt's last, all of it held) decides
+            key = hashes[min(best, len(hashes) - 1)]
+            i = max(tied, key=lambda j: (_mix(key ^ _mix(ready[j].rank or 0)), ready[j].endpoint))
+            reason = "hash"
+        if max(matched) > best:
+            reason = "bound"
+        return ready[i], reason
