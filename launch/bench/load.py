@@ -265,7 +265,7 @@ def _server_error(status: int, raw: bytes) -> str:
 
 async def send(session: aiohttp.ClientSession, target: Target, spec: RequestSpec, index: int,
                t0: float) -> RequestRecord:
-    """Send one request and time it: TTFT at the first chunk with choices, ITL between such chunks."""
+    """Send one request and time it: TTFT at the first chunk with output, ITL between such chunks."""
     rec = RequestRecord(index=index, max_tokens=spec.max_tokens, input_tokens=spec.prompt_len or 0, group=spec.group)
     start = time.perf_counter()
     rec.start = start - t0
@@ -296,7 +296,7 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: RequestSpec
                     if "error" in msg:
                         rec.error = _server_error(r.status, data)
                         continue
-                    if msg.get("choices"):
+                    if _carries_output(msg):
                         chunks += 1
                         if rec.ttft is None:
                             rec.ttft = now - start
@@ -324,6 +324,16 @@ def _take_usage(rec: RequestRecord, msg: dict) -> None:
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             rec.cached_tokens = details["cached_tokens"]
+
+
+def _carries_output(msg: dict) -> bool:
+    """Whether a chunk carries generated output: any completion chunk with choices, a chat chunk whose delta holds
+    more than the role (the role-only first chunk a chat stream may send before the model ran is no first token)."""
+    choices = msg.get("choices")
+    if not choices:
+        return False
+    delta = choices[0].get("delta") if isinstance(choices[0], dict) else None
+    return not isinstance(delta, dict) or any(v for k, v in delta.items() if k != "role")
 
 
 def _take_text(pieces: list[str], msg: dict) -> None:

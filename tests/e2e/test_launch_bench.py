@@ -187,8 +187,9 @@ def test_plot_without_matplotlib_names_the_install_command_of_this_checkout(monk
 
 class FakeServer:
     """An OpenAI-shaped app whose tokenizer counts words (so lengths are checkable by eye): /tokenize and
-    /detokenize, and a streamed /v1/chat/completions that answers "answer N", reports ``cached`` prompt tokens
-    and names an engine per conversation (by its first user turn), as zserve's X-Zserve-Engine does."""
+    /detokenize, and a streamed /v1/chat/completions that answers "answer N" (after a role-only chunk), reports
+    ``cached`` prompt tokens and names an engine per conversation (by its first user turn), as zserve's
+    X-Zserve-Engine does."""
 
     def __init__(self, engine_header: bool = True, fail_on: int | None = None):
         self.vocab: dict[str, int] = {}
@@ -225,8 +226,11 @@ class FakeServer:
                 headers = {"X-Zserve-Engine": engine} if self.engine_header else {}
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
                 await resp.prepare(request)
+                # the role first, before the model ran (zserve's chat stream does): no first token yet
+                role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+                await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
                 for piece in ("answer", f" {n}"):
-                    await asyncio.sleep(0.001)
+                    await asyncio.sleep(0.02)
                     chunk = {"choices": [{"index": 0, "delta": {"content": piece}}]}
                     await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 prompt = sum(len(m["content"].split()) for m in body["messages"])
@@ -331,6 +335,8 @@ def test_multi_turn_sends_each_turn_with_the_whole_history_and_the_real_answers(
         # the assistant turns are the model's own answers to the earlier turns
         assert [m["content"] for m in last if m["role"] == "assistant"] == [r.output_text for r in recs[:2]]
         assert all(r.output_text.startswith("answer ") for r in recs)
+    # TTFT at the first chunk with content, not the role-only one before it; one gap to the second piece
+    assert all(r.ttft >= 0.02 and len(r.itl) == 1 for r in records)
     point = summarize(records, duration, {"request_rate": math.inf, "max_concurrency": None}, {})
     assert point["cached_prompt_tokens"] == sum(r.input_tokens // 2 for r in records) > 0
     assert point["cached_prompt_share"] == point["cached_prompt_tokens"] / point["total_input_tokens"]
