@@ -739,7 +739,27 @@ def _concurrencies(value: str | None) -> tuple[int, ...]:
               show_default=True, help="/v1/completions or /v1/chat/completions.")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Sent as Bearer (also OPENAI_API_KEY).")
 @click.option("--num-prompts", type=click.IntRange(1), default=200, show_default=True,
-              help="Requests per load point.")
+              help="Requests per load point (multi_turn: --multi-turn-conversations times --multi-turn-turns).")
+@click.option("--dataset-name", type=click.Choice(["random", "prefix_repetition", "multi_turn"]), default="random",
+              show_default=True,
+              help="random: random prompts (or --dataset-path); prefix_repetition: prompts sharing a few random "
+                   "prefixes (vLLM's dataset); multi_turn: chats whose turns carry the whole conversation.")
+@click.option("--prefix-repetition-prefix-len", type=click.IntRange(1), default=256, show_default=True,
+              help="prefix_repetition: tokens of each shared prefix.")
+@click.option("--prefix-repetition-suffix-len", type=click.IntRange(1), default=256, show_default=True,
+              help="prefix_repetition: tokens of each prompt's own random suffix.")
+@click.option("--prefix-repetition-num-prefixes", type=click.IntRange(1), default=10, show_default=True,
+              help="prefix_repetition: distinct prefixes; --num-prompts are spread evenly over them and shuffled.")
+@click.option("--prefix-repetition-output-len", type=click.IntRange(1), default=128, show_default=True,
+              help="prefix_repetition: max_tokens of each request.")
+@click.option("--multi-turn-conversations", type=click.IntRange(1), default=16, show_default=True,
+              help="multi_turn: conversations, held at once (their turns one after another, on the chat route).")
+@click.option("--multi-turn-turns", type=click.IntRange(1), default=4, show_default=True,
+              help="multi_turn: user turns per conversation.")
+@click.option("--multi-turn-user-len", type=click.IntRange(1), default=128, show_default=True,
+              help="multi_turn: tokens of each user turn.")
+@click.option("--multi-turn-output-len", type=click.IntRange(1), default=64, show_default=True,
+              help="multi_turn: max_completion_tokens of each answer.")
 @click.option("--random-input-len", type=click.IntRange(1), default=1024, show_default=True,
               help="Prompt tokens of random prompts (made exact with the server's /tokenize when it has one).")
 @click.option("--random-output-len", type=click.IntRange(1), default=128, show_default=True,
@@ -750,7 +770,8 @@ def _concurrencies(value: str | None) -> tuple[int, ...]:
               help="JSONL prompts instead of random ones: one object a line with \"prompt\" or \"messages\" and "
                    "optionally \"max_tokens\".")
 @click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=float("inf"),
-              show_default=True, help="Poisson arrivals per second (inf: every request at once).")
+              show_default=True,
+              help="Poisson arrivals per second (inf: every request at once; multi_turn: conversation starts).")
 @click.option("--max-concurrency", type=click.IntRange(1), default=None, help="Requests in flight at most.")
 @click.option("--sweep-rates", callback=lambda c, p, v: _rates(v), default=None,
               help="Run one load point per request rate, e.g. 1,2,4,inf.")
@@ -783,6 +804,11 @@ def bench(slos: tuple[str, ...], more_slos: tuple[str, ...], **options) -> None:
     from .bench import run as bench_run
     from .bench.report import parse_slos
 
+    if options["dataset_name"] != "random" and options["dataset_path"] is not None:
+        raise click.UsageError(f"--dataset-path is a file of prompts: --dataset-name {options['dataset_name']} "
+                               "makes its own")
+    if options["dataset_name"] == "multi_turn" and options["lora_modules"]:
+        raise click.UsageError("--lora-modules is not supported with --dataset-name multi_turn")
     if options["sweep_rates"] and options["sweep_concurrency"]:
         raise click.UsageError("sweep either --sweep-rates or --sweep-concurrency, not both")
     if more_slos and not slos:

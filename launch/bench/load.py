@@ -1,9 +1,11 @@
 """The load side of ``launch bench``: what to send (the workload) and how to send it (the driver).
 
 It speaks plain OpenAI-compatible HTTP with aiohttp, so it measures any such server, not only zserve.
-A workload is a list of ``RequestSpec`` built once (random prompts of chosen token lengths, or a JSONL
-dataset) and replayed at each load point; the driver sends it at a Poisson rate and/or under a
-concurrency cap and returns one ``RequestRecord`` per request, timed from the SSE chunks.
+A workload is a list of ``RequestSpec`` built once (random prompts of chosen token lengths, a JSONL
+dataset, or the shared-prefix workloads of ``workloads``) and replayed at each load point; the driver sends
+it at a Poisson rate and/or under a concurrency cap and returns one ``RequestRecord`` per request, timed from
+the SSE chunks. Conversations are driven turn by turn: each turn carries the earlier turns and the model's
+real answers, so a turn can only be built once the one before it has answered.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ WORDS = (
 ).split()
 
 
+# The rank of the engine that served a request, as zserve's gateway reports it (other servers: absent).
+ENGINE_HEADER = "X-Zserve-Engine"
+
+
 class Unreachable(Exception):
     """The server could not be reached (connection refused, DNS, timeout) before any load was sent."""
 
@@ -44,6 +50,16 @@ class RequestSpec:
     prompt_len: int | None  # tokens as counted before sending (None: unknown, e.g. a dataset's messages)
     max_tokens: int
     model: str | None = None  # the model (a LoRA adapter) it asks for; None: the target's
+    group: int | None = None  # the shared prefix (or conversation) it belongs to; None: it shares none
+
+
+@dataclasses.dataclass
+class Conversation:
+    """A multi-turn chat: its user turns in order, each sent with every earlier turn and the model's answers."""
+
+    turns: list[str]
+    max_tokens: int
+    group: int
 
 
 @dataclasses.dataclass
@@ -60,6 +76,10 @@ class RequestRecord:
     input_tokens: int = 0
     output_tokens: int = 0
     max_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
+    engine: str | None = None  # the engine that served it (the X-Zserve-Engine header), when the server says
+    group: int | None = None
+    output_text: str = ""
 
 
 @dataclasses.dataclass
@@ -181,23 +201,37 @@ class PromptMaker:
             want += length - got
         return text, got
 
-    async def make(self, lengths: list[int], max_tokens: list[int]) -> list[RequestSpec]:
-        texts = [" ".join(self.rng.choice(WORDS) for _ in range(n + 8)) for n in lengths]
-        specs = [RequestSpec(prompt=" ".join(t.split()[:n]), messages=None, prompt_len=n, max_tokens=m)
-                 for t, n, m in zip(texts, lengths, max_tokens)]
-        self.exact = await self._exact(texts[0], lengths[0]) is not None if specs else False
-        if not self.exact:
-            return specs  # approximated by words; the server's usage reports the real count
+    def words(self, n: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(n))
+
+    async def texts(self, lengths: list[int], head: str = "", head_len: int = 0) -> list[tuple[str, int]]:
+        """Random texts of ``lengths`` tokens and each one's count. With ``head`` (a text of ``head_len`` tokens),
+        every text starts with it and random words fill the rest: their first ``head_len`` tokens are the
+        head's, since the byte-level tokenizers split at the space before a word."""
+        lead = head + " " if head else ""
+        drafts = [lead + self.words(n - head_len + 8) for n in lengths]
+        first = None
+        if self.exact is None and drafts:
+            first = await self._exact(drafts[0], lengths[0])
+            self.exact = first is not None
+        if not self.exact:  # approximated by words; the server's usage reports the real count
+            return [(lead + " ".join(d[len(lead):].split()[:n - head_len]), n) for d, n in zip(drafts, lengths)]
         limit = asyncio.Semaphore(16)
 
-        async def one(spec: RequestSpec, text: str) -> None:
+        async def one(i: int) -> tuple[str, int]:
+            if i == 0 and first is not None:
+                return first
             async with limit:
-                got = await self._exact(text, spec.prompt_len or 1)
-            if got is not None:
-                spec.prompt, spec.prompt_len = got
+                got = await self._exact(drafts[i], lengths[i])
+            if got is None:
+                return lead + " ".join(drafts[i][len(lead):].split()[:lengths[i] - head_len]), lengths[i]
+            return got
 
-        await asyncio.gather(*(one(s, t) for s, t in zip(specs, texts)))
-        return specs
+        return list(await asyncio.gather(*(one(i) for i in range(len(drafts)))))
+
+    async def make(self, lengths: list[int], max_tokens: list[int]) -> list[RequestSpec]:
+        return [RequestSpec(prompt=text, messages=None, prompt_len=n, max_tokens=m)
+                for (text, n), m in zip(await self.texts(lengths), max_tokens)]
 
 
 # -- the driver ------------------------------------------------------------------------------------------
@@ -231,17 +265,21 @@ def _server_error(status: int, raw: bytes) -> str:
 
 async def send(session: aiohttp.ClientSession, target: Target, spec: RequestSpec, index: int,
                t0: float) -> RequestRecord:
-    """Send one request and time it: TTFT at the first chunk with choices, ITL between such chunks."""
-    rec = RequestRecord(index=index, max_tokens=spec.max_tokens, input_tokens=spec.prompt_len or 0)
+    """Send one request and time it: TTFT at the first chunk with output, ITL between such chunks."""
+    rec = RequestRecord(index=index, max_tokens=spec.max_tokens, input_tokens=spec.prompt_len or 0, group=spec.group)
     start = time.perf_counter()
     rec.start = start - t0
     chunks = 0
+    pieces: list[str] = []
     try:
         async with session.post(target.url, json=request_body(target, spec), headers=target.headers) as r:
+            rec.engine = r.headers.get(ENGINE_HEADER)
             if r.status != 200:
                 rec.error = _server_error(r.status, await r.read())
             elif not target.stream:
-                _take_usage(rec, await r.json(content_type=None))
+                msg = await r.json(content_type=None)
+                _take_usage(rec, msg)
+                _take_text(pieces, msg)
                 rec.ok = True
             else:
                 last = start
@@ -258,13 +296,14 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: RequestSpec
                     if "error" in msg:
                         rec.error = _server_error(r.status, data)
                         continue
-                    if msg.get("choices"):
+                    if _carries_output(msg):
                         chunks += 1
                         if rec.ttft is None:
                             rec.ttft = now - start
                         else:
                             rec.itl.append(now - last)
                         last = now
+                        _take_text(pieces, msg)
                     _take_usage(rec, msg)
                 else:
                     rec.error = rec.error or "stream ended without [DONE]"
@@ -273,6 +312,7 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: RequestSpec
     except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as e:
         rec.error = error_text(e)
     rec.latency = time.perf_counter() - start
+    rec.output_text = "".join(pieces)
     return rec
 
 
@@ -281,6 +321,31 @@ def _take_usage(rec: RequestRecord, msg: dict) -> None:
     if isinstance(usage, dict):
         rec.input_tokens = usage.get("prompt_tokens") or rec.input_tokens
         rec.output_tokens = usage.get("completion_tokens") or rec.output_tokens
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            rec.cached_tokens = details["cached_tokens"]
+
+
+def _carries_output(msg: dict) -> bool:
+    """Whether a chunk carries generated output: any completion chunk with choices, a chat chunk whose delta holds
+    more than the role (the role-only first chunk a chat stream may send before the model ran is no first token)."""
+    choices = msg.get("choices")
+    if not choices:
+        return False
+    delta = choices[0].get("delta") if isinstance(choices[0], dict) else None
+    return not isinstance(delta, dict) or any(v for k, v in delta.items() if k != "role")
+
+
+def _take_text(pieces: list[str], msg: dict) -> None:
+    """The first choice's text of a chunk or a whole response: a completion's ``text``, a chat ``delta`` or
+    ``message`` content (what a conversation's next turn carries as the model's answer)."""
+    choice = msg["choices"][0] if msg.get("choices") else None
+    if not isinstance(choice, dict):
+        return
+    part = choice.get("delta") or choice.get("message")
+    text = part.get("content") if isinstance(part, dict) else choice.get("text")
+    if isinstance(text, str):
+        pieces.append(text)
 
 
 async def drive(session: aiohttp.ClientSession, target: Target, specs: list[RequestSpec], request_rate: float,
@@ -307,6 +372,51 @@ async def drive(session: aiohttp.ClientSession, target: Target, specs: list[Requ
             await asyncio.sleep(rng.expovariate(request_rate))
     records = await asyncio.gather(*tasks)
     return list(records), time.perf_counter() - t0
+
+
+async def drive_conversations(session: aiohttp.ClientSession, target: Target, conversations: list[Conversation],
+                              request_rate: float, max_concurrency: int | None, rng: random.Random,
+                              on_done: Callable[[RequestRecord], None]) -> tuple[list[RequestRecord], float]:
+    """Hold ``conversations`` on the chat route: each starts at Poisson ``request_rate`` (inf: all at once) and
+    sends its turns one after another, each with the whole history so far, the model's real answers included;
+    at most ``max_concurrency`` requests are in flight over all of them. A failed turn ends its conversation
+    (the turns it did not send count as failed). Records in conversation order, turn by turn, and the wall time."""
+    chat = dataclasses.replace(target, endpoint_type="chat")
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    t0 = time.perf_counter()
+    first = [0]
+    for conv in conversations:
+        first.append(first[-1] + len(conv.turns))
+    records: list[RequestRecord | None] = [None] * first[-1]
+
+    async def converse(n: int, conv: Conversation) -> None:
+        history: list[dict[str, str]] = []
+        for k, text in enumerate(conv.turns):
+            history.append({"role": "user", "content": text})
+            spec = RequestSpec(prompt=None, messages=list(history), prompt_len=None, max_tokens=conv.max_tokens,
+                               group=conv.group)
+            if limit is None:
+                rec = await send(session, chat, spec, first[n] + k, t0)
+            else:
+                async with limit:
+                    rec = await send(session, chat, spec, first[n] + k, t0)
+            records[rec.index] = rec
+            on_done(rec)
+            if not rec.ok:
+                for later in range(first[n] + k + 1, first[n + 1]):
+                    records[later] = RequestRecord(index=later, max_tokens=conv.max_tokens, group=conv.group,
+                                                   error="an earlier turn of its conversation failed")
+                    on_done(records[later])
+                return
+            history.append({"role": "assistant", "content": rec.output_text})
+
+    tasks = []
+    for n, conv in enumerate(conversations):
+        tasks.append(asyncio.create_task(converse(n, conv)))
+        if not math.isinf(request_rate) and n + 1 < len(conversations):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    await asyncio.gather(*tasks)
+    return [r for r in records if r is not None], time.perf_counter() - t0
 
 
 class Progress:

@@ -4,6 +4,12 @@ Latencies are in milliseconds and summarised as mean, p50, p90 and p99, with vLL
 first token), ITL (inter-token latency: the gaps between streamed chunks), TPOT (time per output token
 after the first, per request) and E2EL (end-to-end latency). Goodput counts the requests per second that
 met every SLO given (``ttft:500 e2el:2000``, in ms).
+
+For the shared-prefix workloads the report adds what the prefix cache served (the prompt tokens the server
+reports as cached, in total and as a share of all prompt tokens) and, when the server names the engine of each
+response (zserve's ``X-Zserve-Engine``), the engine agreement: per prefix (or conversation) the share of its
+requests that the engine serving most of them served, averaged over the groups weighted by their requests.
+1.0 means every group stayed on one engine; a router that ignores prefixes spreads each over all of them.
 """
 
 from __future__ import annotations
@@ -84,6 +90,10 @@ def summarize(records: list[RequestRecord], duration: float, load: dict[str, Any
         "tpot_ms": stats([t for r in ok if (t := tpot(r)) is not None]),
         "e2el_ms": stats([r.latency for r in ok]),
         "goodput": None,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "cached_prompt_share": sum(r.cached_tokens for r in ok) / inputs if inputs else 0.0,
+        "engine_agreement": engine_agreement(records),
+        "engine_requests": dict(sorted(Counter(r.engine for r in ok if r.engine is not None).items())),
         "errors": [{"message": m, "count": n} for m, n in errors.most_common(MAX_ERRORS)],
     }
     if slos:
@@ -93,6 +103,21 @@ def summarize(records: list[RequestRecord], duration: float, load: dict[str, Any
     if detailed:
         point["requests"] = [dataclasses.asdict(r) for r in records]
     return point
+
+
+def engine_agreement(records: list[RequestRecord]) -> dict[str, Any] | None:
+    """How well each group (prefix or conversation) stayed on one engine, over the completed requests that name
+    both: {"share", "groups", "requests"}; None when no request named an engine (another server) or a group."""
+    served: dict[int, Counter[str]] = {}
+    for r in records:
+        if r.ok and r.engine is not None and r.group is not None:
+            served.setdefault(r.group, Counter())[r.engine] += 1
+    if not served:
+        return None
+    requests = sum(sum(c.values()) for c in served.values())
+    # weighted by requests, the mean of max/n is the sum of the maxima over all requests
+    top = sum(max(c.values()) for c in served.values())
+    return {"share": top / requests, "groups": len(served), "requests": requests}
 
 
 def load_label(load: dict[str, Any]) -> str:
@@ -124,15 +149,37 @@ def table(points: list[dict[str, Any]]) -> str:
                      f"{p['input_throughput']:.1f}", f"{p['output_throughput']:.1f}", _pcts(p["ttft_ms"]),
                      _pcts(p["itl_ms"]), _pcts(p["tpot_ms"]), _pcts(p["e2el_ms"]),
                      f"{gp['requests_per_s']:.2f} req/s" if gp else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
+    lines = _aligned(rows)
     lines.append("(latencies in ms)")
+    if any(p["cached_prompt_tokens"] or p["engine_agreement"] for p in points):
+        lines.append("")
+        lines.append(cache_table(points))
     for p in points:
         for e in p["errors"]:
             lines.append(f"error ({load_label(p['load'])}, {e['count']}x): {e['message']}")
     return "\n".join(lines)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Columns padded to their widest cell (the first left-aligned, the rest right), a rule under the head."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def cache_table(points: list[dict[str, Any]]) -> str:
+    """One row per load point: prompt tokens the prefix cache served, TTFT beside them, and engine agreement."""
+    head = ("load", "cached prompt tok", "of prompt tok", "TTFT mean/p50/p99", "engine agreement", "requests by engine")
+    rows = [head]
+    for p in points:
+        t, agree = p["ttft_ms"], p["engine_agreement"]
+        ttft = "/".join(f"{t[k]:.1f}" if t[k] is not None else "-" for k in ("mean", "p50", "p99"))
+        rows.append((load_label(p["load"]), str(p["cached_prompt_tokens"]), f"{p['cached_prompt_share']:.1%}", ttft,
+                     f"{agree['share']:.3f} ({agree['groups']} groups)" if agree else "-",
+                     " ".join(f"{e}:{n}" for e, n in p["engine_requests"].items()) or "-"))
+    return "\n".join(_aligned(rows))
 
 
 def plot(points: list[dict[str, Any]], path: Path, axis: str) -> None:

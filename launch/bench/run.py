@@ -1,10 +1,12 @@
 """``launch bench``: drive a running OpenAI-compatible server with a workload and report its latencies.
 
-Like ``vllm bench serve``: the operator picks a workload (random prompts of given token lengths, or a
-JSONL dataset), a load (Poisson request rate and/or a concurrency cap, or a sweep of either) and gets
-throughput, TTFT, ITL, TPOT, end-to-end latency and goodput per load point, as a table, a JSON result
-and a plot. Load and timing live in ``load``, metrics and output in ``report``; this module runs
-the load points in order and decides the exit code (2: unreachable, 1: every request failed).
+Like ``vllm bench serve``: the operator picks a workload (random prompts of given token lengths, a JSONL
+dataset, prompts repeating a few shared prefixes, or multi-turn conversations), a load (Poisson request
+rate and/or a concurrency cap, or a sweep of either) and gets throughput, TTFT, ITL, TPOT, end-to-end
+latency and goodput per load point, with the prompt tokens the prefix cache served and how well each
+prefix stayed on one engine, as a table, a JSON result and a plot. Load and timing live in ``load``, the
+shared-prefix workloads in ``workloads``, metrics and output in ``report``; this module runs the load
+points in order and decides the exit code (2: unreachable, 1: every request failed).
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from typing import Any
 import aiohttp
 import orjson
 
-from . import report
+from . import report, workloads
 from .load import (
+    Conversation,
     Progress,
     PromptMaker,
     RequestSpec,
     Target,
     Unreachable,
     drive,
+    drive_conversations,
     first_model,
     load_dataset,
     normalize_base_url,
@@ -53,6 +57,15 @@ class BenchConfig:
     random_output_len: int = 128
     random_range_ratio: float = 0.0
     dataset_path: Path | None = None
+    dataset_name: str = "random"  # or "prefix_repetition", "multi_turn"; "random" with dataset_path: the file
+    prefix_repetition_prefix_len: int = 256  # vLLM's defaults
+    prefix_repetition_suffix_len: int = 256
+    prefix_repetition_num_prefixes: int = 10
+    prefix_repetition_output_len: int = 128
+    multi_turn_conversations: int = 16
+    multi_turn_turns: int = 4
+    multi_turn_user_len: int = 128
+    multi_turn_output_len: int = 64
     request_rate: float = math.inf
     max_concurrency: int | None = None
     sweep_rates: tuple[float, ...] = ()
@@ -109,17 +122,25 @@ async def _run(cfg: BenchConfig) -> int:
         axis, loads = cfg.load_points()
         points, how = [], ""
         for n, load in enumerate(loads, 1):
-            specs, how = await _workload(cfg, session, target, rng)
+            work, how = await _workload(cfg, session, target, rng)
+            conversations = work if work and isinstance(work[0], Conversation) else None
+            total = sum(len(c.turns) for c in conversations) if conversations else len(work)
             label = f"[{n}/{len(loads)}] {report.load_label(load)}"
-            progress = Progress(len(specs), label, enabled=cfg.progress)
+            progress = Progress(total, label, enabled=cfg.progress)
             try:
-                records, duration = await drive(session, target, specs, load["request_rate"],
-                                                load["max_concurrency"], rng, progress.update)
+                if conversations:
+                    records, duration = await drive_conversations(session, target, conversations,
+                                                                  load["request_rate"], load["max_concurrency"],
+                                                                  rng, progress.update)
+                else:
+                    records, duration = await drive(session, target, work, load["request_rate"],
+                                                    load["max_concurrency"], rng, progress.update)
             finally:
                 progress.close()
             points.append(report.summarize(records, duration, load, cfg.goodput, cfg.save_detailed))
-    print(f"launch bench: {target.model} at {base_url}, {cfg.endpoint_type}, "
-          f"{'streaming' if cfg.stream else 'not streaming'}, {cfg.num_prompts} prompts per point ({how})")
+    route = "chat" if cfg.dataset_name == "multi_turn" else cfg.endpoint_type
+    print(f"launch bench: {target.model} at {base_url}, {route}, "
+          f"{'streaming' if cfg.stream else 'not streaming'}, {total} requests per point ({how})")
     print(report.table(points))
     if cfg.result_file:
         result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": target.model,
@@ -133,25 +154,41 @@ async def _run(cfg: BenchConfig) -> int:
 
 
 async def _workload(cfg: BenchConfig, session: aiohttp.ClientSession, target: Target,
-                    rng: random.Random) -> tuple[list[RequestSpec], str]:
+                    rng: random.Random) -> tuple[list[RequestSpec] | list[Conversation], str]:
     """A fresh workload per load point (so a prefix cache cannot serve one point from the last) and how its
-    prompt lengths were made."""
-    if cfg.dataset_path is not None:
+    prompt lengths were made: requests, or conversations for multi_turn."""
+    maker = PromptMaker(session, target, rng)
+    if cfg.dataset_name == "prefix_repetition":
+        specs = await workloads.prefix_repetition(
+            maker, rng, cfg.num_prompts, cfg.prefix_repetition_prefix_len, cfg.prefix_repetition_suffix_len,
+            cfg.prefix_repetition_num_prefixes, cfg.prefix_repetition_output_len)
+        how = f"prefix repetition: {cfg.prefix_repetition_num_prefixes} prefixes of " \
+              f"{cfg.prefix_repetition_prefix_len} tokens, suffixes of {cfg.prefix_repetition_suffix_len}, " \
+              f"output {cfg.prefix_repetition_output_len} tokens; prompt lengths {_counted(maker)}"
+    elif cfg.dataset_name == "multi_turn":
+        convs = await workloads.multi_turn(maker, cfg.multi_turn_conversations, cfg.multi_turn_turns,
+                                           cfg.multi_turn_user_len, cfg.multi_turn_output_len)
+        return convs, f"multi-turn: {cfg.multi_turn_conversations} conversations of {cfg.multi_turn_turns} turns, " \
+                      f"{cfg.multi_turn_user_len} tokens per user turn, answers of up to " \
+                      f"{cfg.multi_turn_output_len}; user turns {_counted(maker)}"
+    elif cfg.dataset_path is not None:
         specs = load_dataset(cfg.dataset_path, cfg.num_prompts, cfg.random_output_len)
         how = f"from {cfg.dataset_path}"
     else:
         inputs = sample_lengths(rng, cfg.num_prompts, cfg.random_input_len, cfg.random_range_ratio)
         outputs = sample_lengths(rng, cfg.num_prompts, cfg.random_output_len, cfg.random_range_ratio)
-        maker = PromptMaker(session, target, rng)
         specs = await maker.make(inputs, outputs)
-        counted = "counted by the server's /tokenize" if maker.exact else "approximated by words"
         how = f"random: input {cfg.random_input_len}, output {cfg.random_output_len} tokens, " \
-              f"range ratio {cfg.random_range_ratio}; prompt lengths {counted}"
+              f"range ratio {cfg.random_range_ratio}; prompt lengths {_counted(maker)}"
     if cfg.lora_modules:
         for spec in specs:
             spec.model = rng.choice(cfg.lora_modules)
         how += f"; each through one of {len(cfg.lora_modules)} LoRA adapters"
     return specs, how
+
+
+def _counted(maker: PromptMaker) -> str:
+    return "counted by the server's /tokenize" if maker.exact else "approximated by words"
 
 
 def _jsonable(x: Any) -> Any:
