@@ -316,6 +316,11 @@ def render(**options) -> None:
 @click.option("--bind", default="tcp://127.0.0.1:7100", show_default=True, metavar="tcp://ADDR:PORT",
               help="Where gateway hosts reach this host's engine registry; engine rank r listens on PORT + 1 + r. "
                    "Loopback unless told otherwise (tcp://0.0.0.0:7100: every interface).")
+@click.option("--kv-events-port", type=click.IntRange(1, 65535), default=None, metavar="PORT",
+              help="Engine rank r publishes its KV cache events (GET /kv_event_sources on a gateway host lists them) "
+                   "on PORT + 2r and answers replays on PORT + 2r + 1, on --bind's address, with its CURVE keys. "
+                   "Default: the first port after every engine port the models could ever take, PORT + 1 + 64 x "
+                   "models (one model on 7100: 7165..7292).")
 @across_hosts_options
 @click.option("--ready-timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
               help="Seconds an engine may take to become ready.")
@@ -377,7 +382,7 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
           api_key_file: str | None = None, admin_keys: tuple[str, ...] = (), bind: str | None = None,
           remote_engines: tuple[str, ...] = (), keys_dir: str | None = None, insecure: bool = False,
           exit_on_crash_loop: bool = False, lora_dirs: tuple[str, ...] = (), profiler_dir: str | None = None,
-          **tier_options) -> NoReturn:
+          kv_events_port: int | None = None, **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
     told to stop, and exit with its code: the one start-up path of every serving command."""
     engine = _tier_config(EngineConfig, tier_options)
@@ -392,6 +397,8 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
             raise click.UsageError("--engine runs no engine here: --engines does not go with it")
         engines = 0
     served = _models(models, engine, engines, served_model_names)
+    if bind is not None:
+        _check_kv_events_ports(bind, len(served), kv_events_port)
     if remote_engines and any(spec.engines for _, spec in served):
         raise click.UsageError("--engine runs no engine here: ID:engines=N does not go with it")
     api_keys = _keys(api_keys, api_key_file)
@@ -401,7 +408,8 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
     logging.getLogger("zserve.launch").info("%s", _start_line())
     cfg = ServeConfig(models=served, gateway=gateway, api_keys=api_keys, admin_keys=tuple(admin_keys), host=host,
                       port=port, uds=uds, gateways=count, bind=bind, remote_engines=remote_engines,
-                      keys_dir=keys_dir, ready_timeout=ready_timeout, shutdown_timeout=shutdown_timeout,
+                      keys_dir=keys_dir, kv_events_port=kv_events_port, ready_timeout=ready_timeout,
+                      shutdown_timeout=shutdown_timeout,
                       heartbeat_timeout=heartbeat_timeout, heartbeat_interval=min(1.0, heartbeat_timeout / 4),
                       exit_on_crash_loop=exit_on_crash_loop, lora_dirs=tuple(os.path.abspath(d) for d in lora_dirs),
                       profiler_dir=os.path.abspath(profiler_dir) if profiler_dir else None)
@@ -455,6 +463,21 @@ def _check_across_hosts(bind: str | None, remote: tuple[str, ...], keys_dir: str
             CurveKeys.for_server(keys_dir) if bind is not None else CurveKeys.for_client(keys_dir)
         except KeyFileError as e:
             raise click.BadParameter(str(e), param_hint="--keys") from None
+
+
+def _check_kv_events_ports(bind: str, models: int, first: int | None) -> None:
+    """An engine host's KV event ports fit below 65536 and never meet its registry's or engines' ports."""
+    from launch.hosts.engine_registry import engine_ports, kv_events_ports
+    from zserve.curve import tcp_port
+
+    engines, kv = engine_ports(bind, models), kv_events_ports(bind, models, first)
+    where = f"the KV event ports of {models} model(s) ({kv.start}..{kv.stop - 1}, two per engine rank)"
+    if kv.stop - 1 > 65535:
+        raise click.BadParameter(f"{where} run past 65535: give a lower port", param_hint="--kv-events-port"
+                                 if first is not None else "--bind (or --kv-events-port)")
+    if kv.start < engines.stop and tcp_port(bind) < kv.stop:
+        raise click.BadParameter(f"{where} meet the registry's and engines' ports ({tcp_port(bind)}.."
+                                 f"{engines.stop - 1}, 64 engine ranks per model)", param_hint="--kv-events-port")
 
 
 def _start_line() -> str:

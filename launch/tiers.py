@@ -33,6 +33,9 @@ class ServeConfig:
     bind: str | None = None
     remote_engines: tuple[str, ...] = ()
     keys_dir: str | None = None  # CURVE keys (zserve.curve); None: plain TCP (--insecure) or one host (ipc)
+    # An engine host's first KV event port (engine rank r: PUB on it + 2r, replay on the next); None: right after
+    # its engine ports (launch.hosts.engine_registry.kv_events_ports).
+    kv_events_port: int | None = None
     # A model whose engines all crash-loop is marked failed and the others serve on; with this, the supervisor
     # stops instead (an orchestrator that restarts the pod prefers that).
     exit_on_crash_loop: bool = False

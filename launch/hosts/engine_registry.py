@@ -1,7 +1,9 @@
 """Engine tiers on other hosts: the registry an engine host's supervisor serves, and its gateway-host client.
 
 ``launch engine --bind tcp://ADDR:PORT`` runs engines only. Its supervisor binds a ZeroMQ ROUTER at PORT
-(``RegistryServer``); engine rank r binds PORT + 1 + r. ``launch api-server --engine tcp://HOST:PORT``
+(``RegistryServer``); engine rank r binds PORT + 1 + r, and publishes its KV cache events (``protocol.kv_events``)
+on KV + 2r and answers replays on KV + 2r + 1, KV (``--kv-events-port``) being by default the first port after
+every engine port its models could ever take. ``launch api-server --engine tcp://HOST:PORT``
 runs gateways only; its supervisor keeps one DEALER per engine host (``RemoteEngines``), says
 ``RegistryHello`` every heartbeat interval and gets ``EngineRegistry`` back, and at once whenever the engine
 host's membership changes (an engine starts, gets ready, drains, dies). It merges those engines into the
@@ -40,6 +42,7 @@ from protocol.control import (
     encode_line,
 )
 from protocol.holds import Hold
+from zserve.config import MAX_ENGINES_PER_MODEL
 from zserve.curve import CurveKeys, is_tcp, secure_client, secure_server, tcp_host, tcp_port, with_port
 
 from ..sockets import ListenError
@@ -55,6 +58,29 @@ def engine_endpoint(bind: str, rank: int) -> str:
     """Where engine ``rank`` of an engine host bound at ``bind`` listens: the port after the registry's plus
     its rank."""
     return with_port(bind, tcp_port(bind) + 1 + rank)
+
+
+KV_PORTS_PER_ENGINE = 2  # its KV events' PUB socket and, on the next port, their replay socket
+
+
+def engine_ports(bind: str, models: int) -> range:
+    """Every port the engines of an engine host bound at ``bind`` may take, however they scale: model m's ranks are
+    m * 64 .. m * 64 + 63 (``launch.tiers``)."""
+    first = tcp_port(bind) + 1
+    return range(first, first + models * MAX_ENGINES_PER_MODEL)
+
+
+def kv_events_ports(bind: str, models: int, first: int | None = None) -> range:
+    """Every port those engines' KV events may take: two a rank from ``first`` on (None: right after the engine
+    ports, so that no scaling ever makes the two meet)."""
+    start = engine_ports(bind, models).stop if first is None else first
+    return range(start, start + KV_PORTS_PER_ENGINE * models * MAX_ENGINES_PER_MODEL)
+
+
+def kv_events_endpoint(bind: str, first: int, rank: int) -> str:
+    """Where engine ``rank`` publishes its KV cache events, ``first`` being ``kv_events_ports(...).start`` (its
+    replay socket is on the next port: ``protocol.kv_events.replay_endpoint``)."""
+    return with_port(bind, first + KV_PORTS_PER_ENGINE * rank)
 
 
 class _Throttled:
@@ -290,13 +316,15 @@ class RemoteEngines:
         if not self.fresh(now):
             return ()
         assert self.registry is not None
-        return tuple(replace(e, endpoint=self._reachable(e.endpoint)) for e in self.registry.engines)
+        return tuple(replace(e, endpoint=self._reachable(e.endpoint), kv_events=self._reachable(e.kv_events))
+                     for e in self.registry.engines)
 
     def models(self, now: float) -> dict[str, int]:
         return dict(self.registry.models or {}) if self.fresh(now) and self.registry is not None else {}
 
     def _reachable(self, endpoint: str) -> str:
-        """An engine bound on a wildcard address is reached at the host its registry was reached at."""
+        """An engine (or its KV events) bound on a wildcard address is reached at the host its registry was
+        reached at."""
         if is_tcp(endpoint) and tcp_host(endpoint) in WILDCARDS:
             host = f"[{self.host}]" if ":" in self.host else self.host
             return f"tcp://{host}:{tcp_port(endpoint)}"

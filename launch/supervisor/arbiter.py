@@ -28,7 +28,7 @@ from protocol.control import PIPE_EVENTS, Ack, BootFailed, ControlMessage, Heart
 from protocol.kv_events import replay_endpoint
 
 from ..children import CRASH_LOOP_WINDOW, Child, Slot
-from ..hosts.engine_registry import engine_endpoint
+from ..hosts.engine_registry import engine_endpoint, kv_events_endpoint, kv_events_ports
 from ..tiers import ModelTier, ServeConfig
 
 log = logging.getLogger("zserve.launch")
@@ -106,10 +106,13 @@ class Arbiter:
             return engine_endpoint(self.cfg.bind, rank)
         return f"ipc://{self.run_dir}/engine-{rank}.sock"
 
-    def kv_events_endpoint(self, rank: int) -> str | None:
-        """Where engine ``rank`` publishes its KV cache events: beside its socket on one host (None on an engine
-        host, for now: its TCP ports are the engines' own)."""
-        return None if self.cfg.bind is not None else f"ipc://{self.run_dir}/engine-{rank}-kv.sock"
+    def kv_events_endpoint(self, rank: int) -> str:
+        """Where engine ``rank`` publishes its KV cache events: beside its socket on one host, on its own TCP
+        ports on an engine host (``launch.hosts.engine_registry.kv_events_ports``; CURVE as the engine's)."""
+        if self.cfg.bind is not None:
+            first = kv_events_ports(self.cfg.bind, len(self.cfg.models), self.cfg.kv_events_port).start
+            return kv_events_endpoint(self.cfg.bind, first, rank)
+        return f"ipc://{self.run_dir}/engine-{rank}-kv.sock"
 
     def engine_threads(self, tier: ModelTier | None = None, size: int | None = None) -> int:
         """CPU threads per engine: engines (of every model) share the cores unless told how many each may use;
@@ -232,9 +235,11 @@ class Arbiter:
                 log.error("%s (pid %d) died (%s); restarting it in %.1fs", c.name, c.pid, why, delay)
 
     def _clean_after(self, c: Child) -> None:
-        if c.tier == "engine":  # its sockets: its own and its KV events' (a killed engine leaves them behind)
+        if c.tier == "engine":  # its ipc sockets: its own and its KV events' (a killed engine leaves them behind)
             kv = self.kv_events_endpoint(c.index)
-            for endpoint in (self.engine_endpoint(c.index), *((kv, replay_endpoint(kv)) if kv else ())):
+            for endpoint in (self.engine_endpoint(c.index), kv, replay_endpoint(kv)):
+                if not endpoint.startswith("ipc://"):
+                    continue  # a TCP port (an engine host's) closed with its process
                 path = endpoint.removeprefix("ipc://")
                 if os.path.exists(path) and not [o for o in self.live("engine") if o.index == c.index]:
                     os.unlink(path)

@@ -224,7 +224,7 @@ class Supervisor:
         engines = tuple(EngineInfo(c.index, a.engine_endpoint(c.index), self._engine_state(c), c.pid,
                                    a.tier_of(c.index).model_id, c.loras or (),
                                    c.condition.sleeping if c.condition else 0,
-                                   c.condition.version if c.condition else "", a.kv_events_endpoint(c.index) or "")
+                                   c.condition.version if c.condition else "", a.kv_events_endpoint(c.index))
                         for c in live)
         return engines, {t.model_id: t.desired for t in self.tiers}, a.desired["gateway"], a.engines_desired
 

@@ -5,6 +5,8 @@ shipped config (deploy/haproxy/haproxy.cfg).
 - gateway hosts serve through the remote engines and follow them as they die, restart and scale;
 - a LoRA adapter loaded through a gateway host is loaded by the engine host's engines before the load answers, a
   refusal there rolls it back, and an unload drops it there;
+- the engine host's engines publish their KV cache events over TCP with CURVE: a gateway host lists them, a keyed
+  subscriber reads them and replays them, one without the keys gets nothing;
 - an unauthenticated client (no CURVE, an unlisted key, raw bytes) reaches nothing and is logged;
 - plain TCP needs --insecure;
 - through HAProxy, killing one gateway host mid-run fails at most the requests it had in flight.
@@ -19,6 +21,8 @@ import signal
 import socket
 import subprocess
 import threading
+import time
+import uuid
 
 import httpx
 import openai
@@ -26,6 +30,7 @@ import pytest
 import zmq
 
 from protocol import ClientHello, EngineHello, decode, encode
+from protocol.kv_events import END_SEQ, BlockStored, decode_batch, seq_bytes, seq_of
 from tests.helpers import (
     LAUNCH,
     ROOT,
@@ -65,9 +70,11 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_host(keys):
-    port = free_ports(8)
+    port, kv = free_ports(8), free_ports(8)  # (the other engine hosts here take the default KV event ports)
     s = Server(command=[*LAUNCH, "engine", *MODEL, "--count", "2", "--bind", f"tcp://127.0.0.1:{port}",
-                        "--keys", str(keys), "--heartbeat-timeout", "10", "--enable-lora"], log_name="engine-host")
+                        "--kv-events-port", str(kv), "--keys", str(keys), "--heartbeat-timeout", "10",
+                        "--enable-lora"], log_name="engine-host")
+    s.kv_events_port = kv  # type: ignore[attr-defined]
     yield s
     s.stop()
 
@@ -117,6 +124,78 @@ def test_a_gateway_host_serves_through_the_engine_host(engine_host, gateways):
     health = httpx.get(gateways.url + "/health", timeout=10).json()
     assert health["engines_ready"] == 2 and health["engines_desired"] == 2
     assert status(engine_host)["desired"]["gateway"] == 0
+
+
+def test_engine_hosts_publish_kv_events_over_curve_that_gateway_hosts_list(engine_host, gateways, keys):
+    """Each engine of the engine host publishes its KV cache events on two TCP ports of its own (PUB, replay), with
+    the engine host's CURVE keys; a gateway host's /kv_event_sources lists them. A subscriber with an authorized
+    client key reads the BlockStored events of a chat request and replays them; one without CURVE, or with a key
+    nobody listed, gets nothing."""
+    from zserve.curve import CurveKeys, secure_client
+
+    kv = engine_host.kv_events_port
+    sources = httpx.get(gateways.url + "/kv_event_sources", timeout=10).json()["sources"]
+    assert {s["engine"]: (s["endpoint"], s["replay_endpoint"]) for s in sources} == {
+        r: (f"tcp://127.0.0.1:{kv + 2 * r}", f"tcp://127.0.0.1:{kv + 2 * r + 1}") for r in (0, 1)}
+    client_keys = CurveKeys.for_client(str(keys))
+    ctx = zmq.Context()
+    try:
+        def subscriber(secure) -> zmq.Socket:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            secure(sub)
+            sub.setsockopt(zmq.SUBSCRIBE, sources[0]["topic"].encode())
+            for s in sources:
+                sub.connect(s["endpoint"])
+            return sub
+
+        def stranger_key(sock: zmq.Socket) -> None:
+            sock.curve_serverkey = client_keys.server_public
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+
+        keyed = subscriber(lambda sock: secure_client(sock, client_keys))
+        outsiders = [subscriber(lambda sock: None), subscriber(stranger_key)]
+        stored: list[int] = []  # the sequence numbers of batches that stored blocks, since the last chat
+
+        def read() -> None:
+            while keyed.poll(0):
+                _, seq, payload = keyed.recv_multipart()
+                if any(isinstance(e, BlockStored) for e in decode_batch(payload)[1]):
+                    stored.append(seq_of(seq))
+
+        def chat_until_stored() -> bool:  # (a subscription takes a moment: a request until its events arrive)
+            stored.clear()
+            text = f"{uuid.uuid4().hex} " + "a long and new prompt for the prefix cache " * 8
+            r = httpx.post(gateways.url + "/v1/chat/completions", timeout=60, json={
+                "model": "tiny-random", "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 2
+            while not stored and time.monotonic() < deadline and keyed.poll(100):
+                read()
+            return bool(stored)
+
+        wait_until(chat_until_stored, 60, 0.1, "BlockStored events on the keyed subscriber")
+        assert chat_until_stored()  # again, with every subscriber long connected
+        for outsider in outsiders:
+            assert not outsider.poll(500), "a subscriber without an authorized key read KV events"
+        # The replay socket of each engine answers a keyed DEALER with what it kept, then END_SEQ.
+        replayed = 0
+        for s in sources:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            secure_client(dealer, client_keys)
+            dealer.connect(s["replay_endpoint"])
+            dealer.send_multipart([b"", seq_bytes(0)])
+            while True:
+                assert dealer.poll(10_000), f"no replay from {s['replay_endpoint']}"
+                *_, seq, payload = dealer.recv_multipart()
+                if seq == END_SEQ:
+                    assert payload == b""
+                    break
+                replayed += sum(isinstance(e, BlockStored) for e in decode_batch(payload)[1])
+        assert replayed >= 2  # both chats' blocks, from whichever engines served them
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_gateway_hosts_follow_an_engine_that_dies_and_a_tier_that_scales(engine_host, gateways):

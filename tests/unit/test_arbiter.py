@@ -124,3 +124,18 @@ def test_a_crash_looping_gateway_tier_stops_the_server(arbiter):
     _crash_loop(arbiter, "gateway", 0, 100.0)
     with pytest.raises(TierFailed, match="the gateway tier cannot run"):
         arbiter.turn(100.0)
+
+
+def test_an_engine_hosts_engines_publish_kv_events_on_ports_no_engine_ever_takes(arbiter):
+    """On one host, ipc beside the engine's socket; on an engine host, two TCP ports a rank after every port the
+    models' engines could take (64 ranks each), or from --kv-events-port on."""
+    arbiter.run_dir = "/run/x"
+    assert arbiter.kv_events_endpoint(64) == "ipc:///run/x/engine-64-kv.sock"
+    arbiter.cfg.bind = "tcp://0.0.0.0:7100"  # (two models: ranks 0..127, engine ports 7101..7228)
+    engines = {arbiter.engine_endpoint(r) for r in range(128)}
+    kv = [arbiter.kv_events_endpoint(r) for r in range(128)]
+    assert kv[0] == "tcp://0.0.0.0:7229" and kv[64] == "tcp://0.0.0.0:7357"
+    ports = {int(e.rsplit(":", 1)[1]) + k for e in kv for k in (0, 1)}  # each PUB and its replay
+    assert len(ports) == 256 and not ports & ({int(e.rsplit(":", 1)[1]) for e in engines} | {7100})
+    arbiter.cfg.kv_events_port = 9000
+    assert arbiter.kv_events_endpoint(1) == "tcp://0.0.0.0:9002"

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
+import click
 import pytest
 import zmq.auth
 
-from launch.hosts.engine_registry import RemoteEngines, engine_endpoint
+from launch.cli import _check_kv_events_ports
+from launch.hosts.engine_registry import (
+    RemoteEngines,
+    engine_endpoint,
+    engine_ports,
+    kv_events_endpoint,
+    kv_events_ports,
+)
 from protocol import ProtocolError
 from protocol.cluster import EngineInfo
 from protocol.control import (
@@ -20,6 +29,7 @@ from protocol.control import (
     encode_line,
 )
 from protocol.holds import Hold
+from protocol.kv_events import replay_endpoint
 from zserve.curve import CurveKeys, KeyFileError, write_keys
 
 
@@ -97,6 +107,49 @@ def test_engine_ports_follow_the_registry_and_wildcards_become_the_registry_host
         assert v6._reachable("tcp://[::]:7102") == "tcp://[fd00::1]:7102"
     finally:
         v6.close()
+
+
+def test_kv_event_ports_come_two_a_rank_after_every_engine_port_a_model_could_take():
+    bind = "tcp://0.0.0.0:7100"
+    assert engine_ports(bind, 1) == range(7101, 7165)  # ranks 0..63, however the tier scales
+    kv = kv_events_ports(bind, 1)
+    assert kv == range(7165, 7293)
+    assert kv_events_endpoint(bind, kv.start, 0) == "tcp://0.0.0.0:7165"
+    assert replay_endpoint(kv_events_endpoint(bind, kv.start, 0)) == "tcp://0.0.0.0:7166"
+    last = kv_events_endpoint(bind, kv.start, 63)
+    assert last == "tcp://0.0.0.0:7291" and replay_endpoint(last) == f"tcp://0.0.0.0:{kv.stop - 1}"
+    # Two models: ranks 0..127, so the KV ports move past them; an explicit first port is taken as given.
+    assert kv_events_ports(bind, 2) == range(7229, 7229 + 256)
+    assert kv_events_ports(bind, 1, 9000) == range(9000, 9128)
+
+
+def test_kv_event_ports_that_meet_the_engines_or_run_past_65535_are_refused():
+    _check_kv_events_ports("tcp://127.0.0.1:7100", 1, None)
+    _check_kv_events_ports("tcp://127.0.0.1:7100", 1, 9000)
+    _check_kv_events_ports("tcp://127.0.0.1:7100", 1, 7100 - 128)  # just below the registry
+    for first in (7100, 7164, 7100 - 127):
+        with pytest.raises(click.BadParameter, match="meet the registry's and engines' ports"):
+            _check_kv_events_ports("tcp://127.0.0.1:7100", 1, first)
+    with pytest.raises(click.BadParameter, match="run past 65535"):
+        _check_kv_events_ports("tcp://127.0.0.1:65400", 1, None)
+    with pytest.raises(click.BadParameter, match="run past 65535"):
+        _check_kv_events_ports("tcp://127.0.0.1:7100", 1, 65500)
+
+
+def test_a_gateway_host_reaches_the_kv_events_of_engines_bound_on_a_wildcard_address():
+    remote = RemoteEngines("tcp://10.1.2.3:7100", None, 1.0, 30.0)
+    try:
+        remote.registry = EngineRegistry(1, (
+            EngineInfo(0, "tcp://0.0.0.0:7101", "ready", kv_events="tcp://0.0.0.0:7165"),
+            EngineInfo(1, "tcp://10.9.9.9:7102", "ready", kv_events="tcp://10.9.9.9:7167"),
+            EngineInfo(2, "tcp://0.0.0.0:7103", "ready")))
+        remote.heard = time.monotonic()
+        engines = remote.engines(time.monotonic())
+        assert [(e.endpoint, e.kv_events) for e in engines] == [
+            ("tcp://10.1.2.3:7101", "tcp://10.1.2.3:7165"), ("tcp://10.9.9.9:7102", "tcp://10.9.9.9:7167"),
+            ("tcp://10.1.2.3:7103", "")]
+    finally:
+        remote.close()
 
 
 # -- a key per gateway host (launch keys --name) and keys another user cannot read ----------------------------

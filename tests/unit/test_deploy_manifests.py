@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from launch.cli import main as launch_cli
+from launch.hosts.engine_registry import KV_PORTS_PER_ENGINE, kv_events_ports
 from tests.helpers import ROOT
 
 K8S = ROOT / "deploy" / "kubernetes"
@@ -66,6 +67,13 @@ def launch_params(container: dict) -> tuple[str, dict]:
     except click.UsageError as e:
         pytest.fail(f"launch {sub} {' '.join(argv[2:])}: {e}")
     return sub, ctx.params
+
+
+def kv_event_ports(params: dict) -> list[int]:
+    """The KV event ports (PUB, replay) of every engine a `launch engine` container starts, as its supervisor
+    picks them."""
+    first = kv_events_ports(params["bind"], len(params["models"]), params["kv_events_port"]).start
+    return [first + KV_PORTS_PER_ENGINE * r + k for r in range(params["engines"]) for k in range(KV_PORTS_PER_ENGINE)]
 
 
 def matches(selector: dict, labels: dict) -> bool:
@@ -139,6 +147,8 @@ def test_the_engine_gets_a_gpu_and_tcp_probes_on_its_registry(docs):
     assert ports["registry"] == bind.port
     # Engine rank r listens on the registry's port + 1 + r: each is a container port.
     assert {bind.port + 1 + r for r in range(params["engines"])} <= set(ports.values())
+    # ... and publishes its KV cache events on two ports of its own: each is a container port too.
+    assert set(kv_event_ports(params)) <= set(ports.values())
     for name in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[name]["tcpSocket"]["port"] in ("registry", bind.port), name
     assert probe_window(c["startupProbe"]) > params["ready_timeout"]
@@ -173,6 +183,7 @@ def test_gateways_reach_the_engine_pods_through_the_headless_service(docs):
     registry = urlsplit(eng_params["bind"]).port
     svc_ports = {p["port"] for p in svc["spec"]["ports"]}
     assert {registry + 1 + r for r in range(eng_params["engines"])} | {registry} <= svc_ports
+    assert set(kv_event_ports(eng_params)) <= svc_ports
     addresses = []
     for w in of_kind(docs, "Deployment"):
         for c in containers(w):
