@@ -800,6 +800,11 @@ class EngineClient:
             return
         self._streams[request_id] = st
 
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank of the engine a request in flight is on (None: waiting for one, or ended)."""
+        st = self._streams.get(request_id)
+        return st.engine.rank if st is not None and st.engine is not None else None
+
     def cancel(self, request_id: str) -> None:
         """Stop a request early (its client went away, a stop string ended it): abort it in its engine. Its
         sink hears nothing more. Nothing happens for a request that has already ended."""
@@ -976,6 +981,9 @@ class ModelEngines:
 
     def cancel(self, request_id: str) -> None:
         self.client.cancel(request_id)
+
+    def rank_of(self, request_id: str) -> int | None:
+        return self.client.rank_of(request_id)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  coalesce: bool = True) -> AsyncIterator[RequestOutput]:
