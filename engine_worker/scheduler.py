@@ -247,7 +247,8 @@ class Scheduler:
                 "steps": self.steps, "preempted": self.num_preempted, "preemptions": self.preemptions,
                 "kv_blocks_used": bm.num_used, "kv_blocks_total": bm.num_blocks, "kv_blocks_cached": bm.num_cached,
                 "prefix_cache_hit_rate": min(1.0, max(0.0, bm.hit_rate)), "prefix_cache_hits": bm.hits,
-                "prompt_tokens": self.prompt_tokens, "tokens_per_step": float(self.tokens_per_step),
+                "prefix_cache_queries": bm.queries, "prompt_tokens": self.prompt_tokens,
+                "tokens_per_step": float(self.tokens_per_step),
                 **self._lora_stats()}
 
     def _lora_stats(self) -> dict:

@@ -834,8 +834,8 @@ class EngineClient:
             return
         self._streams[request_id] = st
 
-    def engine_of(self, request_id: str) -> int | None:
-        """The rank of the engine a request in flight was sent to (None: none yet, or it has ended)."""
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank of the engine a request in flight is on (None: waiting for one, or ended)."""
         st = self._streams.get(request_id)
         return st.engine.rank if st is not None and st.engine is not None else None
 
@@ -1016,8 +1016,8 @@ class ModelEngines:
     def cancel(self, request_id: str) -> None:
         self.client.cancel(request_id)
 
-    def engine_of(self, request_id: str) -> int | None:
-        return self.client.engine_of(request_id)
+    def rank_of(self, request_id: str) -> int | None:
+        return self.client.rank_of(request_id)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  coalesce: bool = True) -> AsyncIterator[RequestOutput]:

@@ -102,8 +102,15 @@ class _Unmetered:
     """The token timer of a pipeline that counts nothing (``TextPipeline(metered=False)``)."""
 
     __slots__ = ()
+    engine = ""  # (known: nothing to look up)
 
     def tokens(self, n: int) -> None:
+        pass
+
+    def finished(self, reason: str) -> None:
+        pass
+
+    def end(self) -> None:
         pass
 
 
@@ -147,7 +154,8 @@ class TextPipeline:
         self.interval = state.stream_interval
         self.held: Delta | None = None  # what --stream-interval has not yet let out
         self.sent_at = 0  # output tokens when a delta was last let out
-        self.timer = TokenTimer(lora=state.lora, prompt_tokens=len(prompt_ids)) if metered else UNMETERED
+        self.timer = TokenTimer(lora=state.lora, prompt_tokens=len(prompt_ids), model=state.model.model_id) \
+            if metered else UNMETERED
         self.ended_early = False
         if metered:
             IN_FLIGHT.inc()
@@ -193,6 +201,8 @@ class TextPipeline:
                 self.ended_early = out.finish_reason is None
             elif finish is not None:
                 text += stopper.flush()
+        if finish is not None:
+            self.timer.finished(finish)
         d = Delta(text, ids, None if out.logprobs is None else _logprobs(out), finish, self.n_out,
                   None if out.prompt_logprobs is None else _prompt_logprobs(out, self.prompt_ids),
                   out.num_cached_tokens, stopper.matched if stopper is not None else None,
@@ -212,3 +222,4 @@ class TextPipeline:
         if self._open:
             self._open = False
             IN_FLIGHT.dec()
+            self.timer.end()

@@ -3,15 +3,16 @@ processes (prometheus_client's multiprocess mode; the supervisor owns the direct
 dead gateway's files), plus engine metrics from the stats every engine publishes to every gateway.
 
 Recording is cheap on purpose: a request or a streamed token only adds to plain numbers in this
-process (``Buffered*`` below, one per metric), because each prometheus_client call in multiprocess
-mode is a locked mmap write (~10 per request, 2-3 per token). ``Recorder.flush`` adds what was
+process (``gateway.metric_buffers``, one buffer per metric), because each prometheus_client call in
+multiprocess mode is a locked mmap write (~10 per request, 2-3 per token). ``Recorder.flush`` adds what was
 recorded to the prometheus_client metrics in bulk: every ``FLUSH_INTERVAL`` s when something changed
 (the app's ``flush_periodically``), right before this gateway renders ``/metrics`` (so one gateway's
 own numbers are always exact) and at shutdown. Other gateways' numbers in a scrape, the in-flight
 gauge included, may lag by up to ``FLUSH_INTERVAL``. Recording and flushing happen on the event
 loop's thread only.
 
-Names follow Prometheus conventions: ``zserve_`` prefix, base units, ``_total`` for counters.
+Names follow Prometheus conventions: ``zserve_`` prefix, base units, ``_total`` for counters. vLLM's metrics
+under vLLM's names are exported beside them (``gateway.vllm_metrics``).
 """
 
 from __future__ import annotations
@@ -19,106 +20,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import os
-from bisect import bisect_left
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import suppress
 from time import monotonic
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY
 
 from protocol import EngineStats
 
+from .metric_buffers import BufferedCounter, BufferedGauge, BufferedHistogram
 from .state import STATE
+from .vllm_metrics import VllmRequestMetrics, engine_families
 
 log = logging.getLogger("zserve.gateway")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_CLOSED_REQUEST = 499  # the status a request is counted with when its client left first (nginx's convention)
 FLUSH_INTERVAL = 0.5  # seconds: how far another gateway's request metrics may lag in a scrape
-
-Labels = tuple[object, ...]  # label values in the metric's label order; str() is applied when flushed
-
-
-class BufferedCounter:
-    """A Counter's increments, summed per label tuple until ``flush`` adds them to it."""
-
-    __slots__ = ("metric", "_pending")
-
-    def __init__(self, metric: Counter):
-        self.metric = metric
-        self._pending: dict[Labels, float] = {}
-
-    def inc(self, amount: float = 1, labels: Labels = ()) -> None:
-        pending = self._pending
-        pending[labels] = pending.get(labels, 0) + amount
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
-        for labels, amount in pending.items():
-            (self.metric.labels(*labels) if labels else self.metric).inc(amount)
-
-
-class BufferedHistogram:
-    """A Histogram's observations, as bucket counts and a sum per label tuple until ``flush`` adds them to it."""
-
-    __slots__ = ("metric", "_bounds", "_pending")
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
-                 registry: CollectorRegistry | None):
-        self.metric = Histogram(name, documentation, labelnames, buckets=buckets, registry=registry)
-        self._bounds = [float(b) for b in buckets]
-        if self._bounds[-1] != math.inf:
-            self._bounds.append(math.inf)
-        self._pending: dict[Labels, list[float]] = {}
-
-    def observe(self, amount: float, labels: Labels = (), n: int = 1) -> None:
-        """Observe ``amount`` ``n`` times."""
-        acc = self._pending.get(labels)
-        if acc is None:
-            acc = self._pending[labels] = [0] * len(self._bounds) + [0.0]  # bucket counts (not cumulative), sum
-        acc[bisect_left(self._bounds, amount)] += n  # the first bucket with amount <= bound, as observe() picks
-        acc[-1] += amount * n
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
-        for labels, acc in pending.items():
-            child = self.metric.labels(*labels) if labels else self.metric
-            # prometheus_client has no public bulk observe(): add to the values observe() adds to, one per
-            # bucket (not cumulative) and the sum (tests/unit/test_metrics_recorder.py pins this).
-            for value, count in zip(child._buckets, acc):
-                if count:
-                    value.inc(count)
-            child._sum.inc(acc[-1])
-
-
-class BufferedGauge:
-    """A (livesum) Gauge's net change until ``flush`` adds it."""
-
-    __slots__ = ("metric", "_pending")
-
-    def __init__(self, metric: Gauge):
-        self.metric = metric
-        self._pending = 0.0
-
-    def inc(self, amount: float = 1) -> None:
-        self._pending += amount
-
-    def dec(self, amount: float = 1) -> None:
-        self._pending -= amount
-
-    def flush(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, 0.0
-            self.metric.inc(pending)
 
 
 class Recorder:
@@ -165,9 +87,11 @@ class Recorder:
             "zserve_routing_decisions_total", "Requests routed to an engine of a model with two or more, by engine "
             "and reason (gateway.routing: cache, hash, bound, load, round-robin).", ["model", "engine", "reason"],
             registry=registry))
+        self.vllm = VllmRequestMetrics(registry)
         self._all = (self.http_requests, self.http_duration, self.ttft, self.inter_token, self.prompt_tokens,
                      self.generation_tokens, self.in_flight, self.migrations, self.migrations_exhausted,
-                     self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens, self.routing_decisions)
+                     self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens, self.routing_decisions,
+                     self.vllm)
 
     def migration(self, cause: str, moved: bool) -> None:
         """A request lost its engine while streaming (``EngineClient.on_migration``)."""
@@ -210,11 +134,7 @@ class EngineCollector:
         families = {name: _FAMILY[kind](metric, doc, labels=labels)
                     for name, (kind, metric, doc) in ENGINE_METRICS.items()}
         up = GaugeMetricFamily("zserve_engine_up", "1 when the engine is connected and routable.", labels=labels)
-        # vLLM's: one sample per engine serving adapters, its labels saying which run and wait; the value is when.
-        lora_info = GaugeMetricFamily(
-            "vllm:lora_requests_info", "Running stats on LoRA requests: the adapters of the running and waiting "
-            "requests, and max_lora (the value is the time of the engine's stats).",
-            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", *labels])
+        reporting: list[tuple[str, str, EngineStats]] = []  # (model, rank, stats) of each engine with stats
         # The cluster's weight version and sleep level of each model (POST /update_weights, /sleep).
         cl = getattr(state, "cluster", None)  # (None before the first cluster state, and without a supervisor)
         weights = GaugeMetricFamily("zserve_model_weight_version_info", "1 for the weight version each model serves "
@@ -236,13 +156,10 @@ class EngineCollector:
                 continue
             for key, fam in families.items():
                 fam.add_metric(values, float(getattr(e.stats, key)))
-            st = e.stats
-            if st.max_loras:
-                lora_info.add_metric([str(st.max_loras), ",".join(st.waiting_loras), ",".join(st.running_loras),
-                                      *values], st.timestamp)
+            reporting.append((values[1], values[0], e.stats))
         yield from families.values()
         yield up
-        yield lora_info
+        yield from engine_families(reporting)
 
 
 def render(app: web.Application) -> bytes:
@@ -317,15 +234,23 @@ async def metrics_middleware(request: web.Request, handler):
 
 
 class TokenTimer:
-    """Records one request's time to first token, inter-token gaps and token count."""
+    """Records one request's time to first token, inter-token gaps, token counts and end, under zserve's names
+    and vLLM's (``gateway.vllm_metrics``). ``engine`` is the rank of the engine the request went to, set by whoever
+    sent it there (``serving.choices``); vLLM's series carry it from the first token on."""
 
-    __slots__ = ("start", "last", "_recorder", "_lora")
+    __slots__ = ("start", "last", "engine", "_recorder", "_lora", "_model", "_prompt_tokens", "_labels", "_finish")
 
-    def __init__(self, recorder: Recorder = RECORDER, lora: str | None = None, prompt_tokens: int = 0) -> None:
+    def __init__(self, recorder: Recorder = RECORDER, lora: str | None = None, prompt_tokens: int = 0,
+                 model: str = "") -> None:
         self.start = monotonic()
         self.last: float | None = None
+        self.engine: str | None = None
         self._recorder = recorder
         self._lora = (lora,) if lora is not None else None  # counted per LoRA adapter too
+        self._model = model
+        self._prompt_tokens = prompt_tokens  # vLLM counts them with the first token, by engine
+        self._labels: tuple[str, str] = (model, "")  # vLLM's (model_name, engine), fixed at the first token
+        self._finish = "abort"  # what vllm:request_success counts the request as unless a finish reason comes
         recorder.prompt_tokens.inc(prompt_tokens)
         if lora is not None:
             recorder.lora_requests.inc(labels=self._lora)
@@ -336,11 +261,32 @@ class TokenTimer:
             return
         now = monotonic()
         r = self._recorder
+        v = r.vllm
         r.generation_tokens.inc(n)
         if self._lora is not None:
             r.lora_generation_tokens.inc(n, labels=self._lora)
         if self.last is None:
+            labels = self._labels = (self._model, self.engine or "")
             r.ttft.observe(now - self.start)
+            v.ttft.observe(now - self.start, labels)
+            v.prompt_tokens.inc(self._prompt_tokens, labels)
         else:
-            r.inter_token.observe((now - self.last) / n, n=n)  # n tokens in one chunk: n equal gaps
+            labels = self._labels
+            gap = (now - self.last) / n  # n tokens in one chunk: n equal gaps
+            r.inter_token.observe(gap, n=n)
+            v.inter_token.observe(gap, labels, n=n)
+        v.generation_tokens.inc(n, labels)
         self.last = now
+
+    def finished(self, reason: str) -> None:
+        """The request's finish reason (stop, length, ...), once it has one."""
+        self._finish = reason
+
+    def end(self) -> None:
+        """The request is over: its end-to-end latency and finish reason, when it reached an engine."""
+        if self.engine is None and self.last is None:
+            return  # never sent (no engine would take it): vLLM counts only the requests its engine took
+        labels = self._labels if self.last is not None else (self._model, self.engine or "")
+        v = self._recorder.vllm
+        v.e2e.observe(monotonic() - self.start, labels)
+        v.request_success.inc(1, (*labels, self._finish))

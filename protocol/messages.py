@@ -482,6 +482,10 @@ class EngineStats(Message):
                                            "Share of prompt tokens found in the prefix cache.", default=0.0)
     prefix_cache_hits: int = _metric("counter", "zserve_engine_prefix_cache_hit_tokens",
                                      "Prompt tokens served from the prefix cache since start.", default=0)
+    # (the hits' denominator as a counter, so that a hit rate over any window is a ratio of rates: vLLM's
+    # prefix_cache_queries)
+    prefix_cache_queries: int = _metric("counter", "zserve_engine_prefix_cache_query_tokens",
+                                        "Prompt tokens looked up in the prefix cache since start.", default=0)
     prompt_tokens: int = _metric("counter", "zserve_engine_prompt_tokens",
                                  "Prompt tokens computed (prefill) since start.", default=0)  # including recompute
     tokens_per_step: float = _metric("gauge", "zserve_engine_tokens_per_step",
@@ -498,7 +502,8 @@ class EngineStats(Message):
     def __post_init__(self) -> None:
         check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
         for name in ("running", "waiting", "generated_tokens", "steps", "preempted", "preemptions",
-                     "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hits", "prompt_tokens"):
+                     "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hits", "prefix_cache_queries",
+                     "prompt_tokens"):
             v = getattr(self, name)
             check(is_int(v) and v >= 0, f"{name} out of range")
         check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0,

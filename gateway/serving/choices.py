@@ -121,7 +121,8 @@ class ChoiceRun:
             for s in self._sinks:
                 self.engines.submit(s.rid, s.choice.prompt_ids, s.choice.sampling, s)
                 s.live = True
-            ranks = (self.engines.engine_of(s.rid) for s in self._sinks)
+                s.placed()
+            ranks = (self.engines.rank_of(s.rid) for s in self._sinks)
             self.engines_used = ",".join(str(r) for r in dict.fromkeys(ranks) if r is not None)
         except BaseException:
             self.cancel()
@@ -167,9 +168,18 @@ class _ChoiceSink:
         self.run, self.rid, self.choice, self.pipe = run, rid, choice, pipe
         self.live = False  # sent to an engine and not yet ended
 
+    def placed(self) -> None:
+        """Tell the choice's metrics which engine it went to (vLLM's ``engine`` label); a request that waits for
+        an engine to start learns it with its first output instead."""
+        rank = self.run.engines.rank_of(self.rid)
+        if rank is not None:
+            self.pipe.timer.engine = str(rank)
+
     def output(self, out: RequestOutput) -> None:
         if not self.live:
             return
+        if self.pipe.timer.engine is None:
+            self.placed()
         d = self.pipe.push(out)
         if d is None:
             return

@@ -26,7 +26,7 @@ def test_a_choice_whose_delta_cannot_be_written_is_aborted_in_its_engine():
     async def main():
         client, eng, sent = fake_engine_client()
         state = SimpleNamespace(engines=ModelEngines(client, None), eos_token_ids=frozenset(), stream_interval=1,
-                                lora=None)
+                                lora=None, model=SimpleNamespace(model_id="m"))
 
         def on_delta(choice: Choice, delta) -> None:
             raise ConnectionResetError("the client closed the connection")

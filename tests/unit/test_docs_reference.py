@@ -1,10 +1,12 @@
 """The reference pages name what the code serves: every Prometheus metric a gateway exports (the gateways' own and
 the engine metrics it exports from EngineStats) has its row in docs/operations.md with its exact label names, and
 every route family the app mounts has its row in docs/api.md. A metric or family added without its row fails here.
+The Grafana dashboard we ship queries only metrics we export.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -70,3 +72,40 @@ def test_every_route_family_has_a_row_in_the_api_reference():
     text = (ROOT / "docs" / "api.md").read_text()
     rows = {m.group(1) for m in re.finditer(r"^\|\s*(\w+)\s*\|\s*`\w+\.py`", text, re.M)}
     assert set(ROUTE_FAMILIES) <= rows, f"docs/api.md's family table lacks {sorted(set(ROUTE_FAMILIES) - rows)}"
+
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "zserve-dashboard.json"
+METRIC_NAME = re.compile(r"(?<![\w:])((?:vllm:|zserve_)[A-Za-z0-9_:]*)")
+
+
+def dashboard_queries(node: object) -> list[str]:
+    """Every PromQL expression in the dashboard: its panels' targets and its variables' queries."""
+    if isinstance(node, dict):
+        found = [node["expr"]] if isinstance(node.get("expr"), str) else []
+        if isinstance(node.get("definition"), str):
+            found.append(node["definition"])
+        return found + [q for v in node.values() for q in dashboard_queries(v)]
+    if isinstance(node, list):
+        return [q for v in node for q in dashboard_queries(v)]
+    return []
+
+
+def test_the_grafana_dashboard_queries_only_metrics_we_export():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    metrics = every_metric()
+    # a histogram is queried through its series, a counter with _total (as scraped)
+    series = {name + suffix for name, (kind, _) in metrics.items()
+              for suffix in (("_bucket", "_sum", "_count") if kind == "histogram" else ("",))}
+    queries = dashboard_queries(dashboard)
+    assert len(queries) >= 10
+    used = {name for q in queries for name in METRIC_NAME.findall(q)}
+    assert used and used <= series, f"the dashboard queries metrics no code exports: {sorted(used - series)}"
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    # built on vLLM's names: each of them is charted
+    vllm = {n for n in metrics if n.startswith("vllm:")}
+    charted = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
+    assert vllm <= charted, f"vLLM metrics the dashboard does not chart: {sorted(vllm - charted)}"

@@ -31,6 +31,7 @@ from tests.helpers import ROOT
 HTTP_BOUNDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TTFT_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
 ITL_BOUNDS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+PROMPT, MODEL, ENGINE = 11, "m", "0"  # each stream's prompt tokens, and vLLM's model_name and engine labels
 
 
 def spanning(bounds: tuple[float, ...]) -> list[float]:
@@ -51,10 +52,13 @@ def events() -> list[tuple]:
     ev += [("ttft", d) for d in spanning(TTFT_BOUNDS)]
     ev += [("gaps", d, n) for n in (1, 3) for d in spanning(ITL_BOUNDS)]
     ev.append(("flush",))
-    # streams: (request start, [(chunk time, tokens in the chunk)]), several tokens per chunk included
-    ev.append(("stream", 100.0, [(100.3, 1), (100.32, 1), (100.4, 4), (101.0, 2), (104.0, 1), (104.0, 3)]))
-    ev.append(("stream", 200.0, [(200.005, 5), (200.5, 7), (230.0, 1)]))
-    ev.append(("stream", 300.0, [(350.0, 2)]))
+    # streams: (request start, [(chunk time, tokens in the chunk)], finish reason: None for one that ended without
+    # one), several tokens per chunk included
+    ev.append(("stream", 100.0, [(100.3, 1), (100.32, 1), (100.4, 4), (101.0, 2), (104.0, 1), (104.0, 3)], "length"))
+    ev.append(("stream", 200.0, [(200.005, 5), (200.5, 7), (230.0, 1)], "stop"))
+    ev.append(("stream", 300.0, [(350.0, 2)], None))
+    ev.append(("stream", 400.0, [(9000.0, 1)], "length"))  # past vLLM's last e2e bound
+    ev.append(("unsent", 500.0))  # a request no engine took: only its prompt tokens count (zserve's)
     ev.append(("enter",))  # one request still in flight when scraped
     return ev
 
@@ -83,12 +87,21 @@ def record_cheaply(r: Recorder, evs: list[tuple]) -> None:
         elif kind == "gaps":
             r.inter_token.observe(args[0], n=args[1])
         elif kind == "stream":
-            start, chunks = args
+            start, chunks, finish = args
             with clock_at(start):
-                timer = TokenTimer(r)
+                timer = TokenTimer(r, prompt_tokens=PROMPT, model=MODEL)
+            timer.engine = ENGINE
             for t, n in chunks:
                 with clock_at(t):
                     timer.tokens(n)
+            if finish is not None:
+                timer.finished(finish)
+            with clock_at(chunks[-1][0] + 0.5):
+                timer.end()
+        elif kind == "unsent":
+            with clock_at(args[0]):
+                timer = TokenTimer(r, prompt_tokens=PROMPT, model=MODEL)
+                timer.end()
         elif kind == "enter":  # as a request's TextPipeline counts itself in and out
             r.in_flight.inc()
         elif kind == "exit":
@@ -112,16 +125,26 @@ def record_directly(r: Recorder, evs: list[tuple]) -> None:
             for _ in range(args[1]):
                 r.inter_token.metric.observe(args[0])
         elif kind == "stream":
-            start, chunks = args
+            start, chunks, finish = args
+            v, labels = r.vllm, (MODEL, ENGINE)
+            r.prompt_tokens.metric.inc(PROMPT)
             last = None
             for t, n in chunks:
                 r.generation_tokens.metric.inc(n)
+                v.generation_tokens.metric.labels(*labels).inc(n)
                 if last is None:
                     r.ttft.metric.observe(t - start)
+                    v.ttft.metric.labels(*labels).observe(t - start)
+                    v.prompt_tokens.metric.labels(*labels).inc(PROMPT)
                 else:
                     for _ in range(n):
                         r.inter_token.metric.observe((t - last) / n)
+                        v.inter_token.metric.labels(*labels).observe((t - last) / n)
                 last = t
+            v.e2e.metric.labels(*labels).observe(chunks[-1][0] + 0.5 - start)
+            v.request_success.metric.labels(*labels, finish or "abort").inc()
+        elif kind == "unsent":
+            r.prompt_tokens.metric.inc(PROMPT)
         elif kind == "enter":
             r.in_flight.metric.inc()
         elif kind == "exit":
@@ -162,7 +185,16 @@ def test_buffered_recording_scrapes_the_same_as_direct_prometheus_calls():
         got["zserve_time_to_first_token_seconds_bucket", (("le", "+Inf"),)]
     assert got["zserve_requests_in_flight", ()] == 1
     assert got["zserve_http_requests_total", (("method", "GET"), ("route", "unmatched"), ("status", "404"))] > 0
-    assert got["zserve_generation_tokens_total", ()] == 1 + 1 + 4 + 2 + 1 + 3 + 5 + 7 + 1 + 2
+    assert got["zserve_generation_tokens_total", ()] == 1 + 1 + 4 + 2 + 1 + 3 + 5 + 7 + 1 + 2 + 1
+    # vLLM's: per (model_name, engine); a request counts its prompt with its first token, and once it has ended
+    vllm = (("engine", ENGINE), ("model_name", MODEL))
+    assert got["vllm:generation_tokens_total", vllm] == got["zserve_generation_tokens_total", ()]
+    assert got["vllm:prompt_tokens_total", vllm] == 4 * PROMPT
+    assert got["zserve_prompt_tokens_total", ()] == 1 + 17 + 4096 + 5 * PROMPT
+    assert [got["vllm:request_success_total", (*vllm[:1], ("finished_reason", f), *vllm[1:])]
+            for f in ("length", "stop", "abort")] == [2, 1, 1]
+    assert got["vllm:e2e_request_latency_seconds_count", vllm] == 4
+    assert got["vllm:e2e_request_latency_seconds_bucket", (*vllm[:1], ("le", "7680.0"), *vllm[1:])] == 3
 
 
 def test_nothing_is_scraped_before_a_flush_and_a_second_flush_adds_nothing():

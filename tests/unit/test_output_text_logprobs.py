@@ -36,7 +36,8 @@ def respond(tok: Tokenizer, ids: list[int], sizes: list[int], merge_deltas: bool
     """Generate ``ids`` (the last one EOS) as engine outputs of ``sizes`` tokens (merged by the engine client), or,
     with ``merge_deltas``, one token per output and the deltas merged (``run_choices``, ``--stream-interval``);
     return the message item and the streamed ``output_text.delta`` events."""
-    state = SimpleNamespace(tokenizer=tok, eos_token_ids=frozenset({EOS}), stream_interval=1, lora=None)
+    state = SimpleNamespace(tokenizer=tok, eos_token_ids=frozenset({EOS}), stream_interval=1, lora=None,
+                            model=SimpleNamespace(model_id="m"))
     sampling = SamplingParams(max_tokens=100, logprobs=0)
     pipe = TextPipeline(state, [1], sampling, TextOptions(stop=stop or []))  # type: ignore[arg-type]
     choice = Choice(0, [1], sampling, msg=MessageParser(ThinkReasoningParser(), None))
@@ -134,7 +135,8 @@ def test_a_stop_string_held_back_across_deltas_leaves_the_attribution_per_token(
 def test_each_tokens_share_of_a_merged_delta_is_the_text_it_wrote(tok):
     ids = tok.encode("Hi 😀 there") + [EOS]  # "Hi", " " + the emoji's first 3 bytes, its last byte, " there"
     assert len(ids) == 5
-    state = SimpleNamespace(tokenizer=tok, eos_token_ids=frozenset({EOS}), stream_interval=1, lora=None)
+    state = SimpleNamespace(tokenizer=tok, eos_token_ids=frozenset({EOS}), stream_interval=1, lora=None,
+                            model=SimpleNamespace(model_id="m"))
     pipe = TextPipeline(state, [1], SamplingParams(max_tokens=100, logprobs=0),  # type: ignore[arg-type]
                         TextOptions(stop=[]))
     d = pipe.push(RequestOutput("r", tuple(ids), "stop", logprobs=tuple(0.0 for _ in ids)))
