@@ -502,8 +502,8 @@ class EngineStats(Message):
     def __post_init__(self) -> None:
         check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
         for name in ("running", "waiting", "generated_tokens", "steps", "preempted", "preemptions",
-                     "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hits", "prefix_cache_queries",
-                     "prompt_tokens"):
+                     "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "prefix_cache_hits",
+                     "prefix_cache_queries", "prompt_tokens"):
             v = getattr(self, name)
             check(is_int(v) and v >= 0, f"{name} out of range")
         check(self.kv_blocks_used <= self.kv_blocks_total or self.kv_blocks_total == 0,
