@@ -24,17 +24,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, adapter_id, block_hash
+from protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    adapter_id,
+    block_hash,
+    prefix_hashes,
+)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None,
-                 start_block: int = 0) -> list[int]:
-    """Chained hashes of the full blocks of ``token_ids`` from block ``start_block`` on."""
-    out: list[int] = []
-    for i in range(start_block, len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids``."""
+    return prefix_hashes(token_ids, block_size, parent)
 
 
 class BlockManager:

@@ -29,10 +29,9 @@ from protocol import ProtocolError
 from protocol.kv_events import (
     DEFAULT_TOPIC,
     END_SEQ,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    decode_batch,
+    REMOVED,
+    STORED,
+    block_changes,
     replay_endpoint,
     seq_bytes,
     seq_of,
@@ -74,18 +73,18 @@ class EngineBlocks:
     def apply(self, payload: bytes) -> None:
         self.batches += 1
         try:
-            _, events = decode_batch(payload)
+            changes = block_changes(payload)
         except ProtocolError as e:
             self.malformed += 1
             log.warning("dropped a malformed KV event batch: %s", e)
             return
         blocks = self.blocks
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                blocks.update(ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                blocks.difference_update(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
+        for kind, hashes in changes:
+            if kind == STORED:
+                blocks.update(hashes)
+            elif kind == REMOVED:
+                blocks.difference_update(hashes)
+            else:
                 blocks.clear()
 
     def live(self, seq: int, payload: bytes) -> bool:

@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from protocol.kv_events import block_hash, chain_root
+from protocol.kv_events import chain_hashes, chain_root
 
 if TYPE_CHECKING:
     from .engine_client import EngineConnection
@@ -122,10 +122,9 @@ class Router:
         alive = [i for i in range(len(ready)) if held[i] is not None]
         parent = self._root(hello.model_id, lora)  # type: ignore[union-attr]
         hashes: list[int] = []
-        for b in range(len(prompt) // bs):
-            parent = block_hash(parent, prompt[b * bs:(b + 1) * bs])
-            hashes.append(parent)
-            alive = [i for i in alive if parent in held[i].state.blocks]  # type: ignore[union-attr]
+        for b, h in enumerate(chain_hashes(prompt, bs, parent)):
+            hashes.append(h)
+            alive = [i for i in alive if h in held[i].state.blocks]  # type: ignore[union-attr]
             if not alive:
                 break
             for i in alive:

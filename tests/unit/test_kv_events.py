@@ -146,3 +146,20 @@ def test_an_unloaded_adapters_blocks_are_forgotten_and_its_hashes_are_what_a_gat
     bm.forget_adapter("sql")
     assert {h for e in events for h in e.block_hashes} == set(hashes)
     assert bm.lookup(tokens, 8, root) == [] and bm.lookup(tokens, 8, chain_root("m")) == other
+
+
+def test_the_fast_readings_agree_with_the_format():
+    tokens = [7, 70000, 3, 2**32 - 1] * 9  # 36 tokens: two full blocks of 16 and a partial one
+    parent, chained = None, []
+    for i in range(2):
+        parent = block_hash(parent, tokens[i * 16:(i + 1) * 16])
+        chained.append(parent)
+    assert prefix_hashes(tokens, 16, None) == chained
+    assert prefix_hashes(tokens, 16, chain_root("m")) != chained
+    from protocol.kv_events import CLEARED, REMOVED, STORED, block_changes
+
+    payload = encode_batch([BlockStored((1, 2), None, tuple(range(8)), 4), BlockRemoved((2,)), AllBlocksCleared()])
+    assert block_changes(payload) == [(STORED, [1, 2]), (REMOVED, [2]), (CLEARED, [])]
+    for bad in (b"\x01", msgpack.packb([0.0, [["BlockStored", ["x"]]]]), msgpack.packb([0.0, [["Nope", []]]])):
+        with pytest.raises(ProtocolError):
+            block_changes(bad)
