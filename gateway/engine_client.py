@@ -1,4 +1,4 @@
-"""The gateway's side of the engine tier: membership, least-loaded routing, and failure handling.
+"""The gateway's side of the engine tier: membership, routing, and failure handling.
 
 Each gateway keeps one DEALER socket per engine. The engine set comes from the supervisor's
 cluster state (engines join, drain and leave at run time) or, standalone, from ``--engine``.
@@ -9,8 +9,9 @@ replacement, on the same endpoint) says hello again.
 Each engine serves one model (the supervisor's cluster state says which); ``ModelEngines`` is one
 model's share of the client, so a request only ever reaches its own model's engines.
 
-``submit`` sends a request to the least-loaded routable engine of its model (outstanding work, not
-round-robin) and hands every output to the request's ``OutputSink`` as the engine reader receives
+``submit`` sends a request to the routable engine of its model that the routing policy picks (``routing``: by what
+each engine's prefix cache holds, as the engines' KV events tell ``kv_index``, within a bound on its load; or the
+least loaded) and hands every output to the request's ``OutputSink`` as the engine reader receives
 it, with no task woken in between; ``cancel`` aborts it in the engine. ``generate`` is the same as an
 async iterator. A request that an engine refuses (draining, a full queue) or loses (dies) before
 producing any output goes to another engine.
@@ -788,7 +789,7 @@ class EngineClient:
         return len(streams)
 
     def _send(self, st: _Stream) -> None:
-        """Send the request to the least-loaded engine of its model that has not refused it."""
+        """Send the request to the engine of its model that routing picks among those that have not refused it."""
         while True:
             if len(st.refused) > MAX_HANDBACKS:
                 raise NoEngineAvailable("no engine would take the request")

@@ -8,14 +8,18 @@ say it holds (``gateway.kv_index``), not a guess kept per gateway — against it
    included, over its engines; rounded up) takes none: under a single hot prefix the engine that holds it fills to
    the bound and the rest spills to the others, which then hold the prefix too.
 2. **The longest match.** Of the others, the engines holding the longest run of the prompt's leading blocks.
-3. **Rendezvous hashing.** Ties (the new part of a prompt, held by none; or a prefix held by several) go to the
-   engine that ranks first by a hash of the first block none of them holds and each engine's rank. Every gateway
-   computes it the same way: the first requests of a new prefix reach one engine from every gateway, before any
-   event has told of it; and requests that share a prefix held everywhere spread by their differing suffixes.
+3. **Ties** go to those within ``TIE_SLACK`` requests of the least loaded of them (a busier engine is not given
+   new prefixes), and of those to the first by rendezvous hashing: of the first block none of them holds for a
+   prompt mostly new to them; of the deepest block they all hold for one mostly cached on each (a hot prefix), so
+   that such a prefix keeps one engine while loads allow (a copy a spill made ages out of the other engine's cache
+   instead of taking its room). Every gateway computes the hash the same way: the first requests of a new prefix
+   reach one engine from every gateway, before any event has told of it (behind a chat template every engine
+   holds, too).
 
 Only the inputs differ between gateways: the events each has received (the same, a step late at most) and the loads
 (each engine reports them to every gateway; a gateway adds its own requests sent since). So two gateways route a
-prefix to the same engine unless one of them sees that engine at the bound.
+prefix to the same engine unless their views of the loads differ: one sees that engine at the bound, or more than
+``TIE_SLACK`` busier than another that holds as much.
 
 A prompt shorter than one block, an engine that publishes no events (``kv_block_size`` 0, a standalone
 ``--engine``), and pooling requests are routed by load. Hashing walks the prompt's blocks only while some engine
@@ -24,6 +28,7 @@ holds them: a long prompt that no engine holds costs one block hash.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -34,12 +39,16 @@ if TYPE_CHECKING:
     from .engine_client import EngineConnection
     from .kv_index import KvFollower
 
+log = logging.getLogger("zserve.gateway.routing")
+
 ROUTING_POLICIES = ("prefix", "load", "round-robin")
 DEFAULT_MAX_SHARE = 1.5
+TIE_SLACK = 1  # requests of load by which engines holding most of a prompt count as equally loaded
 # Why an engine was chosen (the metric's ``reason`` label):
 #   cache — it holds the longest run of the prompt's blocks; hash — a tie broken by rendezvous hashing (a new
 #   prefix, or one several engines hold); bound — an engine holding more was at the bound; load — least load
-#   (the load policy, a prompt under a block, no events); round-robin.
+#   (the load policy, a prompt under a block, no events, or the lightest of several holding most of the prompt);
+#   round-robin.
 ROUTING_REASONS = ("cache", "hash", "bound", "load", "round-robin")
 _M64 = (1 << 64) - 1
 
@@ -71,6 +80,7 @@ class Router:
         self.followers = followers if followers is not None else {}
         self.on_decision = on_decision  # (model, reason, engine rank): the gateway's metrics
         self._turn = 0
+        self._failed = False
         self._roots: dict[tuple[str, str | None], int] = {}
 
     def pick(self, ready: list[EngineConnection], prompt: Sequence[int] | None, model: str | None,
@@ -87,7 +97,13 @@ class Router:
             self._turn += 1
             return ready[self._turn % len(ready)], "round-robin"
         if self.policy == "prefix" and prompt is not None:
-            chosen = self._by_prefix(ready, prompt, lora)
+            try:
+                chosen = self._by_prefix(ready, prompt, lora)
+            except Exception:  # no request fails because of the router: it is routed by load instead
+                if not self._failed:
+                    log.exception("prefix routing failed; routing by load (logged once)")
+                self._failed = True
+                chosen = None
             if chosen is not None:
                 return chosen
         return self._least_loaded(ready), "load"
@@ -131,13 +147,23 @@ class Router:
                 matched[i] = b + 1
         best = max(matched[i] for i in eligible)
         tied = [i for i in eligible if matched[i] == best]
+        reason = "cache" if best else "hash"
+        key = hashes[min(best, len(hashes) - 1)]  # the first block none of the tied holds (or the prompt's last)
+        if len(tied) > 1:
+            # Several hold as much: those within TIE_SLACK of the least loaded (new prefixes are not piled onto a
+            # busier engine); a prompt mostly cached on each (a prefix several hold) keeps one engine by its deepest
+            # block they all hold, so a copy a spill made ages out of the other cache instead of taking its room.
+            least = min(loads[i] for i in tied)
+            lighter = [i for i in tied if loads[i] <= least + TIE_SLACK]
+            if len(lighter) < len(tied):
+                tied, reason = lighter, "load"
+            if 2 * best >= len(prompt) // bs:
+                key = hashes[best - 1]
         if len(tied) == 1:
             i = tied[0]
-            reason = "cache" if best else "hash"
-        else:  # the first block none of them holds (or the prompt's last, all of it held) decides
-            key = hashes[min(best, len(hashes) - 1)]
+        else:
             i = max(tied, key=lambda j: (_mix(key ^ _mix(ready[j].rank or 0)), ready[j].endpoint))
-            reason = "hash"
+            reason = "hash" if reason != "load" else reason
         if max(matched) > best:
             reason = "bound"
         return ready[i], reason

@@ -3,12 +3,12 @@ measured in the same run.
 
 Usage:
     .venv/bin/python tests/bench/bench_routing.py [--model SmolLM2-135M-Instruct] [--policies load prefix]
-        [--engines 2] [--gateways 4] [--kv-cache-tokens 6144] [--num-prompts 64] [--concurrency 8]
+        [--engines 2] [--gateways 4] [--kv-cache-tokens 5120] [--num-prompts 128] [--concurrency 8]
         [--workloads prefix hot multi_turn kill]
 
 For each policy a server is started as ``make run`` starts the default model, with ``--engines`` engines and
 ``--gateways`` gateways (``launch api-server --routing-policy POLICY``; the policy ``default`` passes no flag), and
-each engine's KV cache sized to ``--kv-cache-tokens`` tokens (default: 6 prefixes' worth, so one engine cannot hold
+each engine's KV cache sized to ``--kv-cache-tokens`` tokens (default: 5 prefixes' worth, so one engine cannot hold
 the 8 prefixes while two can: cache-aware routing matters when the working set exceeds one engine's cache).
 ``launch bench`` then drives it, streamed and sampled at temperature 1.0, ``--concurrency`` requests in flight:
   - prefix: prefix_repetition, 8 prefixes of ``--prefix-len`` tokens, ``--suffix-len``-token suffixes,
@@ -107,12 +107,22 @@ def run_bench(server: Server, workload: str, args: argparse.Namespace, out: Path
     return json.loads(out.read_text())["results"][0]
 
 
+def warm_up(server: Server) -> None:
+    """Short random prompts through every engine before anything is measured, so that no workload pays a fresh
+    process's first steps (kernel initialisation, allocations) for the others; a prefix cache they leave behind
+    holds nothing a workload's prompts start with."""
+    cmd = [*LAUNCH, "bench", "--base-url", server.url, "--no-progress", "--dataset-name", "random", "--num-prompts",
+           "32", "--random-input-len", "256", "--random-output-len", "8", "--max-concurrency", "8", "--seed", "99"]
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True, timeout=600)
+
+
 def measure(policy: str, args: argparse.Namespace, kv_memory: int, tmp: Path) -> dict[str, dict]:
     flag = [] if policy == "default" else ["--routing-policy", policy]
     server = Server("--model", args.model, "--dtype", args.dtype, "--count", str(args.gateways), "--engines",
                     str(args.engines), "--kv-cache-memory", str(kv_memory), *flag, log_name=f"bench-routing-{policy}")
     try:
         print(f"{policy}: KV blocks per engine {kv_blocks(server.url)}; log {server.log_path}", file=sys.stderr)
+        warm_up(server)
         return {w: run_bench(server, w, args, tmp / f"{policy}-{w}.json") for w in args.workloads}
     finally:
         server.stop()
@@ -155,9 +165,9 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--gateways", type=int, default=4)
     ap.add_argument("--kv-cache-tokens", type=int, default=None,
-                    help="tokens of each engine's KV cache (default: 6 prefixes' worth of --prefix-len)")
+                    help="tokens of each engine's KV cache (default: 5 prefixes' worth of --prefix-len)")
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=64)
@@ -167,7 +177,7 @@ def main() -> None:
     ap.add_argument("--user-len", type=int, default=192)
     ap.add_argument("--kill-after", type=float, default=10.0, help="seconds into the kill run")
     args = ap.parse_args()
-    tokens = args.kv_cache_tokens or 6 * args.prefix_len
+    tokens = args.kv_cache_tokens or 5 * args.prefix_len
     per_token = kv_bytes_per_token(args.model, args.dtype)
     kv_memory = tokens * per_token
     t0 = time.monotonic()

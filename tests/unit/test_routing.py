@@ -177,12 +177,22 @@ def test_every_gateway_sends_a_new_prefix_to_the_same_engine_and_prefixes_spread
     assert min(spread.values()) >= 10, f"new prefixes spread over the engines: {spread}"
 
 
-def test_a_prefix_every_engine_holds_spreads_by_the_suffix():
+def test_a_prefix_several_engines_hold_keeps_one_of_them_until_it_is_busier():
     es = [engine(0), engine(1)]
-    hs = prefix_hashes(prompt(3, 0), BS, ROOT)[:32]  # the 512-token prefix
+    hs = prefix_hashes(prompt(3, 0), BS, ROOT)[:32]  # the 512-token prefix of 36 blocks
     r = router(es, {0: set(hs), 1: set(hs)})
-    picks = Counter(r.pick(es, prompt(3, s), MODEL, None).rank for s in range(100))
-    assert min(picks.values()) >= 30, picks
+    homes = {r.pick(es, prompt(3, s), MODEL, None).rank for s in range(50)}
+    assert len(homes) == 1, "a prefix's requests keep one engine while loads allow"
+    home = homes.pop()
+    es[home].outstanding = 1  # within the slack: still home
+    assert r.pick(es, prompt(3, 99), MODEL, None).rank == home
+    es[home].outstanding = 2  # busier: the other engine, which holds the prefix too
+    assert r.pick(es, prompt(3, 99), MODEL, None).rank == 1 - home and r.decisions[-1] == ("load", 1 - home)
+    es[home].outstanding = 0
+    held = set().union(*(prefix_hashes(prompt(p, 0), BS, ROOT)[:32] for p in range(40)))
+    r = router(es, {0: held, 1: held})
+    homes = Counter(r.pick(es, prompt(p, 7), MODEL, None).rank for p in range(40))
+    assert min(homes[0], homes[1]) >= 10, f"prefixes both hold have homes of their own, spread: {homes}"
 
 
 def test_a_hot_prefix_fills_its_engine_to_the_bound_and_spills():
@@ -211,3 +221,6 @@ def test_short_prompts_no_events_and_the_other_policies_route_by_load():
     assert {rr.pick(es, prompt(1, 1), MODEL, None).rank for _ in range(2)} == {0, 1}
     with pytest.raises(ValueError):
         Router(policy="random")
+    broken = router(es, {})
+    broken.followers[es[0].endpoint].state = None  # whatever goes wrong in scoring, the request is routed by load
+    assert broken.pick(es, prompt(1, 1), MODEL, None) is es[1] and broken.decisions[-1] == ("load", 1)
