@@ -123,9 +123,11 @@ class EngineOps:
     def _report(self, msg: EngineOp, ok: bool, result: dict | None = None, error: str | None = None,
                 busy: bool = False) -> None:
         status = self.server.status
+        # What the engine is now goes first: the report may complete the operation, whose reply then says what every
+        # engine is (a condition read after the last report missed the cluster state the reply waited for).
+        status.send(self.condition())
         if msg.id:
             status.send(EngineOpReport(msg.id, msg.op, ok, result, error[:4000] if error else None, busy))
-        status.send(self.condition())
 
     def _level(self, msg: EngineOp) -> int:
         return int((msg.args or {}).get("level", 1))

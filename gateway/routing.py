@@ -31,13 +31,28 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from protocol import EngineHello, EngineStats
 from protocol.kv_events import chain_hashes, chain_root
 
 if TYPE_CHECKING:
-    from .engine_client import EngineConnection
     from .kv_index import KvFollower
+
+
+class EngineConnection(Protocol):
+    """What routing reads of an engine (``engine_client.EngineConnection``; seen through this, no import circle)."""
+
+    endpoint: str
+    outstanding: int
+    hello: EngineHello | None
+    stats: EngineStats | None
+
+    @property
+    def rank(self) -> int | None: ...
+
+    @property
+    def load(self) -> float: ...
 
 log = logging.getLogger("zserve.gateway.routing")
 

@@ -83,9 +83,13 @@ def test_sdk_embed_gives_the_embeddings_in_float_and_base64(rag_server, sdk):
     r = httpx.post(f"{rag_server.url}/v1/embeddings", json={"model": DEFAULT_EMBEDDING_MODEL, "input": TEXTS},
                    timeout=60)
     want = [d["embedding"] for d in r.json()["data"]]
-    assert got.texts == TEXTS and got.embeddings.float_ == want
+    # Two requests' vectors agree to float32 rounding, not bit for bit: on this shared server an input may share its
+    # engine step with other inputs (another test's, arriving meanwhile), which changes the shapes the kernels see and
+    # with them the last bits (seen once in a full run, at 'hi'; alone against batched with these texts, it is exact).
+    assert got.texts == TEXTS and len(got.embeddings.float_) == len(want)
+    assert all(v == pytest.approx(w, abs=1e-5) for v, w in zip(got.embeddings.float_, want, strict=True))
     assert [list(array("f", base64.b64decode(b))) for b in got.embeddings.base64] == [
-        pytest.approx(v, rel=1e-6) for v in want]
+        pytest.approx(v, rel=1e-6) for v in got.embeddings.float_]  # one response: the same vectors
     assert got.meta.billed_units.input_tokens == r.json()["usage"]["prompt_tokens"]
 
 

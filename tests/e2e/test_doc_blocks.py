@@ -107,8 +107,8 @@ def test_the_command_block_runs(block: Block, rag_server, tmp_path):
 
 STATUS_HEADER = re.compile(r"^\S.* at \S+  supervisor pid \d+  up \d+s  (PAUSED  )?desired: \d+ gateways, "
                            r"(\d+ engines? for \S+)(, \d+ engines? for \S+)*$")
-STATUS_ROW = re.compile(r"^(engine|gateway) +\d+ +\d+ \w+ +\d+ +\d+s  (\S+: )?(running \d+ waiting \d+ kv \d+%|"
-                        r"in-flight \d+)$")
+STATUS_ROW = re.compile(r"^(engine|gateway) +\d+ +\d+ \w+ +\d+ +\d+s  (\S+: )?(running \d+ waiting \d+ kv \d+%"
+                        r"( cached \d+ blocks)?|in-flight \d+)$")
 
 
 def test_the_status_sample_in_operations_is_what_launch_status_prints(rag_server):
