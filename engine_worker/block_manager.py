@@ -172,11 +172,13 @@ class BlockManager:
         if self.events is not None:
             self.events.append(AllBlocksCleared())
 
-    def register(self, block: int, parent: int | None, tokens: tuple[int, ...], lora: str | None = None) -> int:
-        """Make a just-filled block findable; return its chained hash. When another block
-        already holds this content the first one stays registered (no duplicates)."""
+    def register(self, block: int, parent: int | None, tokens: tuple[int, ...], lora: str | None = None,
+                 h: int | None = None) -> int:
+        """Make a just-filled block findable; return its chained hash (``h`` when the caller knows it already).
+        When another block already holds this content the first one stays registered (no duplicates)."""
         key = (parent, tokens)
-        h = block_hash(parent, tokens)
+        if h is None:
+            h = block_hash(parent, tokens)
         if self.enable_prefix_caching and key not in self._block_of and block not in self._key_of:
             self._block_of[key] = block
             self._key_of[block] = key

@@ -513,10 +513,12 @@ class Scheduler:
         if not bm.enable_prefix_caching:
             return
         bs = bm.block_size
+        known = seq.prompt_block_hashes  # the prompt's, hashed at admission from the same root
         while len(seq.block_hashes) < seq.num_computed // bs:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq)
-            h = bm.register(seq.block_table[i], parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), seq.lora)
+            h = bm.register(seq.block_table[i], parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), seq.lora,
+                            known[i] if i < len(known) else None)
             seq.block_hashes.append(h)
             if h in seq.inflight:
                 self._drop_inflight(seq, h)

@@ -403,22 +403,12 @@ class EngineClient:
 
     async def wait_hello(self, endpoints: list[str], timeout: float) -> bool:
         """Wait up to ``timeout`` s until every engine at ``endpoints`` has said hello; whether they all did."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            if all((e := self.engines.get(ep)) is not None and e.hello is not None for ep in endpoints):
-                return True
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.01)
+        return await _until(lambda: all((e := self.engines.get(ep)) is not None and e.hello is not None
+                                        for ep in endpoints), timeout)
 
     async def wait_caught_up(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until every engine's KV events have been replayed here; whether they were."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while any(f.state.replaying for f in self.followers.values()):
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
+        return await _until(lambda: not any(f.state.replaying for f in self.followers.values()), timeout)
 
     def _update_ready(self) -> None:
         """Recompute what routing reads on every request; called on every membership change."""
@@ -905,6 +895,16 @@ class EngineClient:
         if out.error is not None:
             raise EngineRequestError(out.error)
         return out
+
+
+async def _until(cond: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``cond`` every 10 ms for up to ``timeout`` s; whether it came true."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def _engine(eng: EngineConnection | None) -> str:

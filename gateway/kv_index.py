@@ -8,9 +8,9 @@ until the replay has reached it. What the replay no longer keeps (an engine keep
 to this gateway: it then knows a subset of the engine's blocks, which only makes routing to that engine less likely
 (``stale`` counts it). Nothing the events say can fail a request: a malformed batch is dropped and counted.
 
-The index is a set of block hashes per engine. ``matched`` is the length of the longest run of a request's leading
-block hashes (``prefix_hashes``) an engine holds: the blocks its prefix cache would find, as the engine's own lookup
-stops at the first block it does not hold. Every gateway sees the same events, so every gateway computes the same
+The index is a set of block hashes per engine. The router (``routing``) reads the longest run of a request's leading
+block hashes an engine holds: the blocks its prefix cache would find, as the engine's own lookup stops at the first
+block it does not hold. Every gateway sees the same events, so every gateway computes the same
 matches, whatever host it runs on and however late it started.
 
 The sockets are read from the event loop (``loop.add_reader``, every message waiting in one callback), as the engine
@@ -54,15 +54,6 @@ class EngineBlocks:
         self.replaying = False
         self.replay_asked = 0.0
         self.batches = self.malformed = self.stale = self.restarts = 0
-
-    def matched(self, hashes: list[int]) -> int:
-        """How many of ``hashes`` (a prompt's chained block hashes, in order) lead the run this engine holds."""
-        blocks, n = self.blocks, 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
 
     def clear(self) -> None:
         """The engine's cache is gone (it restarted): forget it, and follow its batches from 0 again."""
@@ -158,10 +149,6 @@ class KvFollower:
         # ZeroMQ's descriptors signal edges: what arrived before the readers were added is read now.
         loop.call_soon(self._pump_sub)
         loop.call_soon(self._pump_replay)
-
-    @property
-    def blocks(self) -> EngineBlocks:
-        return self.state
 
     def engine_hello(self, pid: int) -> None:
         """The engine greeted this gateway. A process other than the one indexed has none of its blocks; after a

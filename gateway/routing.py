@@ -96,7 +96,6 @@ class Router:
         self.on_decision = on_decision  # (model, reason, engine rank): the gateway's metrics
         self._turn = 0
         self._failed = False
-        self._roots: dict[tuple[str, str | None], int] = {}
 
     def pick(self, ready: list[EngineConnection], prompt: Sequence[int] | None, model: str | None,
              lora: str | None) -> EngineConnection:
@@ -129,12 +128,6 @@ class Router:
         self._turn += 1  # ties rotate, so light sequential traffic still reaches every engine
         return tied[self._turn % len(tied)]
 
-    def _root(self, model_id: str, lora: str | None) -> int:
-        root = self._roots.get((model_id, lora))
-        if root is None:
-            root = self._roots[model_id, lora] = chain_root(model_id, lora)
-        return root
-
     def _by_prefix(self, ready: list[EngineConnection], prompt: Sequence[int],
                    lora: str | None) -> tuple[EngineConnection, str] | None:
         hello = ready[0].hello
@@ -151,7 +144,7 @@ class Router:
         # Walk the prompt's blocks while some engine holds them: matched[i] = blocks engine i would find.
         matched = [0] * len(ready)
         alive = [i for i in range(len(ready)) if held[i] is not None]
-        parent = self._root(hello.model_id, lora)  # type: ignore[union-attr]
+        parent = chain_root(hello.model_id, lora)  # type: ignore[union-attr]
         hashes: list[int] = []
         for b, h in enumerate(chain_hashes(prompt, bs, parent)):
             hashes.append(h)

@@ -29,6 +29,7 @@ import time
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import msgpack
 
@@ -64,6 +65,7 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int | None) 
         yield parent
 
 
+@lru_cache(maxsize=1024)
 def chain_root(model: str, adapter: str | None = None) -> int:
     """The parent of a request's first block: KV computed by another model, or through another LoRA adapter, is
     another chain."""

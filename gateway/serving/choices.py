@@ -111,7 +111,6 @@ class ChoiceRun:
         self.on_delta = on_delta
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._left = len(choices)
-        self.engines_used = ""  # the ranks of the engines the choices went to (the X-Zserve-Engine header)
         self._sinks = [_ChoiceSink(self, f"{request_id}-{c.index}", c, TextPipeline(state, c.prompt_ids, c.sampling,
                                                                                      opts)) for c in choices]
 
@@ -122,11 +121,14 @@ class ChoiceRun:
                 self.engines.submit(s.rid, s.choice.prompt_ids, s.choice.sampling, s)
                 s.live = True
                 s.placed()
-            ranks = (self.engines.rank_of(s.rid) for s in self._sinks)
-            self.engines_used = ",".join(str(r) for r in dict.fromkeys(ranks) if r is not None)
         except BaseException:
             self.cancel()
             raise
+
+    @property
+    def engines_used(self) -> str:
+        """The ranks of the engines the choices went to, as placed (the X-Zserve-Engine header)."""
+        return ",".join(dict.fromkeys(s.pipe.timer.engine for s in self._sinks if s.pipe.timer.engine is not None))
 
     async def wait(self) -> None:
         try:
