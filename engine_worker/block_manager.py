@@ -11,7 +11,11 @@ chain's *root*: the model's (``chain_root(model)``), an adapter's own for a LoRA
 (``chain_root(model, adapter)``; forgotten when the adapter is unloaded: ``forget_adapter``), since the same
 tokens computed through other weights are other keys and values.
 With an ``events`` list, every block registered, evicted or forgotten is told there as a KV event
-(``protocol.kv_events``), which the engine publishes after each step. Full blocks stay registered under their hash after
+(``protocol.kv_events``), which the engine publishes after each step. A prompt's blocks are told stored when its
+request arrives (``announce``), not a step or a queue later when they are computed: a router then sends the same
+prefix here from the start (the engine computes it once and shares it), and every gateway knows before the next
+request of that prefix comes; a request that ends before computing them takes them back (``retract``: BlockRemoved).
+Blocks a request finds cached are told stored again (a touch), so a router knows which ones this engine used last. Full blocks stay registered under their hash after
 their request ends; a later request whose prompt starts with the same tokens takes those blocks
 (reference-counted, shared, never written again) and skips their prefill. Free blocks wait in
 one LRU queue; a cached block is evicted (its hash forgotten) only when the queue reaches it and
@@ -21,7 +25,7 @@ never share a block even if their 64-bit hashes collide.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from protocol.kv_events import (
@@ -57,6 +61,8 @@ class BlockManager:
         self._block_of: dict[tuple, int] = {}  # (parent hash, tokens) -> block
         self._hash_of: dict[int, int] = {}  # block -> its chained hash (what a BlockRemoved names)
         self._lora_of: dict[int, str] = {}  # block -> the adapter that computed it (registered blocks only)
+        self._by_hash: dict[int, int] = {}  # chained hash -> the block registered under it
+        self._announced: Counter[int] = Counter()  # hashes told stored before computed -> requests telling them
         self.events = events  # where KV events go (None: nobody listens)
         self.medium = medium  # vLLM's name of where these blocks live ("GPU"; None: the engine's own memory)
         # Stats: prompt tokens looked up / found in the cache since start.
@@ -154,6 +160,8 @@ class BlockManager:
         del self._block_of[self._key_of.pop(b)]
         self._lora_of.pop(b, None)
         h = self._hash_of.pop(b)
+        del self._by_hash[h]
+        self._announced.pop(h, None)  # told removed now: a request computing it again tells it again
         if self.events is not None:
             self.events.append(BlockRemoved((h,), self.medium))
 
@@ -169,6 +177,8 @@ class BlockManager:
         self._block_of.clear()
         self._hash_of.clear()
         self._lora_of.clear()
+        self._by_hash.clear()
+        self._announced.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
 
@@ -183,8 +193,40 @@ class BlockManager:
             self._block_of[key] = block
             self._key_of[block] = key
             self._hash_of[block] = h
+            self._by_hash[h] = block
             if lora is not None:
                 self._lora_of[block] = lora
-            if self.events is not None:
+            if self.events is not None and h not in self._announced:
                 self.events.append(BlockStored((h,), parent, tokens, self.block_size, adapter_id(lora), self.medium))
         return h
+
+    def announce(self, hashes: Sequence[int], token_ids: Sequence[int], root: int | None,
+                 lora: str | None = None) -> list[int]:
+        """Tell the full blocks of a prompt that just arrived (``hashes``, chained from ``root``) stored: the ones it
+        will compute before they are, the ones cached already again (a touch: a router that keeps its engines'
+        blocks in the order they were last used sees what this engine would evict first). Return the hashes this
+        request tells that no block holds yet (``retract`` takes them back)."""
+        if self.events is None or not self.enable_prefix_caching or not hashes:
+            return []
+        told = [h for h in hashes if h not in self._by_hash]
+        for h in told:
+            self._announced[h] += 1
+        bs = self.block_size
+        self.events.append(BlockStored(tuple(hashes), root, tuple(token_ids[:len(hashes) * bs]), bs,
+                                       adapter_id(lora), self.medium))
+        return told
+
+    def retract(self, told: Sequence[int]) -> None:
+        """A request that told ``told`` (``announce``) ended: those no request tells any more and none computed
+        are told removed."""
+        gone = []
+        for h in told:
+            n = self._announced.get(h, 0)
+            if n > 1:
+                self._announced[h] = n - 1
+            elif n == 1:
+                del self._announced[h]
+                if h not in self._by_hash:
+                    gone.append(h)
+        if gone and self.events is not None:
+            self.events.append(BlockRemoved(tuple(gone), self.medium))

@@ -128,14 +128,16 @@ class Scheduler:
         if seq.lora is not None and (missing := self.lora_missing(seq.lora)) is not None:
             return missing
         if self.block_manager.enable_prefix_caching:
-            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size,
-                                                   self._root(seq))
+            root = self._root(seq)
+            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size, root)
         if seq.sampling.structured is not None and seq.grammar is None:
             if self.grammars is None:
                 return "structured output is not available on this engine"
             seq.grammar = self.grammars.start(seq.sampling.structured)
         self._enqueue(seq, front=False)
         self.by_id[seq.request_id] = seq
+        if seq.prompt_block_hashes and not seq.wants_prompt_logprobs:  # (those compute every block)
+            seq.announced = self.block_manager.announce(seq.prompt_block_hashes, seq.prompt_ids, root, seq.lora)
         return None
 
     def lora_missing(self, name: str) -> str | None:
@@ -405,7 +407,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self._release(seq, ending=False)
         seq.num_computed = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -545,8 +547,12 @@ class Scheduler:
             return "length"
         return None
 
-    def _release(self, seq: Sequence) -> None:
-        """Free a sequence's blocks (cached ones stay findable) and forget its in-flight hashes."""
+    def _release(self, seq: Sequence, ending: bool = True) -> None:
+        """Free a sequence's blocks (cached ones stay findable) and forget its in-flight hashes (and, when it ends
+        rather than waits again, the prompt blocks it told stored on arrival)."""
+        if ending and seq.announced:
+            self.block_manager.retract(seq.announced)
+            seq.announced = []
         if seq.block_table:
             self.block_manager.free(seq.block_table)
         for h in list(seq.inflight):

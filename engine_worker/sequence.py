@@ -34,6 +34,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, cached blocks
     prompt_block_hashes: list[int] = field(default_factory=list)
     inflight: set[int] = field(default_factory=set)  # its prompt-block hashes counted in Scheduler._inflight
+    announced: list[int] = field(default_factory=list)  # its prompt-block hashes told stored on arrival (BlockManager)
     grammar: object | None = None  # structured output: its ``grammar.GrammarHandle``
     pool: PoolRequest | None = None  # an embedding request: run the prompt, return its last hidden state
     lora: str | None = None  # the LoRA adapter it runs with (``engine_worker.lora``); None: the base model

@@ -287,6 +287,7 @@ class EngineServer:
             try:
                 client, *frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.publish_kv()  # the prompt blocks of requests that just arrived (BlockManager.announce)
                 return
             self.handle(client.bytes, [f.buffer for f in frames])
 

@@ -145,6 +145,7 @@ class EngineConnection:
     hello: EngineHello | None = None
     stats: EngineStats | None = None
     outstanding: int = 0  # this gateway's requests in flight on the engine
+    sent_since_stats: int = 0  # of those, the ones sent since the engine's last EngineStats (which misses them)
     known_rank: int | None = None  # kept after the engine is gone, for messages
     model: str | None = None  # the model it serves, from the cluster state; None = standalone (any)
     loras: frozenset[str] | None = None  # the LoRA adapters it reported loaded (cluster state); None = standalone
@@ -263,8 +264,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 class _Stream:
     """One request in flight on an engine."""
 
-    __slots__ = ("request_id", "sink", "frames", "model", "engine", "started", "busy", "refused", "add", "generated",
-                 "migrations", "wait_until")
+    __slots__ = ("request_id", "sink", "frames", "model", "engine", "route_key", "started", "busy", "refused", "add",
+                 "generated", "migrations", "wait_until")
 
     def __init__(self, request_id: str, sink: OutputSink, frames: list[bytes], model: str | None,
                  add: AddRequest | None = None):
@@ -273,6 +274,7 @@ class _Stream:
         self.frames = frames  # the encoded request, resent on a hand-back
         self.model = model  # routed only to engines of this model
         self.engine: EngineConnection | None = None
+        self.route_key: int | None = None  # the prefix routing placed it by (``Router.left`` when it leaves)
         self.started = False  # the engine has sent output for it
         self.busy = 0  # engines that refused it for a full queue
         self.refused: set[str] = set()  # endpoints that refused or lost it before any output
@@ -462,6 +464,7 @@ class EngineClient:
             ready = self._ready_by_model[model, lora] = [e for e in self._ready if e.serves(model, lora)]
         if exclude:
             ready = [e for e in ready if e.endpoint not in exclude]
+        self.router.key = None
         if len(ready) == 1:
             return ready[0]
         if not ready:
@@ -578,6 +581,7 @@ class EngineClient:
 
         elif kind is EngineStats:
             eng.stats = msg  # type: ignore[assignment]
+            eng.sent_since_stats = 0
         elif kind is EngineHello:
             eng.hello = msg  # type: ignore[assignment]
             eng.known_rank = msg.rank  # type: ignore[union-attr]
@@ -651,8 +655,7 @@ class EngineClient:
         self._streams.pop(st.request_id, None)
         eng = st.engine
         if eng is not None:
-            eng.outstanding -= 1
-            st.engine = None
+            self._left(st, eng)
         return eng
 
     def _abort(self, eng: EngineConnection, request_id: str) -> None:
@@ -707,8 +710,7 @@ class EngineClient:
     def _resend(self, st: _Stream, eng: EngineConnection, cause: str, exclude: bool) -> None:
         """Send a request ``eng`` gave back (its ``frames`` say what to send now) to another engine of its model, or
         park it for up to ``--scaling-wait`` when none is there."""
-        eng.outstanding -= 1
-        st.engine = None
+        self._left(st, eng)
         st.busy = 0
         st.refused = {eng.endpoint} if exclude else set()
         try:
@@ -736,8 +738,7 @@ class EngineClient:
         model that has not refused it gets it, or it fails (``EnginesBusy`` when full queues refused it)."""
         st.refused.add(eng.endpoint)
         st.busy += busy
-        eng.outstanding -= 1
-        st.engine = None
+        self._left(st, eng)
         try:
             self._send(st)
         except NoEngineAvailable as e:
@@ -797,8 +798,18 @@ class EngineClient:
                 st.refused.add(eng.endpoint)
                 continue
             st.engine = eng
+            st.route_key = self.router.placed(eng)
             eng.outstanding += 1
+            eng.sent_since_stats += 1
             return
+
+    def _left(self, st: _Stream, eng: EngineConnection) -> None:
+        """``st`` is no longer on ``eng`` (it ended, or goes to another engine)."""
+        eng.outstanding -= 1
+        st.engine = None
+        if st.route_key is not None:
+            self.router.left(st.route_key)
+            st.route_key = None
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, sink: OutputSink,
                model: str | None = None, lora: str | None = None) -> None:

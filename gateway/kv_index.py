@@ -8,9 +8,12 @@ until the replay has reached it. What the replay no longer keeps (an engine keep
 to this gateway: it then knows a subset of the engine's blocks, which only makes routing to that engine less likely
 (``stale`` counts it). Nothing the events say can fail a request: a malformed batch is dropped and counted.
 
-The index is a set of block hashes per engine. The router (``routing``) reads the longest run of a request's leading
-block hashes an engine holds: the blocks its prefix cache would find, as the engine's own lookup stops at the first
-block it does not hold. Every gateway sees the same events, so every gateway computes the same
+The index is, per engine, its block hashes in the order the engine last told them stored (an engine tells a
+request's prompt blocks again when it arrives, cached or not): the order in which the engine's LRU cache would evict
+them, roughly, each with the time the engine told it. The router (``routing``) reads the longest run of a request's
+leading block hashes an engine holds: the blocks its prefix cache would find, as the engine's own lookup stops at
+the first block it does not hold; and, to place a prefix no engine holds, how recently each engine used the blocks
+it would evict for it (``stalest``). Every gateway sees the same events, so every gateway computes the same
 matches, whatever host it runs on and however late it started.
 
 The sockets are read from the event loop (``loop.add_reader``, every message waiting in one callback), as the engine
@@ -22,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
+from itertools import islice
 
 import zmq
 
@@ -48,7 +53,8 @@ class EngineBlocks:
     """One engine's cached blocks, kept in sequence from its event batches (no sockets: ``KvFollower`` feeds it)."""
 
     def __init__(self) -> None:
-        self.blocks: set[int] = set()
+        self.blocks: OrderedDict[int, float] = OrderedDict()  # hash -> when last told stored, oldest first
+        self.since: dict[int, float] = {}  # hash -> when first told stored (since it was last removed)
         self.next_seq = 0  # the batch wanted next
         self.pending: dict[int, bytes] = {}  # batches that came before the ones they follow
         self.replaying = False
@@ -58,25 +64,43 @@ class EngineBlocks:
     def clear(self) -> None:
         """The engine's cache is gone (it restarted): forget it, and follow its batches from 0 again."""
         self.blocks.clear()
+        self.since.clear()
         self.pending.clear()
         self.next_seq = 0
 
     def apply(self, payload: bytes) -> None:
         self.batches += 1
         try:
-            changes = block_changes(payload)
+            ts, changes = block_changes(payload)
         except ProtocolError as e:
             self.malformed += 1
             log.warning("dropped a malformed KV event batch: %s", e)
             return
-        blocks = self.blocks
+        blocks, since = self.blocks, self.since
         for kind, hashes in changes:
             if kind == STORED:
-                blocks.update(hashes)
+                last, first = blocks.move_to_end, since.setdefault
+                for h in hashes:
+                    blocks[h] = ts
+                    last(h)
+                    first(h, ts)
             elif kind == REMOVED:
-                blocks.difference_update(hashes)
+                for h in hashes:
+                    blocks.pop(h, None)
+                    since.pop(h, None)
             else:
                 blocks.clear()
+                since.clear()
+
+    def stalest(self, n: int) -> float:
+        """When the engine last used the ``n``-th block it would evict first (``n`` >= 1; past the last block, the
+        newest one's time)."""
+        blocks = self.blocks
+        if not blocks:
+            return 0.0
+        if n >= len(blocks):
+            return blocks[next(reversed(blocks))]
+        return next(islice(blocks.values(), n - 1, None))
 
     def live(self, seq: int, payload: bytes) -> bool:
         """A batch from the PUB socket; whether a replay is wanted (a gap before it)."""

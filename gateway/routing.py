@@ -3,23 +3,33 @@
 ``prefix`` scores each engine by the prompt tokens its prefix cache would find — what the engine's own KV events
 say it holds (``gateway.kv_index``), not a guess kept per gateway — against its load:
 
-1. **The bound.** An engine whose load (its running and waiting requests as it reported them, or this gateway's
-   own requests on it if more) would pass ``max_share`` times the fair share (the model's load, the new request
-   included, over its engines; rounded up) takes none: under a single hot prefix the engine that holds it fills to
-   the bound and the rest spills to the others, which then hold the prefix too.
-2. **The longest match.** Of the others, the engines holding the longest run of the prompt's leading blocks.
-3. **Ties** go to those within ``TIE_SLACK`` requests of the least loaded of them (a busier engine is not given
-   new prefixes), and of those to the first by rendezvous hashing: of the first block none of them holds for a
-   prompt mostly new to them; of the deepest block they all hold for one mostly cached on each (a hot prefix), so
-   that such a prefix keeps one engine while loads allow (a copy a spill made ages out of the other engine's cache
-   instead of taking its room). Every gateway computes the hash the same way: the first requests of a new prefix
-   reach one engine from every gateway, before any event has told of it (behind a chat template every engine
-   holds, too).
+1. **The bound.** An engine whose load (its running and waiting requests as it last reported them, with this
+   gateway's requests sent since, or this gateway's own requests on it if more) would pass ``max_share`` times the
+   fair share (the model's load, the new request included, over its engines; rounded up) takes none: under a single
+   hot prefix the engine that holds it fills to the bound and the rest spills to the others, which then hold the
+   prefix too. The default, 1.75, lets uniform traffic's random peaks stay (at 1.5, two engines serving 8 requests
+   spill one in 16: each spill a whole prefill and a copy that takes another prefix's room).
+2. **The longest match.** Of the others, the engines holding the longest run of the prompt's leading blocks —
+   unless the request would wait there behind more requests than those blocks are worth (``LOAD_TOKENS`` prompt
+   tokens a request in flight): then the engine where it costs least. A conversation's short turn moves to an
+   engine two requests lighter; a long shared prefix stays.
+3. **A prompt mostly new to all of them** (a new prefix, or one evicted) goes to the least loaded (its prefill costs
+   the same anywhere), and of those where it costs the cache least (``room``): the engine with free room for it, or
+   else the one whose blocks it would evict were used longest ago (the index keeps each engine's blocks in the
+   order the engine last told them: on each request's arrival). So the prefixes in use spread over the engines'
+   caches as over one cache. This gateway counts the prompts it placed as held until the engine tells of them
+   (``PLACED_TTL``). Engines with as much room: rendezvous hashing of the first block none holds, which every
+   gateway computes the same.
+4. **A prompt mostly cached on several** (a prefix several hold): if this gateway has requests of that prefix in
+   flight (a hot prefix), the least loaded of them, as the load policy would; otherwise the one that has held the
+   prefix's deepest common block longest (then rendezvous hashing of that block), so a copy a spill made ages out of
+   the other cache instead of taking its room.
 
-Only the inputs differ between gateways: the events each has received (the same, a step late at most) and the loads
-(each engine reports them to every gateway; a gateway adds its own requests sent since). So two gateways route a
-prefix to the same engine unless their views of the loads differ: one sees that engine at the bound, or more than
-``TIE_SLACK`` busier than another that holds as much.
+Only the inputs differ between gateways: the events each has received (the same, a step late at most), the loads,
+and the prompts each placed in the last ``PLACED_TTL`` seconds. So two gateways route a cached prefix to the same
+engine unless their views of the loads differ (one sees that engine at the bound or far busier; a hot prefix is
+shared by load). The first requests of a new prefix that reach two gateways before its engine has told of it
+(an engine tells between two steps) may go to two engines: the next requests go to the one that held it first.
 
 A prompt shorter than one block, an engine that publishes no events (``kv_block_size`` 0, a standalone
 ``--engine``), and pooling requests are routed by load. Hashing walks the prompt's blocks only while some engine
@@ -30,6 +40,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,6 +57,7 @@ class EngineConnection(Protocol):
 
     endpoint: str
     outstanding: int
+    sent_since_stats: int
     hello: EngineHello | None
     stats: EngineStats | None
 
@@ -57,14 +70,20 @@ class EngineConnection(Protocol):
 log = logging.getLogger("zserve.gateway.routing")
 
 ROUTING_POLICIES = ("prefix", "load", "round-robin")
-DEFAULT_MAX_SHARE = 1.5
-TIE_SLACK = 1  # requests of load by which engines holding most of a prompt count as equally loaded
+DEFAULT_MAX_SHARE = 1.75  # 1.5 spills uniform traffic at random peaks (see the module docstring)
+ACTIVE_WINDOW = 1.0  # seconds: engines that told a prefix's blocks within this of the last to tell serve it now
+# Prompt tokens one request in flight on an engine is worth against the tokens its cache saves a request (the
+# compute it holds a newcomer up by: a cached request's suffix and output): a conversation's short turn moves to an
+# engine two requests lighter, a long shared prefix stays unless its engine is eight busier (the bound comes first).
+LOAD_TOKENS = 128
+PLACED_TTL = 2.0  # seconds a gateway counts a new prompt it placed as held, before the engine's events tell it
 # Why an engine was chosen (the metric's ``reason`` label):
-#   cache — it holds the longest run of the prompt's blocks; hash — a tie broken by rendezvous hashing (a new
-#   prefix, or one several engines hold); bound — an engine holding more was at the bound; load — least load
+#   cache — it holds the longest run of the prompt's blocks; room — a prompt new to every engine, placed where it
+#   evicts the least recently used blocks (or none); hash — a tie broken by rendezvous hashing (engines with as
+#   much room, or a prefix several hold); bound — an engine holding more was at the bound; load — least load
 #   (the load policy, a prompt under a block, no events, or the lightest of several holding most of the prompt);
 #   round-robin.
-ROUTING_REASONS = ("cache", "hash", "bound", "load", "round-robin")
+ROUTING_REASONS = ("cache", "room", "hash", "bound", "load", "round-robin")
 _M64 = (1 << 64) - 1
 
 
@@ -76,10 +95,12 @@ def _mix(x: int) -> int:
 
 
 def busy(eng: EngineConnection) -> int:
-    """An engine's load for the bound: its running and waiting requests as it last reported them, or this gateway's
-    own requests on it if more (sent since its report)."""
+    """An engine's load for the bound: its running and waiting requests as it last reported them with this gateway's
+    own sent since that report (every gateway sees the same reports; counting only them, all would send to an
+    engine that reported little until its next report), or this gateway's requests on it if more."""
     st = eng.stats
-    return max(eng.outstanding, st.running + st.waiting if st is not None else 0)
+    reported = st.running + st.waiting if st is not None else 0
+    return max(eng.outstanding, reported + eng.sent_since_stats)
 
 
 class Router:
@@ -96,6 +117,25 @@ class Router:
         self.on_decision = on_decision  # (model, reason, engine rank): the gateway's metrics
         self._turn = 0
         self._failed = False
+        # Blocks of prompts new to every engine this gateway placed lately, by engine: (until when, blocks).
+        self._placed: dict[str, deque[tuple[float, int]]] = {}
+        self.key: int | None = None  # the prefix the last pick placed a prompt by (its deepest block held)
+        self._inflight: Counter[int] = Counter()  # this gateway's requests in flight, by that prefix
+
+    def placed(self, eng: EngineConnection) -> int | None:
+        """The last pick's request was sent: count it in flight under its prefix (returned, for ``left``)."""
+        key, self.key = self.key, None
+        if key is not None:
+            self._inflight[key] += 1
+        return key
+
+    def left(self, key: int) -> None:
+        """A request ``placed`` returned ``key`` for ended (or went to another engine)."""
+        n = self._inflight[key] - 1
+        if n > 0:
+            self._inflight[key] = n
+        else:
+            del self._inflight[key]
 
     def pick(self, ready: list[EngineConnection], prompt: Sequence[int] | None, model: str | None,
              lora: str | None) -> EngineConnection:
@@ -121,6 +161,21 @@ class Router:
             if chosen is not None:
                 return chosen
         return self._least_loaded(ready), "load"
+
+    def _room(self, eng: EngineConnection, follower: KvFollower | None, need: int, now: float) -> tuple[int, float]:
+        """How little ``need`` more blocks would cost ``eng`` (the least is best): ``(0, -free blocks left)`` while
+        its cache has room for them, else ``(1, when it last used the last block it would evict)``. The blocks
+        this gateway placed there that the engine has not told of yet count as held."""
+        if follower is None:
+            return (0, 0.0)
+        placed = self._placed.get(eng.endpoint)
+        while placed and placed[0][0] < now:
+            placed.popleft()
+        state = follower.state
+        held = len(state.blocks) + (sum(n for _, n in placed) if placed else 0)
+        total = getattr(eng.stats, "kv_blocks_total", 0) or held
+        over = held + need - total
+        return (0, float(over)) if over <= 0 else (1, state.stalest(over))
 
     def _least_loaded(self, ready: list[EngineConnection]) -> EngineConnection:
         least = min(e.load for e in ready)
@@ -154,24 +209,56 @@ class Router:
             for i in alive:
                 matched[i] = b + 1
         best = max(matched[i] for i in eligible)
+        bounded = max(matched) > best  # an engine holding more is at the bound
         tied = [i for i in eligible if matched[i] == best]
         reason = "cache" if best else "hash"
-        key = hashes[min(best, len(hashes) - 1)]  # the first block none of the tied holds (or the prompt's last)
-        if len(tied) > 1:
-            # Several hold as much: those within TIE_SLACK of the least loaded (new prefixes are not piled onto a
-            # busier engine); a prompt mostly cached on each (a prefix several hold) keeps one engine by its deepest
-            # block they all hold, so a copy a spill made ages out of the other cache instead of taking its room.
+        if best and 2 * best >= len(prompt) // bs:
+            # Cached mostly, on engines busier than another by more requests than the tokens it saves are worth:
+            # the engine where the request costs least, counting LOAD_TOKENS a request in flight.
+            costs = {i: (best - matched[i]) * bs + LOAD_TOKENS * loads[i] for i in eligible}
+            cheapest = min(costs.values())
+            if min(costs[i] for i in tied) > cheapest:
+                tied = [i for i in eligible if costs[i] == cheapest]
+                best, reason = max(matched[i] for i in tied), "load"
+                tied = [i for i in tied if matched[i] == best]
+        # Rendezvous hashing's key: the first block none of the tied holds (or the prompt's last), the same for every
+        # request of a new prefix; the prefix a request is counted in flight under: its deepest block they hold.
+        hkey = hashes[min(best, len(hashes) - 1)]
+        key = hashes[best - 1] if best else hkey
+        mostly_new = 2 * best < len(prompt) // bs
+        if len(tied) > 1 and not mostly_new:
+            # Mostly cached on several. A prefix this gateway has requests of in flight (a hot one) is shared by
+            # load, as the load policy would; otherwise the one holding its deepest block they all hold longest
+            # keeps it (then by that block's rendezvous hash), so a copy a spill made ages out of the other cache
+            # instead of taking its room.
+            if self._inflight.get(key):
+                least = min(ready[i].load for i in tied)
+                lighter = [i for i in tied if ready[i].load == least]
+                if len(lighter) < len(tied):
+                    tied, reason = lighter, "load"
+            held_since = [held[i].state.since.get(key, math.inf) for i in tied]  # type: ignore[union-attr]
+            tied = [i for i, t in zip(tied, held_since) if t == min(held_since)]
+            hkey = key
+        elif len(tied) > 1:
+            # Mostly new to all of them: the least loaded (its prefill costs the same anywhere), and of those the
+            # one where it evicts what was used longest ago (or nothing).
             least = min(loads[i] for i in tied)
-            lighter = [i for i in tied if loads[i] <= least + TIE_SLACK]
-            if len(lighter) < len(tied):
-                tied, reason = lighter, "load"
-            if 2 * best >= len(prompt) // bs:
-                key = hashes[best - 1]
+            if any(loads[i] > least for i in tied):
+                tied, reason = [i for i in tied if loads[i] == least], "load"
+            if len(tied) > 1:
+                need, now = len(prompt) // bs - best, time.monotonic()
+                rooms = [self._room(ready[i], held[i], need, now) for i in tied]
+                tied = [i for i, room in zip(tied, rooms) if room == min(rooms)]
+                reason = "room" if len(tied) < len(rooms) else "hash"
         if len(tied) == 1:
             i = tied[0]
         else:
-            i = max(tied, key=lambda j: (_mix(key ^ _mix(ready[j].rank or 0)), ready[j].endpoint))
-            reason = "hash" if reason != "load" else reason
-        if max(matched) > best:
+            i = max(tied, key=lambda j: (_mix(hkey ^ _mix(ready[j].rank or 0)), ready[j].endpoint))
+            reason = "hash" if reason == "cache" else reason
+        if mostly_new:
+            self._placed.setdefault(ready[i].endpoint, deque()).append((time.monotonic() + PLACED_TTL,
+                                                                         len(prompt) // bs - matched[i]))
+        if bounded:
             reason = "bound"
+        self.key = key
         return ready[i], reason

@@ -168,15 +168,16 @@ def decode_batch(payload: bytes) -> tuple[float, list[KvEvent]]:
 STORED, REMOVED, CLEARED = 0, 1, 2
 
 
-def block_changes(payload: bytes) -> list[tuple[int, list[int]]]:
-    """What a batch does to the set of cached blocks, as ``(STORED | REMOVED | CLEARED, block hashes)``: a router's
-    reading of ``decode_batch``, which checks only what it uses (an engine's token ids cost it 10 times more to
-    check than to read). ``ProtocolError`` for a batch that is not one."""
+def block_changes(payload: bytes) -> tuple[float, list[tuple[int, list[int]]]]:
+    """When a batch was published and what it does to the set of cached blocks, as ``(STORED | REMOVED | CLEARED,
+    block hashes)``: a router's reading of ``decode_batch``, which checks only what it uses (an engine's token ids
+    cost it 10 times more to check than to read). ``ProtocolError`` for a batch that is not one."""
     try:
         body = msgpack.unpackb(payload, strict_map_key=True)
     except (ValueError, msgpack.UnpackException, TypeError) as e:
         raise ProtocolError(f"not a msgpack event batch: {e}") from None
-    check(isinstance(body, list) and len(body) >= 2 and isinstance(body[1], list), "an event batch is [ts, [events]]")
+    check(isinstance(body, list) and len(body) >= 2 and isinstance(body[0], (int, float))
+          and isinstance(body[1], list), "an event batch is [ts, [events]]")
     out: list[tuple[int, list[int]]] = []
     for e in body[1]:
         check(isinstance(e, list) and e and isinstance(e[0], str), "an event is [tag, fields...]")
@@ -188,7 +189,7 @@ def block_changes(payload: bytes) -> list[tuple[int, list[int]]]:
         hashes = e[1]
         check(isinstance(hashes, list) and all(type(h) is int for h in hashes), "block_hashes must be integers")
         out.append((STORED if tag == "BlockStored" else REMOVED, hashes))
-    return out
+    return float(body[0]), out
 
 
 def replay_endpoint(endpoint: str) -> str:

@@ -51,23 +51,28 @@ def main() -> None:
     prefixes = [[rng.randrange(50000) for _ in range(args.prefix_len)] for _ in range(8)]
     prompts = [p + [rng.randrange(50000) for _ in range(args.prompt_len - args.prefix_len)]
                for p in prefixes for _ in range(8)]
-    engines = [SimpleNamespace(endpoint=f"e{i}", rank=i, outstanding=0, load=0,
+    engines = [SimpleNamespace(endpoint=f"e{i}", rank=i, outstanding=0, sent_since_stats=0, load=0,
                                hello=SimpleNamespace(kv_block_size=BS, model_id="m"),
                                stats=SimpleNamespace(running=2, waiting=0)) for i in range(args.engines)]
     followers = {e.endpoint: SimpleNamespace(state=EngineBlocks()) for e in engines}
     for k, p in enumerate(prefixes):  # each prefix held by one engine, as prefix routing leaves them
-        followers[engines[k % len(engines)].endpoint].state.blocks.update(prefix_hashes(p, BS, root))
+        followers[engines[k % len(engines)].endpoint].state.blocks.update(dict.fromkeys(prefix_hashes(p, BS, root), 0.0))
     prefix, load = Router("prefix", followers=followers), Router("load", followers=followers)
     pick_prefix = per_call(lambda i: prefix.pick(engines, prompts[i % len(prompts)], "m", None), args.n)
     pick_load = per_call(lambda i: load.pick(engines, prompts[i % len(prompts)], "m", None), args.n)
 
-    # A request's events: a BlockStored per block its prefill filled (its suffix, the prefix being cached) and
-    # as many BlockRemoved when they are evicted.
+    # A request's events: on arrival one BlockStored of its prompt's full blocks (told again when cached: a touch),
+    # and a BlockRemoved per block evicted for the blocks it filled.
     new_blocks = -(-(args.prompt_len - args.prefix_len) // BS)
-    stored = encode_batch([BlockStored((rng.getrandbits(63),), None, tuple(range(BS)), BS) for _ in range(new_blocks)])
-    removed = encode_batch([BlockRemoved((rng.getrandbits(63),)) for _ in range(new_blocks)])
-    cold = encode_batch([BlockStored((rng.getrandbits(63),), None, tuple(range(BS)), BS)
-                         for _ in range(args.prompt_len // BS)])
+    n_blocks = args.prompt_len // BS
+    cached = prefix_hashes(prefixes[0], BS, root)
+
+    def arrival(hashes):
+        return encode_batch([BlockStored(tuple(hashes), root, tuple(range(BS * len(hashes))), BS)])
+
+    stored = arrival([*cached, *(rng.getrandbits(63) for _ in range(n_blocks - len(cached)))])
+    removed = encode_batch([BlockRemoved(tuple(rng.getrandbits(63) for _ in range(new_blocks)))])
+    cold = arrival([rng.getrandbits(63) for _ in range(n_blocks)])
     st = EngineBlocks()
     apply_warm = per_call(lambda i: (st.apply(stored), st.apply(removed)), args.n // 4)
     apply_cold = per_call(lambda i: st.apply(cold), args.n // 4)
@@ -78,9 +83,9 @@ def main() -> None:
     print(f"| load policy: pick | {pick_load:.1f} | 1.00x |")
     print(f"| prefix policy: pick (hash {args.prefix_len // BS + 1} blocks, score) | {pick_prefix:.1f} | "
           f"{pick_prefix / pick_load:.1f}x |")
-    print(f"| events of a request with its prefix cached ({new_blocks} stored + {new_blocks} removed) | "
+    print(f"| events of a request with its prefix cached ({n_blocks} told stored, {new_blocks} removed) | "
           f"{apply_warm:.1f} | {apply_warm / pick_load:.1f}x |")
-    print(f"| events of a cold request ({args.prompt_len // BS} blocks stored) | {apply_cold:.1f} | "
+    print(f"| events of a cold request ({n_blocks} blocks stored) | {apply_cold:.1f} | "
           f"{apply_cold / pick_load:.1f}x |")
 
 

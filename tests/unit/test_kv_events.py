@@ -158,8 +158,43 @@ def test_the_fast_readings_agree_with_the_format():
     assert prefix_hashes(tokens, 16, chain_root("m")) != chained
     from protocol.kv_events import CLEARED, REMOVED, STORED, block_changes
 
-    payload = encode_batch([BlockStored((1, 2), None, tuple(range(8)), 4), BlockRemoved((2,)), AllBlocksCleared()])
-    assert block_changes(payload) == [(STORED, [1, 2]), (REMOVED, [2]), (CLEARED, [])]
-    for bad in (b"\x01", msgpack.packb([0.0, [["BlockStored", ["x"]]]]), msgpack.packb([0.0, [["Nope", []]]])):
+    payload = encode_batch([BlockStored((1, 2), None, tuple(range(8)), 4), BlockRemoved((2,)), AllBlocksCleared()],
+                           ts=5.5)
+    assert block_changes(payload) == (5.5, [(STORED, [1, 2]), (REMOVED, [2]), (CLEARED, [])])
+    for bad in (b"\x01", msgpack.packb(["late", []]), msgpack.packb([0.0, [["BlockStored", ["x"]]]]),
+                msgpack.packb([0.0, [["Nope", []]]])):
         with pytest.raises(ProtocolError):
             block_changes(bad)
+
+
+def test_a_prompt_is_told_stored_on_arrival_touched_again_and_taken_back_if_it_never_runs():
+    from engine_worker.sequence import Sequence
+    from engine_worker.scheduler import Scheduler
+    from tests.unit.test_scheduler import FakeRunner, _run_step
+    from protocol import SamplingParams
+
+    s = Scheduler(FakeRunner(), max_num_seqs=1, max_num_batched_tokens=64)
+    events: list = []
+    s.block_manager.events = events
+    prompt = list(range(10, 22))  # three full blocks of 4, and one more token
+    expected = prefix_hashes(prompt, 4, chain_root(""))
+
+    def stored():
+        return [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+
+    s.add(Sequence("a", [*prompt, 1], SamplingParams(max_tokens=1)))
+    assert stored() == expected and events[0].parent_block_hash == chain_root("")
+    assert list(events[0].token_ids) == prompt  # vLLM's fields: an external router reads the tokens too
+    s.add(Sequence("b", [*prompt, 2], SamplingParams(max_tokens=1)))  # the same prefix, waiting behind a
+    s.add(Sequence("c", [*prompt[:8], 9, 9, 9, 9, 3], SamplingParams(max_tokens=1)))  # shares two blocks
+    c_hashes = prefix_hashes([*prompt[:8], 9, 9, 9, 9], 4, chain_root(""))
+    assert stored() == [*expected, *expected, *c_hashes]  # each arrival tells (or touches) its prompt's blocks
+    events.clear()
+    _run_step(s)  # a computes its blocks and finishes: nothing told again, nothing taken back
+    assert events == []
+    c_own = c_hashes[2]
+    s.abort("c")  # c computed nothing: its own block is taken back, the shared ones stay (a computed them)
+    assert events == [BlockRemoved((c_own,))]
+    events.clear()
+    s.abort("b")
+    assert events == []  # b's blocks are a's, computed and cached
