@@ -240,13 +240,16 @@ class Router:
             tied = [i for i, t in zip(tied, held_since) if t == min(held_since)]
             hkey = key
         elif len(tied) > 1:
-            # Mostly new to all of them: the least loaded (its prefill costs the same anywhere), and of those the
-            # one where it evicts what was used longest ago (or nothing).
+            # Mostly new to all of them: its prefill costs the same anywhere, what it evicts does not. Of those no
+            # busier than the least loaded by more than half its prefill is worth (a short prompt: none), the one
+            # where it evicts what was used longest ago (or nothing).
+            need = len(prompt) // bs - best
             least = min(loads[i] for i in tied)
-            if any(loads[i] > least for i in tied):
-                tied, reason = [i for i in tied if loads[i] == least], "load"
+            slack = need * bs // (2 * LOAD_TOKENS)
+            if any(loads[i] > least + slack for i in tied):
+                tied, reason = [i for i in tied if loads[i] <= least + slack], "load"
             if len(tied) > 1:
-                need, now = len(prompt) // bs - best, time.monotonic()
+                now = time.monotonic()
                 rooms = [self._room(ready[i], held[i], need, now) for i in tied]
                 tied = [i for i, room in zip(tied, rooms) if room == min(rooms)]
                 reason = "room" if len(tied) < len(rooms) else "hash"
