@@ -15,11 +15,11 @@ With an ``events`` list, every block registered, evicted or forgotten is told th
 request arrives (``announce``), not a step or a queue later when they are computed: a router then sends the same
 prefix here from the start (the engine computes it once and shares it), and every gateway knows before the next
 request of that prefix comes; a request that ends before computing them takes them back (``retract``: BlockRemoved).
-Blocks a request finds cached are told stored again (a touch), so a router knows which ones this engine used last. Full blocks stay registered under their hash after
-their request ends; a later request whose prompt starts with the same tokens takes those blocks
-(reference-counted, shared, never written again) and skips their prefill. Free blocks wait in
-one LRU queue; a cached block is evicted (its hash forgotten) only when the queue reaches it and
-a block is needed. Hash keys hold the full ``(parent, tokens)`` tuple, so two different prefixes
+Blocks a request finds cached are told stored again (a touch), so a router knows which ones this engine used last.
+Full blocks stay registered under their hash after their request ends; a later request whose prompt starts with
+the same tokens takes those blocks (reference-counted, shared, never written again) and skips their prefill. Free
+blocks wait in one LRU queue; a cached block is evicted (its hash forgotten) only when the queue reaches it and a
+block is needed. Hash keys hold the full ``(parent, tokens)`` tuple, so two different prefixes
 never share a block even if their 64-bit hashes collide.
 """
 

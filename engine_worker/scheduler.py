@@ -127,17 +127,18 @@ class Scheduler:
             return f"prompt has {len(seq.prompt_ids)} tokens{resumed}; this engine's context is {max_len}"
         if seq.lora is not None and (missing := self.lora_missing(seq.lora)) is not None:
             return missing
-        if self.block_manager.enable_prefix_caching:
-            root = self._root(seq)
-            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, self.block_manager.block_size, root)
         if seq.sampling.structured is not None and seq.grammar is None:
             if self.grammars is None:
                 return "structured output is not available on this engine"
             seq.grammar = self.grammars.start(seq.sampling.structured)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            root = self._root(seq)
+            seq.prompt_block_hashes = block_hashes(seq.prompt_ids, bm.block_size, root)
+            if not seq.wants_prompt_logprobs:  # (those compute every block)
+                seq.announced = bm.announce(seq.prompt_block_hashes, seq.prompt_ids, root, seq.lora)
         self._enqueue(seq, front=False)
         self.by_id[seq.request_id] = seq
-        if seq.prompt_block_hashes and not seq.wants_prompt_logprobs:  # (those compute every block)
-            seq.announced = self.block_manager.announce(seq.prompt_block_hashes, seq.prompt_ids, root, seq.lora)
         return None
 
     def lora_missing(self, name: str) -> str | None:

@@ -464,7 +464,6 @@ class EngineClient:
             ready = self._ready_by_model[model, lora] = [e for e in self._ready if e.serves(model, lora)]
         if exclude:
             ready = [e for e in ready if e.endpoint not in exclude]
-        self.router.key = None
         if len(ready) == 1:
             return ready[0]
         if not ready:

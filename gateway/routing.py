@@ -71,7 +71,6 @@ log = logging.getLogger("zserve.gateway.routing")
 
 ROUTING_POLICIES = ("prefix", "load", "round-robin")
 DEFAULT_MAX_SHARE = 1.75  # 1.5 spills uniform traffic at random peaks (see the module docstring)
-ACTIVE_WINDOW = 1.0  # seconds: engines that told a prefix's blocks within this of the last to tell serve it now
 # Prompt tokens one request in flight on an engine is worth against the tokens its cache saves a request (the
 # compute it holds a newcomer up by: a cached request's suffix and output): a conversation's short turn moves to an
 # engine two requests lighter, a long shared prefix stays unless its engine is eight busier (the bound comes first).
@@ -81,8 +80,8 @@ PLACED_TTL = 2.0  # seconds a gateway counts a new prompt it placed as held, bef
 #   cache — it holds the longest run of the prompt's blocks; room — a prompt new to every engine, placed where it
 #   evicts the least recently used blocks (or none); hash — a tie broken by rendezvous hashing (engines with as
 #   much room, or a prefix several hold); bound — an engine holding more was at the bound; load — least load
-#   (the load policy, a prompt under a block, no events, or the lightest of several holding most of the prompt);
-#   round-robin.
+#   (the load policy, a prompt under a block, no events; a cached prompt whose engine is busier than its cache is
+#   worth; a new prompt; a hot prefix several engines hold); round-robin.
 ROUTING_REASONS = ("cache", "room", "hash", "bound", "load", "round-robin")
 _M64 = (1 << 64) - 1
 
@@ -119,15 +118,18 @@ class Router:
         self._failed = False
         # Blocks of prompts new to every engine this gateway placed lately, by engine: (until when, blocks).
         self._placed: dict[str, deque[tuple[float, int]]] = {}
-        self.key: int | None = None  # the prefix the last pick placed a prompt by (its deepest block held)
+        # The last prefix pick: (the engine, the prefix it placed the prompt by: its deepest block held).
+        self._last: tuple[EngineConnection, int] | None = None
         self._inflight: Counter[int] = Counter()  # this gateway's requests in flight, by that prefix
 
     def placed(self, eng: EngineConnection) -> int | None:
-        """The last pick's request was sent: count it in flight under its prefix (returned, for ``left``)."""
-        key, self.key = self.key, None
-        if key is not None:
-            self._inflight[key] += 1
-        return key
+        """A request was sent to ``eng``: if the last pick chose it (not a pick without the router: one engine), count
+        it in flight under its prefix, returned for ``left``."""
+        last, self._last = self._last, None
+        if last is None or last[0] is not eng:
+            return None
+        self._inflight[last[1]] += 1
+        return last[1]
 
     def left(self, key: int) -> None:
         """A request ``placed`` returned ``key`` for ended (or went to another engine)."""
@@ -173,7 +175,7 @@ class Router:
             placed.popleft()
         state = follower.state
         held = len(state.blocks) + (sum(n for _, n in placed) if placed else 0)
-        total = getattr(eng.stats, "kv_blocks_total", 0) or held
+        total = (eng.stats.kv_blocks_total if eng.stats is not None else 0) or held
         over = held + need - total
         return (0, float(over)) if over <= 0 else (1, state.stalest(over))
 
@@ -208,11 +210,12 @@ class Router:
                 break
             for i in alive:
                 matched[i] = b + 1
+        n = len(prompt) // bs  # the prompt's full blocks
         best = max(matched[i] for i in eligible)
         bounded = max(matched) > best  # an engine holding more is at the bound
         tied = [i for i in eligible if matched[i] == best]
         reason = "cache" if best else "hash"
-        if best and 2 * best >= len(prompt) // bs:
+        if best and 2 * best >= n:
             # Cached mostly, on engines busier than another by more requests than the tokens it saves are worth:
             # the engine where the request costs least, counting LOAD_TOKENS a request in flight.
             costs = {i: (best - matched[i]) * bs + LOAD_TOKENS * loads[i] for i in eligible}
@@ -225,7 +228,7 @@ class Router:
         # request of a new prefix; the prefix a request is counted in flight under: its deepest block they hold.
         hkey = hashes[min(best, len(hashes) - 1)]
         key = hashes[best - 1] if best else hkey
-        mostly_new = 2 * best < len(prompt) // bs
+        mostly_new = 2 * best < n
         if len(tied) > 1 and not mostly_new:
             # Mostly cached on several. A prefix this gateway has requests of in flight (a hot one) is shared by
             # load, as the load policy would; otherwise the one holding its deepest block they all hold longest
@@ -243,7 +246,7 @@ class Router:
             # Mostly new to all of them: its prefill costs the same anywhere, what it evicts does not. Of those no
             # busier than the least loaded by more than half its prefill is worth (a short prompt: none), the one
             # where it evicts what was used longest ago (or nothing).
-            need = len(prompt) // bs - best
+            need = n - best
             least = min(loads[i] for i in tied)
             slack = need * bs // (2 * LOAD_TOKENS)
             if any(loads[i] > least + slack for i in tied):
@@ -259,9 +262,8 @@ class Router:
             i = max(tied, key=lambda j: (_mix(hkey ^ _mix(ready[j].rank or 0)), ready[j].endpoint))
             reason = "hash" if reason == "cache" else reason
         if mostly_new:
-            self._placed.setdefault(ready[i].endpoint, deque()).append((time.monotonic() + PLACED_TTL,
-                                                                         len(prompt) // bs - matched[i]))
+            self._placed.setdefault(ready[i].endpoint, deque()).append((time.monotonic() + PLACED_TTL, n - matched[i]))
         if bounded:
             reason = "bound"
-        self.key = key
+        self._last = (ready[i], key)
         return ready[i], reason

@@ -53,10 +53,12 @@ def main() -> None:
                for p in prefixes for _ in range(8)]
     engines = [SimpleNamespace(endpoint=f"e{i}", rank=i, outstanding=0, sent_since_stats=0, load=0,
                                hello=SimpleNamespace(kv_block_size=BS, model_id="m"),
-                               stats=SimpleNamespace(running=2, waiting=0)) for i in range(args.engines)]
+                               stats=SimpleNamespace(running=2, waiting=0, kv_blocks_total=0))
+               for i in range(args.engines)]
     followers = {e.endpoint: SimpleNamespace(state=EngineBlocks()) for e in engines}
     for k, p in enumerate(prefixes):  # each prefix held by one engine, as prefix routing leaves them
-        followers[engines[k % len(engines)].endpoint].state.blocks.update(dict.fromkeys(prefix_hashes(p, BS, root), 0.0))
+        held = followers[engines[k % len(engines)].endpoint].state
+        held.apply(encode_batch([BlockStored(tuple(prefix_hashes(p, BS, root)), root, tuple(p), BS)]))
     prefix, load = Router("prefix", followers=followers), Router("load", followers=followers)
     pick_prefix = per_call(lambda i: prefix.pick(engines, prompts[i % len(prompts)], "m", None), args.n)
     pick_load = per_call(lambda i: load.pick(engines, prompts[i % len(prompts)], "m", None), args.n)

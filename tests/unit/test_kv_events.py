@@ -168,10 +168,10 @@ def test_the_fast_readings_agree_with_the_format():
 
 
 def test_a_prompt_is_told_stored_on_arrival_touched_again_and_taken_back_if_it_never_runs():
-    from engine_worker.sequence import Sequence
     from engine_worker.scheduler import Scheduler
-    from tests.unit.test_scheduler import FakeRunner, _run_step
+    from engine_worker.sequence import Sequence
     from protocol import SamplingParams
+    from tests.unit.test_scheduler import FakeRunner, _run_step
 
     s = Scheduler(FakeRunner(), max_num_seqs=1, max_num_batched_tokens=64)
     events: list = []
@@ -198,3 +198,5 @@ def test_a_prompt_is_told_stored_on_arrival_touched_again_and_taken_back_if_it_n
     events.clear()
     s.abort("b")
     assert events == []  # b's blocks are a's, computed and cached
+    refused = Sequence("d", [5] * 12, SamplingParams(max_tokens=1, structured=("regex", "a+")))
+    assert s.add(refused) is not None and events == []  # a request the engine refuses tells nothing

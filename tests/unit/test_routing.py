@@ -192,7 +192,6 @@ def test_a_prefix_several_engines_hold_keeps_the_one_holding_it_longest_unless_i
     assert r.pick(es, prompt(3, 98), MODEL, None).rank == 1
     key = r.placed(es[1])
     assert r.pick(es, prompt(3, 99), MODEL, None).rank == 0 and r.decisions[-1] == ("load", 0)
-    r.key = None  # (that one was not sent)
     r.left(key)
     assert r.pick(es, prompt(3, 99), MODEL, None).rank == 1, "no longer in flight: the senior copy again"
     es[1].outstanding = es[1].load = 0
