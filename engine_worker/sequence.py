@@ -38,6 +38,8 @@ class Sequence:
     grammar: object | None = None  # structured output: its ``grammar.GrammarHandle``
     pool: PoolRequest | None = None  # an embedding request: run the prompt, return its last hidden state
     lora: str | None = None  # the LoRA adapter it runs with (``engine_worker.lora``); None: the base model
+    tenant: str = ""  # who sent it (``zserve.tenants``); "": no tenants file. ``engine_worker.fairness`` shares by it
+    weight: float = 1.0  # its tenant's scheduling weight
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     # Prompt logprobs gathered chunk by chunk until they go out with the first token.

@@ -193,7 +193,8 @@ class EngineServer:
             code = ERR_LORA_NOT_LOADED  # the gateway's 404, as for a model it does not know
         elif err is None:
             err = add(Sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
-                               output_ids=list(msg.output_token_ids), lora=msg.lora))
+                               output_ids=list(msg.output_token_ids), lora=msg.lora,
+                               tenant=msg.tenant, weight=msg.weight))
             if err is None:
                 self.requests[msg.request_id] = client
         if err is not None:

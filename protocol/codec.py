@@ -6,8 +6,8 @@ tokens, and a migrated AddRequest's generated tokens after them, ``n_output`` of
 frame holding eight arrays back to back, whose sizes the header's ``lens`` gives: tokens, logprobs,
 top ids, top logprobs, then the same three for prompt logprobs and the prompt tokens' ranks;
 PoolOutputs: every output's vector, one after another), so a 4k-token prompt costs one memcpy instead
-of a JSON array. An AddRequest's header has ``lora`` only when the request names an adapter. Nothing
-here can execute code from a frame: no pickle, no eval.
+of a JSON array. An AddRequest's header has ``lora`` only when the request names an adapter, and ``tenant``
+and ``weight`` only when it has a tenant. Nothing here can execute code from a frame: no pickle, no eval.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def encode(msg: Message) -> list[bytes]:
         }
         if msg.lora is not None:  # only when set: a base-model request's header stays as it was
             head["lora"] = msg.lora
+        if msg.tenant:  # likewise: only with a tenants file
+            head["tenant"], head["weight"] = msg.tenant, msg.weight
         if msg.output_token_ids:  # a migrated request: its generated tokens follow the prompt's in the frame
             head["n_output"] = len(msg.output_token_ids)
             return [_header(msg, head), _pack("i", msg.prompt_token_ids + msg.output_token_ids)]
@@ -237,8 +239,11 @@ def _decode_pooled(head: dict, frames: Sequence[bytes | memoryview]) -> PoolOutp
 
 
 def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:
-    if set(head) - {"n_output", "lora"} != {"request_id", "n_prompt", "sampling", "trace_id"}:
-        raise ProtocolError("add needs exactly request_id, n_prompt, sampling, trace_id (and n_output, lora)")
+    if set(head) - {"n_output", "lora", "tenant", "weight"} != {"request_id", "n_prompt", "sampling", "trace_id"}:
+        raise ProtocolError("add needs exactly request_id, n_prompt, sampling, trace_id (and n_output, lora, tenant, "
+                            "weight)")
+    if ("tenant" in head) != ("weight" in head) or not isinstance(head.get("tenant", ""), str):
+        raise ProtocolError("tenant and weight come together, tenant a name")
     if "lora" in head and not isinstance(head["lora"], str):
         raise ProtocolError("lora must be an adapter name when present")
     n_output = head.get("n_output", 0)
@@ -250,7 +255,7 @@ def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:
     ids = _prompt_frame(head, frames, "add", n_output)
     n = len(ids) - n_output
     return AddRequest(head["request_id"], ids[:n], SamplingParams.from_wire(head["sampling"]), head["trace_id"],
-                      ids[n:], head.get("lora"))
+                      ids[n:], head.get("lora"), head.get("tenant", ""), head.get("weight", 1.0))
 
 
 def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOutputs:

@@ -17,10 +17,13 @@ from typing import Any, ClassVar
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 from .validate import ProtocolError, check, is_int, is_num
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 MAX_REQUEST_ID_LEN = 128
 MAX_LORA_NAME_LEN = 256
+MAX_TENANT_NAME_LEN = 64
+# A tenant's scheduling weight: its share of a contended engine's tokens (``engine_worker.fairness``).
+MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 0.01, 1000.0
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_LOGPROBS = 20
@@ -65,6 +68,13 @@ def valid_lora_name(value: object) -> bool:
     """A LoRA adapter's name as requests and the command line give it (it is also a served model name):
     1..256 printable characters."""
     return isinstance(value, str) and 0 < len(value) <= MAX_LORA_NAME_LEN and value.isprintable()
+
+
+def valid_tenant_name(value: object) -> bool:
+    """A tenant's name (``zserve.tenants``): 1..64 characters of letters, digits and ``-_.:@``; it labels metrics,
+    so nothing that needs quoting."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_TENANT_NAME_LEN and value.isascii() \
+        and all(c.isalnum() or c in "-_.:@" for c in value)
 
 
 def _check_request_id(rid: object) -> None:
@@ -273,11 +283,18 @@ class AddRequest(Message):
     output_token_ids: tuple[int, ...] = ()
     # The LoRA adapter (loaded on the engine by this name) the request runs through; None: the base model.
     lora: str | None = None
+    # Who sent it (``zserve.tenants``) and that tenant's scheduling weight: an engine whose queue is contended admits
+    # by weighted fairness of tokens served between tenants (``engine_worker.fairness``). "": no tenants file.
+    tenant: str = ""
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
         check(isinstance(self.prompt_token_ids, tuple) and len(self.prompt_token_ids) > 0,
               "prompt_token_ids must not be empty")
+        check(self.tenant == "" or valid_tenant_name(self.tenant), "tenant must be a tenant's name, or empty")
+        check(is_num(self.weight) and MIN_TENANT_WEIGHT <= self.weight <= MAX_TENANT_WEIGHT,
+              f"weight must be a number in [{MIN_TENANT_WEIGHT}, {MAX_TENANT_WEIGHT}]")
         check(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
         check(self.trace_id is None or valid_trace_id(self.trace_id), "trace_id must be printable, at most 128 chars")
         _check_token_ids(self.output_token_ids, "output_token_ids")

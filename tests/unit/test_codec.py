@@ -58,6 +58,7 @@ SAMPLES = [
     AddRequest("req-4", (7,), SamplingParams(structured=("json", '{"type": "object"}'))),
     AddRequest("req-5", (7, 8), lora="sql-lora"),
     AddRequest("req-6", (7, 8), SamplingParams(max_tokens=9), output_token_ids=(4, 5), lora="org/adapter v2"),
+    AddRequest("req-7", (7, 8), tenant="team-a", weight=2.5),
     EngineHello(rank=0, model_id="e", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
                 pid=42, device="cpu", dtype="float32", tasks=("embed",), embed_size=384),
     EngineHello(rank=0, model_id="c", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
@@ -95,6 +96,20 @@ def test_an_add_requests_lora_adapter_travels_in_its_header_only_when_set():
         assert ei.value.request_id == "r"
     with pytest.raises(ProtocolError, match="lora must be"):
         AddRequest("r", (1,), lora="")
+
+
+def test_an_add_requests_tenant_travels_only_with_a_tenants_file_and_is_checked():
+    plain, named = encode(AddRequest("r", (1, 2))), encode(AddRequest("r", (1, 2), tenant="team-a", weight=3))
+    assert b"tenant" not in plain[0] and b"weight" not in plain[0]
+    assert (decode(named).tenant, decode(named).weight, decode(plain).tenant) == ("team-a", 3, "")
+    h = orjson.loads(named[0])
+    for change, words in [({"tenant": "a b"}, "tenant must be"), ({"tenant": 7}, "tenant and weight"),
+                          ({"weight": 0}, "weight must be"), ({"weight": "2"}, "weight must be"),
+                          ({"weight": 1e9}, "weight must be")]:
+        with pytest.raises(ProtocolError, match=words):
+            decode([orjson.dumps({**h, **change}), named[1]])
+    with pytest.raises(ProtocolError, match="tenant and weight"):
+        decode([orjson.dumps({k: v for k, v in h.items() if k != "weight"}), named[1]])
 
 
 def _header(**kw) -> bytes:
