@@ -138,7 +138,7 @@ class Engine:
                     if tokenizer_json is not None else None)
         scheduler = Scheduler(runner, cfg.max_num_seqs, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
                               enable_prefix_caching=cfg.enable_prefix_caching, grammars=grammars,
-                              loras=runner.loras)
+                              loras=runner.loras, fair=cfg.scheduling == "fair")
         hello = EngineHello(
             rank=rank,
             model_id=loaded.model_id,

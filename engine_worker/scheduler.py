@@ -6,8 +6,9 @@ Every step, within a token budget (``max_num_batched_tokens``):
    prompt never stalls the streams already flowing);
 2. running sequences still in prefill feed their next prompt chunk (chunked prefill);
 3. waiting requests are admitted in order of ``priority`` (lower first, default 0), then first
-   come, first served, while there is budget, a free sequence slot (``max_num_seqs``) and KV
-   blocks. A request whose prompt starts with cached
+   come, first served — or, while requests of several tenants are here, from the tenant furthest below its
+   weighted share of tokens served first (``engine_worker.fairness``) — while there is budget, a free sequence
+   slot (``max_num_seqs``) and KV blocks. A request whose prompt starts with cached
    blocks (automatic prefix caching) takes them and prefills only the rest.
 
 When a running sequence needs a KV block and none is free, the newest running sequence not yet
@@ -41,6 +42,7 @@ and the benchmarks. It touches no sockets and no tensors, so it can be tested in
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -51,6 +53,7 @@ from protocol.kv_events import chain_root
 
 from .block_manager import BlockManager, block_hashes
 from .expert_parallel import GroupLost
+from .fairness import Fairness
 from .grammar import Grammars
 from .pooling import shape_embedding
 from .runner import SampleOut, SeqInput
@@ -89,8 +92,10 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, runner: Executor, max_num_seqs: int, max_num_batched_tokens: int, *,
                  enable_prefix_caching: bool = True, grammars: Grammars | None = None,
-                 loras: LoraManager | None = None):
-        """``loras``: the runner's adapters (``ModelRunner.loras``); None: requests for adapters are refused."""
+                 loras: LoraManager | None = None, fair: bool = True):
+        """``loras``: the runner's adapters (``ModelRunner.loras``); None: requests for adapters are refused.
+        ``fair``: requests of several tenants are admitted by weighted fairness (``engine_worker.fairness``); off:
+        by priority and arrival only (``--scheduling fifo``)."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.runner = runner
@@ -105,6 +110,7 @@ class Scheduler:
         self.grammars = grammars
         self.loras = loras
         self.lora_closing: set[str] = set()  # unloaded while requests still use them: dropped once they end
+        self.fairness = Fairness() if fair else None
         # An engine operation waits for the started requests (``operations``): those not started stay queued.
         self.hold_new = False
         self._failed: list[Sequence] = []  # ended while waiting (their grammar failed), reported by step()
@@ -139,6 +145,8 @@ class Scheduler:
                 seq.announced = bm.announce(seq.prompt_block_hashes, seq.prompt_ids, root, seq.lora)
         self._enqueue(seq, front=False)
         self.by_id[seq.request_id] = seq
+        if self.fairness is not None:
+            self.fairness.arrived(seq.tenant)
         return None
 
     def lora_missing(self, name: str) -> str | None:
@@ -213,6 +221,8 @@ class Scheduler:
         seq = self.by_id.pop(request_id, None)
         if seq is None:
             return None
+        if self.fairness is not None:
+            self.fairness.left(seq.tenant)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -331,35 +341,47 @@ class Scheduler:
         reported by ``step``."""
         loras = self.loras
         adapters = {s.lora for s in self.running if s.lora is not None} if loras is not None else set()
+        fair = self.fairness if self.fairness is not None and self.fairness.contended else None
+        best: Sequence | None = None
+        seen: set[str] = set()  # (fair) tenants whose first runnable request was found
         for seq in list(self.waiting):
+            if fair is not None and seq.tenant in seen:
+                continue  # (the queue is in priority order: a tenant's first runnable request is its best)
             if self.hold_new and seq.status is not SequenceStatus.PREEMPTED and not seq.output_ids:
                 continue
             if (loras is not None and seq.lora is not None and seq.lora not in adapters
                     and len(adapters) >= loras.max_loras):
                 continue
             g = seq.grammar
-            if g is None:
+            if g is not None:
+                if not g.ready:
+                    continue
+                if g.error is None and g.accepted < len(seq.output_ids):
+                    g.replay(seq.output_ids[g.accepted:])  # a migrated request: the tokens it generated elsewhere
+                if g.error is not None:
+                    self.abort(seq.request_id)
+                    seq.finish_reason = "error"
+                    self._failed.append(seq)
+                    continue
+            if fair is None:
                 return seq
-            if not g.ready:
-                continue
-            if g.error is None and g.accepted < len(seq.output_ids):
-                g.replay(seq.output_ids[g.accepted:])  # a migrated request: the tokens it generated elsewhere
-            if g.error is None:
-                return seq
-            self.abort(seq.request_id)
-            seq.finish_reason = "error"
-            self._failed.append(seq)
-        return None
+            seen.add(seq.tenant)
+            if best is None or fair.counter(seq.tenant) < fair.counter(best.tenant):
+                best = seq  # the tenant furthest below its share (ties: the earlier in the queue)
+        return best
 
     def _reserve(self, seq: Sequence, n: int, chosen: dict[int, tuple[Sequence, int]]) -> bool:
         """Give ``seq`` the blocks for ``n`` more tokens, preempting the newest unscheduled
         running sequences while none are free. False when ``seq`` itself was preempted."""
         need = self.block_manager.blocks_needed(seq.num_computed + n) - len(seq.block_table)
         while need > 0 and not self.block_manager.can_allocate(need):
-            candidates = [(s.sampling.priority, i, s) for i, s in enumerate(self.running) if id(s) not in chosen]
+            fair = self.fairness if self.fairness is not None and self.fairness.contended else None
+            candidates = [(fair.counter(s.tenant) if fair is not None else 0.0, s.sampling.priority, i, s)
+                          for i, s in enumerate(self.running) if id(s) not in chosen]
             if not candidates:
                 return False
-            victim = max(candidates, key=lambda c: c[:2])[2]  # lowest priority, then newest
+            # the tenant furthest above its share (with several), then the lowest priority, then the newest
+            victim = max(candidates, key=lambda c: c[:3])[3]
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -389,6 +411,7 @@ class Scheduler:
         seq.num_computed = cached
         if seq.status is SequenceStatus.WAITING:  # first admission
             seq.num_cached_tokens = cached
+            seq.queue_time = time.monotonic() - seq.arrival
             if use_cache:
                 bm.record_lookup(len(seq.prompt_ids), min(cached, len(seq.prompt_ids)))
         if seq.wants_prompt_logprobs:
@@ -444,8 +467,11 @@ class Scheduler:
             if seq.is_finished:
                 continue  # aborted between schedule and update
             n = len(inp.new_token_ids)
-            if seq.num_computed < len(seq.prompt_ids):
-                self.prompt_tokens += min(n, len(seq.prompt_ids) - seq.num_computed)
+            prompt = min(n, len(seq.prompt_ids) - seq.num_computed) if seq.num_computed < len(seq.prompt_ids) else 0
+            self.prompt_tokens += prompt
+            if self.fairness is not None:
+                self.fairness.served(seq.tenant, seq.weight, prompt, 1 if res is not None and res.token_id is not None
+                                     else 0)
             seq.num_computed += n
             self._cache_full_blocks(seq)
             if res is not None and res.prompt is not None and seq.prompt_lps is not None:
@@ -463,7 +489,8 @@ class Scheduler:
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
                 self.running.remove(seq)
-                self.by_id.pop(seq.request_id, None)
+                if self.by_id.pop(seq.request_id, None) is not None and self.fairness is not None:
+                    self.fairness.left(seq.tenant)
                 self._release(seq)
         return outputs
 
@@ -508,6 +535,7 @@ class Scheduler:
             num_cached_tokens=seq.num_cached_tokens if first else 0,
             error=seq.grammar.error if seq.finish_reason == "error" else None,  # type: ignore[union-attr]
             error_code=ERR_STRUCTURED_OUTPUT if seq.finish_reason == "error" else None,  # only a grammar errs here
+            queue_time=seq.queue_time if first and seq.tenant else None,  # per-tenant queue time (with tenants only)
         )
 
     def _cache_full_blocks(self, seq: Sequence) -> None:

@@ -40,6 +40,7 @@ class Sequence:
     lora: str | None = None  # the LoRA adapter it runs with (``engine_worker.lora``); None: the base model
     tenant: str = ""  # who sent it (``zserve.tenants``); "": no tenants file. ``engine_worker.fairness`` shares by it
     weight: float = 1.0  # its tenant's scheduling weight
+    queue_time: float | None = None  # seconds from arrival to its first admission
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     # Prompt logprobs gathered chunk by chunk until they go out with the first token.

@@ -9,8 +9,9 @@
   counted, shaped and carries the request id; a request whose client left before its answer ended is counted
   as 499, nginx's status for it, never as a server error): API keys (``gateway.security``), then
   ``--max-concurrent-requests`` (past it a request is refused at once with 429 and ``Retry-After``
-  rather than queued without bound), then the body's read deadline (``gateway.body_timeout``), so no
-  stranger's body is read.
+  rather than queued without bound), then the limits of the key's tenant (``gateway.tenancy``: a 429 with
+  OpenAI's rate-limit headers, which every response of a limited tenant carries), then the body's read deadline
+  (``gateway.body_timeout``), so no stranger's body is read.
 - last, a hold on the request's model that waits (a resize, a rolling restart of its only engine):
   ``serving.admission.admit`` raises ``ScalingPaused``, and the request, body read and concurrency slot kept,
   waits up to ``--scaling-wait`` for that model's hold to end and is then served again from the top; past
@@ -36,6 +37,7 @@ from .metrics import CLIENT_CLOSED_REQUEST, client_left, record_request
 from .security import CorsPolicy, Keys, authorize
 from .serving.admission import ScalingPaused
 from .state import STATE
+from .tenancy import SERVED, Served, Tenancy
 
 # Liveness and monitoring stay answerable when the gateway is full: a load balancer must see it alive.
 UNLIMITED_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/is_paused", "/status",
@@ -52,14 +54,24 @@ class Guard:
     """What ``gateway_middleware`` enforces (keys, the concurrency limit), and how many requests it is letting
     through now."""
 
-    def __init__(self, keys: Keys, metrics_auth: bool, max_concurrent: int | None):
+    def __init__(self, keys: Keys, metrics_auth: bool, max_concurrent: int | None, tenancy: Tenancy | None = None):
         self.keys = keys
         self.metrics_auth = metrics_auth
         self.max_concurrent = max_concurrent
         self.active = 0
+        self.tenancy = tenancy  # the tenants' limits and accounting; used while the keys name tenants
+
+    async def admit(self, request: web.Request, tenant) -> Served | None:
+        """A request of a tenant (a tenants file is in force) is admitted against its limits: its ``Served``."""
+        if tenant is None or self.tenancy is None or not self.keys.tenants.tenants or request.path in UNLIMITED_PATHS:
+            return None
+        served = await self.tenancy.admit(tenant)
+        request[SERVED_KEY] = served
+        return served
 
 
 GUARD: web.AppKey[Guard] = web.AppKey("zserve_guard", Guard)
+SERVED_KEY: web.RequestKey[Served] = web.RequestKey("zserve_served", Served)
 
 
 @web.middleware
@@ -81,7 +93,7 @@ async def gateway_middleware(request: web.Request, handler):
         try:
             try:
                 guard = request.app[GUARD]
-                authorize(request, guard.keys, guard.metrics_auth)
+                tenant = authorize(request, guard.keys, guard.metrics_auth)
                 counted = guard.max_concurrent is not None and request.path not in UNLIMITED_PATHS
                 if counted:
                     if guard.active >= guard.max_concurrent:
@@ -89,7 +101,10 @@ async def gateway_middleware(request: web.Request, handler):
                                             "(--max-concurrent-requests); retry shortly", code="too_many_requests",
                                        headers={"Retry-After": "1"})
                     guard.active += 1
+                served = None
                 try:
+                    if (served := await guard.admit(request, tenant)) is not None:
+                        SERVED.set(served)  # (the handler runs in this task's context)
                     await read_body(request)
                     try:
                         resp = await handler(request)
@@ -98,6 +113,9 @@ async def gateway_middleware(request: web.Request, handler):
                 finally:
                     if counted:
                         guard.active -= 1
+                    if served is not None:
+                        served.ended()
+                        SERVED.set(None)
             except Exception as e:
                 # A write to a client that left (a stream's) raises ConnectionResetError: nothing can be sent, and
                 # the answer aiohttp tries to send of this status goes nowhere, quietly.
@@ -143,6 +161,9 @@ async def response_headers(request: web.Request, response: web.StreamResponse) -
     rid = request.get(RID)
     if rid is not None:
         response.headers["X-Request-Id"] = rid
+    served = request.get(SERVED_KEY)
+    if served is not None and served.verdict is not None:
+        response.headers.update(served.verdict.headers())
     if request.method != "OPTIONS":  # a preflight's CORS headers are its own
         request.app[CORS].decorate(request, response)
     if request.app[STATE].draining:

@@ -187,7 +187,8 @@ class GatewayLaunch:
     control_socket: str | None = None  # the supervisor's control socket (control routes send commands there)
     shutdown_timeout: float = 30.0
     heartbeat_interval: float = 1.0
-    key_file: str | None = None  # digests of the API and admin keys (gateway.security)
+    key_file: str | None = None  # digests of the API and admin keys, and the tenants (gateway.security)
+    quota_dir: str | None = None  # where this host's gateways keep each tenant's limits (gateway.quota)
     keys_dir: str | None = None  # CURVE key directory (zserve.curve) for engines on other hosts
     responses_db: str | None = None  # the SQLite file every gateway of this host shares
     engines: tuple[str, ...] = ()  # engine endpoints, for a gateway no supervisor tells (it sends cluster state)
@@ -201,7 +202,7 @@ class GatewayLaunch:
                                                                                 "GatewayModel")
         object.__setattr__(self, "models", models)
         check(isinstance(self.config, GatewayConfig), "config must be a GatewayConfig")
-        for name in ("cache_dir", "control_socket", "key_file", "keys_dir", "responses_db"):
+        for name in ("cache_dir", "control_socket", "key_file", "quota_dir", "keys_dir", "responses_db"):
             check(optional_text(getattr(self, name)), f"{name} must be a path or null")
         check(is_seconds(self.shutdown_timeout, 0, 86400), "shutdown_timeout must be seconds in 0..86400")
         check(is_seconds(self.heartbeat_interval, 0.01, 3600), "heartbeat_interval must be seconds in 0.01..3600")

@@ -74,6 +74,7 @@ from zserve.curve import CurveKeys, is_tcp, secure_client
 from .kv_index import KvFollower
 from .logs import REQUEST_ID
 from .routing import Router
+from .tenancy import SERVED, Served
 
 log = logging.getLogger("zserve.gateway.engines")
 
@@ -265,10 +266,10 @@ class _Stream:
     """One request in flight on an engine."""
 
     __slots__ = ("request_id", "sink", "frames", "model", "engine", "route_key", "started", "busy", "refused", "add",
-                 "generated", "migrations", "wait_until")
+                 "generated", "migrations", "wait_until", "served")
 
     def __init__(self, request_id: str, sink: OutputSink, frames: list[bytes], model: str | None,
-                 add: AddRequest | None = None):
+                 add: AddRequest | None = None, served: Served | None = None):
         self.request_id = request_id
         self.sink = sink
         self.frames = frames  # the encoded request, resent on a hand-back
@@ -282,6 +283,7 @@ class _Stream:
         self.generated: list[int] = []  # the tokens its sink has been given (with migration on)
         self.migrations = 0  # times it moved to another engine
         self.wait_until: float | None = None  # migrating with no engine left: waits for one until then
+        self.served = served  # its tenant (``gateway.tenancy``), charged each generated token
 
 
 class EngineClient:
@@ -613,6 +615,10 @@ class EngineClient:
         st.started = True
         if type(out) is RequestOutput:
             finish = out.finish_reason
+            if st.served is not None:
+                st.served.generated(len(out.new_token_ids))
+                if out.queue_time is not None:
+                    st.served.queued(out.queue_time)
             if finish == "error":
                 self._end(st, EngineRequestError(out.error or "the engine failed the request", out.error_code))
                 return
@@ -815,13 +821,20 @@ class EngineClient:
         """Send a generation request (through LoRA adapter ``lora`` of ``model``'s engines, or the base model); its
         outputs go to ``sink``. Raises ``NoEngineAvailable`` when no engine of ``model`` can take it now (nothing is
         left in flight then)."""
+        served = SERVED.get()
+        tenant, weight = ("", 1.0) if served is None else served.engine_tenant
+        if served is not None and (priority := served.tenant.request_priority(sampling.priority)) != sampling.priority:
+            sampling = replace(sampling, priority=priority)
         # Encoded (and so checked) before it is registered: a request the wire refuses must not stay in flight.
-        add = AddRequest(request_id, tuple(prompt_token_ids), sampling, REQUEST_ID.get(), lora=lora)
-        self._submit(request_id, encode(add), sink, model, add)
+        add = AddRequest(request_id, tuple(prompt_token_ids), sampling, REQUEST_ID.get(), lora=lora, tenant=tenant,
+                         weight=weight)
+        self._submit(request_id, encode(add), sink, model, add, served)
+        if served is not None:
+            served.prompt(len(prompt_token_ids))
 
     def _submit(self, request_id: str, frames: list[bytes], sink: OutputSink, model: str | None,
-                add: AddRequest | None = None) -> None:
-        st = _Stream(request_id, sink, frames, model, add)
+                add: AddRequest | None = None, served: Served | None = None) -> None:
+        st = _Stream(request_id, sink, frames, model, add, served)
         try:
             self._send(st)
         except EnginesBusy:
@@ -832,8 +845,8 @@ class EngineClient:
                 raise
             self._streams[request_id] = st
             self._park(st, wait)  # sent once the engine greets this gateway; failed if it does not in time
-            return
-        self._streams[request_id] = st
+        else:
+            self._streams[request_id] = st
 
     def rank_of(self, request_id: str) -> int | None:
         """The rank of the engine a request in flight is on (None: waiting for one, or ended)."""
@@ -894,8 +907,10 @@ class EngineClient:
         request an engine refuses or loses before answering goes to another engine."""
         frames = encode(PoolRequest(request_id, tuple(prompt_token_ids), task, normalize, dimensions, pair_start,
                                     REQUEST_ID.get()))
-        waiter = _Waiter()
-        self._submit(request_id, frames, waiter, model)
+        waiter, served = _Waiter(), SERVED.get()
+        self._submit(request_id, frames, waiter, model, None, served)
+        if served is not None:
+            served.prompt(len(prompt_token_ids))
         try:
             out = await waiter.future
         finally:

@@ -34,6 +34,7 @@ from protocol import EngineStats
 
 from .metric_buffers import BufferedCounter, BufferedGauge, BufferedHistogram
 from .state import STATE
+from .tenancy import TenantMetrics
 from .vllm_metrics import VllmRequestMetrics, engine_families
 
 log = logging.getLogger("zserve.gateway")
@@ -88,10 +89,11 @@ class Recorder:
             "and reason (gateway.routing: cache, hash, bound, load, round-robin).", ["model", "engine", "reason"],
             registry=registry))
         self.vllm = VllmRequestMetrics(registry)
-        self._all = (self.http_requests, self.http_duration, self.ttft, self.inter_token, self.prompt_tokens,
-                     self.generation_tokens, self.in_flight, self.migrations, self.migrations_exhausted,
-                     self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens, self.routing_decisions,
-                     self.vllm)
+        self.tenants = TenantMetrics(registry)
+        self._all = (*self.tenants.all, self.http_requests, self.http_duration, self.ttft, self.inter_token,
+                     self.prompt_tokens, self.generation_tokens, self.in_flight, self.migrations,
+                     self.migrations_exhausted, self.lora_requests, self.lora_prompt_tokens,
+                     self.lora_generation_tokens, self.routing_decisions, self.vllm)
 
     def migration(self, cause: str, moved: bool) -> None:
         """A request lost its engine while streaming (``EngineClient.on_migration``)."""

@@ -13,6 +13,10 @@ digest is compared, so timing says nothing about which key nearly matched).
 - ``--admin-key``: routes marked ``@admin_route`` (pause, resume, and any later admin route) need it; an
   API key is refused there (403), and the admin key is not an API key. Without an admin key, admin
   routes are refused whenever API keys are set (an API key must not pause the cluster).
+- ``--tenants FILE`` (``zserve.tenants``): each tenant's keys are API keys that name the tenant (its limits,
+  models, weight); a tenant marked ``admin`` may call admin routes too. ``authorize`` answers which tenant a request
+  is served for: ``DEFAULT`` for an ``--api-key`` key or when no key is configured, None for the admin key and the
+  routes that take no key.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
+
+from zserve.tenants import DEFAULT, Tenant, Tenants
 
 from .errors import APIError
 
@@ -46,18 +52,25 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def write_key_file(path: str, api_keys: tuple[str, ...], admin_keys: tuple[str, ...]) -> None:
-    """The digests of the keys, readable by this user only (the supervisor writes it; gateways read it)."""
-    body = orjson.dumps({"api": [_digest(k).hex() for k in api_keys], "admin": [_digest(k).hex() for k in admin_keys]})
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def write_key_file(path: str, api_keys: tuple[str, ...], admin_keys: tuple[str, ...],
+                   tenants: Tenants | None = None) -> None:
+    """The digests of the keys and the tenants (whose keys are digests already), readable by this user only (the
+    supervisor writes it; gateways read it). Written whole and renamed into place, so a gateway that reads it
+    while the tenants are reloaded reads the old file or the new one."""
+    body = orjson.dumps({"api": [_digest(k).hex() for k in api_keys], "admin": [_digest(k).hex() for k in admin_keys],
+                         "tenants": tenants.to_json() if tenants is not None else []})
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(body)
+    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
 class Keys:
     api: tuple[bytes, ...] = ()
     admin: tuple[bytes, ...] = ()
+    tenants: Tenants = Tenants()
 
     @classmethod
     def load(cls, path: str | None) -> Keys:
@@ -65,11 +78,26 @@ class Keys:
             return cls()
         with open(path, "rb") as f:
             d = orjson.loads(f.read())
-        return cls(tuple(bytes.fromhex(h) for h in d["api"]), tuple(bytes.fromhex(h) for h in d["admin"]))
+        return cls(tuple(bytes.fromhex(h) for h in d["api"]), tuple(bytes.fromhex(h) for h in d["admin"]),
+                   Tenants.from_json(d.get("tenants", [])))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_tenant_keys", tuple(self.tenants.by_digest().items()))
 
     @property
     def enabled(self) -> bool:
-        return bool(self.api or self.admin)
+        return bool(self.api or self.admin or self.tenants.tenants)
+
+    def tenant_of(self, presented: str | None) -> Tenant | None:
+        """The tenant whose key was presented (every stored digest compared, in constant time each)."""
+        if presented is None:
+            return None
+        d = _digest(presented)
+        found = None
+        for stored, tenant in self._tenant_keys:  # type: ignore[attr-defined]
+            if hmac.compare_digest(d, stored):
+                found = tenant
+        return found
 
     @staticmethod
     def matches(presented: str | None, digests: tuple[bytes, ...]) -> bool:
@@ -92,18 +120,27 @@ def presented_key(request: web.Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-def authorize(request: web.Request, keys: Keys, metrics_auth: bool) -> None:
-    """Raise the 401/403 ``APIError`` a request without the right key gets; return if it may go on."""
-    if not keys.enabled or request.method == "OPTIONS" or request.path in PUBLIC_PATHS or request.path in DOCS_PATHS \
+def authorize(request: web.Request, keys: Keys, metrics_auth: bool) -> Tenant | None:
+    """Raise the 401/403 ``APIError`` a request without the right key gets; if it may go on, the tenant it is served
+    for (None: the admin key, or a route that takes no key)."""
+    if not keys.enabled:
+        return DEFAULT
+    if request.method == "OPTIONS" or request.path in PUBLIC_PATHS or request.path in DOCS_PATHS \
             or request.path.startswith("/docs/assets/"):
-        return
+        return None
     if request.path == "/metrics" and not metrics_auth:
-        return
+        return None
     handler = request.match_info.handler
     key = presented_key(request)
+    tenant = keys.tenant_of(key)
     if getattr(handler, _ADMIN_ATTR, False):
         if Keys.matches(key, keys.admin):
-            return
+            return None
+        if tenant is not None and tenant.admin:
+            return tenant
+        if tenant is not None:
+            raise APIError(403, f"this is an admin route, and tenant {tenant.name!r} may not call admin routes",
+                           code="admin_key_required")
         if not keys.admin:
             raise APIError(403, "admin routes need the admin key, and this server has none (--admin-key)",
                            code="admin_key_required")
@@ -112,8 +149,10 @@ def authorize(request: web.Request, keys: Keys, metrics_auth: bool) -> None:
                            code="admin_key_required")
         raise APIError(401, "a valid admin key is required (Authorization: Bearer ADMIN_KEY)", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
-    if not keys.api or Keys.matches(key, keys.api):
-        return
+    if tenant is not None:
+        return tenant
+    if (not keys.api and not keys.tenants.tenants) or Keys.matches(key, keys.api):
+        return DEFAULT
     said = "no API key was given" if key is None else "the API key is not valid"
     raise APIError(401, f"{said}: send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

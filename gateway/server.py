@@ -51,9 +51,11 @@ from .config import GatewayLaunch
 from .engine_client import EngineClient, ModelEngines
 from .metrics import RECORDER
 from .plugins import PluginContext, check_disabled, describe, installed_plugin_names, load_plugins
+from .quota import open_quota
 from .security import CorsPolicy, Keys
 from .state import GatewayState, ServedModel, load_text
 from .store import open_store
+from .tenancy import Tenancy
 from .text.reasoning import get_reasoning_parser
 from .text.tool_parsers import get_tool_parser
 
@@ -125,10 +127,12 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
     engines.migration_wait, engines.on_migration = cfg.scaling_wait, RECORDER.migration
     engines.router.policy, engines.router.max_share = cfg.routing_policy, cfg.routing_max_share
     engines.router.on_decision = RECORDER.routing
+    # Each tenant's limits are kept for every gateway of the host (and, with --state-url redis://, of every host).
+    tenancy = Tenancy(open_quota(a.quota_dir, a.index, cfg.state_url) if a.quota_dir else None, RECORDER.tenants)
+    guard = Guard(Keys.load(a.key_file), cfg.metrics_auth, cfg.max_concurrent_requests, tenancy)
     with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
         app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
-                        PluginContext(state, cfg),
-                        guard=Guard(Keys.load(a.key_file), cfg.metrics_auth, cfg.max_concurrent_requests),
+                        PluginContext(state, cfg), guard=guard,
                         cors=CorsPolicy(cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers,
                                         cfg.allow_credentials))
     if a.index == 0:  # every gateway mounts the same: say it once
@@ -138,7 +142,12 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
             log.info("disabled route families: %s (their routes answer 404)", ", ".join(cfg.disabled_families))
     tasks: list[asyncio.Task] = []
 
+    keys_version = 0
+
     async def apply(cluster: ClusterState) -> None:
+        nonlocal keys_version
+        if cluster.keys_version != keys_version and a.key_file:  # the tenants were reloaded: the file is new
+            guard.keys, keys_version = Keys.load(a.key_file), cluster.keys_version
         await engines.apply_cluster(cluster)
         # Acknowledge once the engines the supervisor calls ready answer here too (they bound their socket
         # before saying so: a hello follows within milliseconds), so "every gateway applied it" means routable.
@@ -194,6 +203,7 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
         t.cancel()
     await engines.close()
     await state.responses.close()
+    await tenancy.close()
     return code
 
 

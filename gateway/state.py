@@ -28,6 +28,7 @@ from zserve.tokenizer import Tokenizer
 from .engine_client import EngineClient, ModelEngines
 from .errors import APIError
 from .store import ResponseStore
+from .tenancy import SERVED
 from .text.chat_template import ChatTemplate
 from .text.reasoning import ReasoningParser
 from .text.token_text import TokenText
@@ -169,6 +170,7 @@ class GatewayState:
 
     def for_model(self, name: str | None, task: str | tuple[str, ...] = ()) -> ModelState:
         """The state as a request for model ``name`` sees it: 404 ``model_not_found`` for a name no model has,
+        403 ``model_not_allowed`` for one its tenant may not use (``zserve.tenants``),
         400 ``unsupported_task`` for a model whose engines do none of ``task``. A request that names no model
         gets the first model made for ``task`` (an embedding model for embed, though a chat model embeds too),
         else the first that does it, else the first model."""
@@ -181,6 +183,10 @@ class GatewayState:
             view = self._views.get(name)  # type: ignore[assignment]
             if view is None:
                 raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        served = SERVED.get()
+        if served is not None and not served.tenant.may_use(view.name):
+            raise APIError(403, f"tenant {served.tenant.name!r} may not use the model `{view.name}` (its models in the "
+                                "tenants file)", param="model", code="model_not_allowed")
         if tasks:
             view.check_task(*tasks)
         return view

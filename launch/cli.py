@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import shlex
 import sys
@@ -40,8 +41,9 @@ from protocol.control import (
 )
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, pools_only, resolve
-from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, EngineConfig, ModelSpec, parse_lora_module
+from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, SCHEDULING, EngineConfig, ModelSpec, parse_lora_module
 from zserve.proc import SECRET_OPTIONS, redact_option, set_title, setup_logging
+from zserve.tenants import BURST_SECONDS
 
 from .sockets import ListenError
 from .supervisor import EXIT_SUPERVISOR_FAILED, ServeConfig, StartupError, Supervisor
@@ -127,6 +129,11 @@ server_options = _options(
                  help="A file of API keys, one per line (# comments)."),
     click.option("--admin-key", "admin_keys", multiple=True, envvar=ADMIN_KEY_ENV, metavar="KEY",
                  help="The key of admin routes (/pause, /resume); API keys are refused there. Also ZSERVE_ADMIN_KEY."),
+    click.option("--tenants", "tenants", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                 help="A tenants file (TOML, docs/tenants.md): each tenant's keys (SHA-256 digests: `launch keys "
+                      "hash`), requests and tokens per minute, concurrent requests, scheduling weight and priority, "
+                      "models, admin. Limits hold across every gateway of the host, and of every host sharing "
+                      "--state-url redis://. Read again on SIGHUP and `launch reload`."),
     click.option("--metrics-auth/--no-metrics-auth", default=_GATEWAY.metrics_auth, show_default=True,
                  help="With API keys, /metrics needs one too (default: open to scrapers)."),
     click.option("--allowed-origins", callback=lambda c, p, v: _names(v), default=None,
@@ -212,6 +219,9 @@ engine_options = _options(
                  help="Requests an engine queues; past it the engine refuses more, and once every engine of the model "
                       "is full requests get 429. Each choice or pooled input of a request queues as one: a request "
                       "with more is a 400."),
+    click.option("--scheduling", type=click.Choice(SCHEDULING), default=_ENGINE.scheduling, show_default=True,
+                 help="How an engine admits a contended queue of requests from several tenants (--tenants): fair "
+                      "(weighted fairness of tokens served, then priority) or fifo (priority, then arrival)."),
     click.option("--expert-parallel", is_flag=True, default=_ENGINE.expert_parallel,
                  help="Mixture-of-experts models: the model's ENGINES engines form one expert-parallel group, each "
                       "holding a share of the experts (attention stays data parallel); resize it while serving with "
@@ -346,8 +356,8 @@ def engine(**options) -> None:
     serve(count=0, **options)
 
 
-@main.command("keys")
-@click.option("--dir", "directory", required=True, type=click.Path(file_okay=False),
+@main.group("keys", invoke_without_command=True)
+@click.option("--dir", "directory", default=None, type=click.Path(file_okay=False),
               help="Where to write the keys (created mode 0700; every file 0600; nothing is overwritten).")
 @click.option("--name", default=None, metavar="NAME",
               help="The gateway host the client key is for: its public key is written as authorized/NAME.key, the "
@@ -356,11 +366,18 @@ def engine(**options) -> None:
 @click.option("--client-only", is_flag=True,
               help="Write only another gateway host's client keypair and authorized/NAME.key: copy that file into "
                    "the engine host's authorized/ directory to let the host in.")
-def keys(directory: str, name: str | None, client_only: bool) -> None:
-    """Write CURVE keys for engines on other hosts: server.key[_secret] (the engine host's), client.key[_secret]
-    (a gateway host's) and authorized/NAME.key (what the engine host accepts). Give the directory as --keys to
-    `launch engine` and `launch api-server --engine`; a gateway host needs server.key and client.key_secret only."""
+@click.pass_context
+def keys(ctx: click.Context, directory: str | None, name: str | None, client_only: bool) -> None:
+    """Write CURVE keys for engines on other hosts (--dir): server.key[_secret] (the engine host's),
+    client.key[_secret] (a gateway host's) and authorized/NAME.key (what the engine host accepts). Give the
+    directory as --keys to `launch engine` and `launch api-server --engine`; a gateway host needs server.key and
+    client.key_secret only. `launch keys hash` prints an API key's digest for a tenants file."""
     from zserve.curve import CLIENT, write_keys
+
+    if ctx.invoked_subcommand is not None:
+        return
+    if directory is None:
+        raise click.UsageError("give --dir DIR to write CURVE keys, or `launch keys hash` for a tenant's key digest")
 
     if client_only and name is None:
         raise click.UsageError("--client-only needs --name NAME (e.g. the gateway host's name): the engine host "
@@ -376,11 +393,36 @@ def keys(directory: str, name: str | None, client_only: bool) -> None:
         click.echo(path)
 
 
+@keys.command("hash")
+@click.argument("key", required=False)
+@click.option("--new", is_flag=True, help="Make a new random API key: print it, then its digest.")
+def keys_hash(key: str | None, new: bool) -> None:
+    """Print the SHA-256 digest of API key KEY (read from standard input when not given, so it stays out of the
+    shell's history) for a tenants file's key_sha256; with --new, make a key first."""
+    import secrets
+
+    from zserve.tenants import key_digest
+
+    if new:
+        if key is not None:
+            raise click.UsageError("--new makes the key: give no KEY with it")
+        key = "sk-" + secrets.token_urlsafe(32)
+        click.echo(f"key:        {key}")
+        click.echo(f"key_sha256: {key_digest(key)}")
+        return
+    if key is None:
+        key = click.get_text_stream("stdin").readline().strip()
+    if not key or any(c.isspace() for c in key):
+        raise click.UsageError("an API key must be non-empty and hold no spaces")
+    click.echo(key_digest(key))
+
+
 def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_names: tuple[str, ...] = (),
           host: str = "127.0.0.1", port: int = 0, uds: str | None = None, ready_timeout: float,
           shutdown_timeout: float, heartbeat_timeout: float, log_level: str, api_keys: tuple[str, ...] = (),
-          api_key_file: str | None = None, admin_keys: tuple[str, ...] = (), bind: str | None = None,
-          remote_engines: tuple[str, ...] = (), keys_dir: str | None = None, insecure: bool = False,
+          api_key_file: str | None = None, admin_keys: tuple[str, ...] = (), tenants: str | None = None,
+          bind: str | None = None, remote_engines: tuple[str, ...] = (), keys_dir: str | None = None,
+          insecure: bool = False,
           exit_on_crash_loop: bool = False, lora_dirs: tuple[str, ...] = (), profiler_dir: str | None = None,
           kv_events_port: int | None = None, **tier_options) -> NoReturn:
     """Start a supervisor for COUNT gateways and ENGINES engines per model (0: a render server), serve until
@@ -402,11 +444,14 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
     if remote_engines and any(spec.engines for _, spec in served):
         raise click.UsageError("--engine runs no engine here: ID:engines=N does not go with it")
     api_keys = _keys(api_keys, api_key_file)
+    if tenants is not None:
+        _check_tenants(tenants)
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")
     logging.getLogger("zserve.launch").info("%s", _start_line())
-    cfg = ServeConfig(models=served, gateway=gateway, api_keys=api_keys, admin_keys=tuple(admin_keys), host=host,
+    cfg = ServeConfig(models=served, gateway=gateway, api_keys=api_keys, admin_keys=tuple(admin_keys),
+                      tenants=os.path.abspath(tenants) if tenants else None, host=host,
                       port=port, uds=uds, gateways=count, bind=bind, remote_engines=remote_engines,
                       keys_dir=keys_dir, kv_events_port=kv_events_port, ready_timeout=ready_timeout,
                       shutdown_timeout=shutdown_timeout,
@@ -543,6 +588,16 @@ def _models(models: tuple[str, ...], engine: EngineConfig, engines: int, names: 
     return served
 
 
+def _check_tenants(path: str) -> None:
+    """A tenants file that cannot be served stops the start (exit 2) with its file and line."""
+    from zserve.tenants import TenantsError, load_tenants
+
+    try:
+        load_tenants(path)
+    except TenantsError as e:
+        raise click.BadParameter(str(e), param_hint="--tenants") from None
+
+
 def _keys(given: tuple[str, ...], path: str | None) -> tuple[str, ...]:
     """The API keys of --api-key and --api-key-file; a usage error (that quotes no key) for a blank one."""
     keys = list(given)
@@ -664,11 +719,17 @@ def scale(tier: str, count: int, port: int, wait: bool, timeout: float, model: s
 @main.command("status")
 @port_option
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
-def status(port: int, as_json: bool) -> None:
+@click.option("--tenants", "tenants", is_flag=True,
+              help="Print each tenant's limits (--tenants FILE) and what it uses now instead: its requests and tokens "
+                   "buckets' levels and its requests in flight, across every gateway (and host, with Redis).")
+def status(port: int, as_json: bool, tenants: bool) -> None:
     """Print every process of a running server: tier, index, pid, state, restarts, uptime, load (and each engine's
     prefix-cache blocks and LoRA adapters)."""
-    reply = _status(port)
+    reply = _ask(port, StatusCommand(tenants=tenants), StatusReply) if tenants else _status(port)
     st = reply.to_wire()
+    if tenants and not as_json:
+        _print_tenants(reply.tenants or [])
+        return
     if as_json:
         import orjson
 
@@ -711,15 +772,40 @@ def status(port: int, as_json: bool) -> None:
                    f"{uptime:>8}  {load}")
 
 
+def _print_tenants(rows: list[dict]) -> None:
+    """``launch status --tenants``: a line per tenant, each limit as "left of limit" (a bucket's level) or "-"."""
+    if not rows:
+        click.echo("no tenants (start the server with --tenants FILE)")
+        return
+
+    def left(level, limit) -> str:
+        return "-" if limit is None else f"{max(0, math.floor(level or 0)):g}/{limit * BURST_SECONDS / 60:g}"
+
+    click.echo(f"{'TENANT':20} {'WEIGHT':>6} {'PRIO':>5} {'REQUESTS LEFT':>14} {'TOKENS LEFT':>16} {'IN FLIGHT':>10}  "
+               "STORE")
+    for t in rows:
+        flight = "-" if t["max_concurrent"] is None else f"{t.get('concurrent', 0)}/{t['max_concurrent']}"
+        click.echo(f"{t['name']:20} {t['weight']:>6g} {t['priority']:>5} "
+                   f"{left(t.get('requests'), t['requests_per_minute']):>14} "
+                   f"{left(t.get('tokens'), t['tokens_per_minute']):>16} {flight:>10}  {t.get('store', '-')}")
+    click.echo(f"(a bucket holds {BURST_SECONDS:g} s of its per-minute rate and refills continuously)")
+
+
 @main.command("reload")
 @port_option
 @click.option("--timeout", type=float, default=1800, show_default=True,
               help="Seconds to wait for every process to be replaced.")
-def reload(port: int | str, timeout: float) -> None:
+@click.option("--tenants-only", is_flag=True,
+              help="Only read the tenants file (--tenants) again: every gateway applies it, no process is replaced.")
+def reload(port: int | str, timeout: float, tenants_only: bool) -> None:
     """Replace every process one at a time, dropping no request (like SIGHUP to the supervisor): gateways
-    start before the old ones drain, engines drain before their replacements start."""
-    reply = _ask(port, ReloadCommand(), ReloadReply, timeout=timeout)
-    click.echo(f"reloaded: {reply.replaced} process(es) replaced in {reply.seconds:.1f}s")
+    start before the old ones drain, engines drain before their replacements start. The tenants file is read
+    again first; a malformed one refuses the reload and the tenants in force stay."""
+    reply = _ask(port, ReloadCommand(tenants_only), ReloadReply, timeout=timeout)
+    if tenants_only:
+        click.echo("reloaded: the tenants file is in force on every gateway")
+    else:
+        click.echo(f"reloaded: {reply.replaced} process(es) replaced in {reply.seconds:.1f}s")
 
 
 @main.command("stop")

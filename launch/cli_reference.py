@@ -32,6 +32,8 @@ ARGUMENTS = {
     ("launch scale", "tier"): "The tier to scale: the gateways (`api-server`) or one model's engines (`engine`).",
     ("launch scale", "count"): "How many processes the tier should have.",
     ("launch bench", "more_slos"): "More goodput SLOs, as `--goodput` takes them.",
+    ("launch keys hash", "key"): "The API key to hash; left out, it is read from standard input (kept out of the "
+                                 "shell's history).",
 }
 """Help of the commands' arguments, which click's arguments cannot carry; a new argument without one stops the
 generator."""

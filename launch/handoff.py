@@ -33,14 +33,16 @@ def gateway_launch(index: int, fd: int,
                    models: Iterable[tuple[ModelSource, tuple[str, ...], tuple[tuple[str, str], ...]]],
                    config: GatewayConfig, *, render_only: bool, cache_dir: str, control_socket: str,
                    shutdown_timeout: float, heartbeat_interval: float, responses_db: str,
-                   key_file: str | None = None, keys_dir: str | None = None) -> GatewayLaunch:
+                   key_file: str | None = None, quota_dir: str | None = None,
+                   keys_dir: str | None = None) -> GatewayLaunch:
     """One gateway's value: every gateway serves every model (``models``: each one's source, names and LoRA
-    adapters); ``key_file`` only when API or admin keys are set; ``keys_dir``: CURVE keys for engines on other
-    hosts."""
+    adapters); ``key_file`` only when API or admin keys or tenants are set, ``quota_dir`` only with tenants;
+    ``keys_dir``: CURVE keys for engines on other hosts."""
     return GatewayLaunch(index, fd, tuple(GatewayModel(source, tuple(names), loras) for source, names, loras in models),
                          config.replace(render_only=render_only), cache_dir=cache_dir, control_socket=control_socket,
                          shutdown_timeout=shutdown_timeout, heartbeat_interval=heartbeat_interval,
-                         key_file=key_file, keys_dir=keys_dir or None, responses_db=responses_db)
+                         key_file=key_file, quota_dir=quota_dir, keys_dir=keys_dir or None,
+                         responses_db=responses_db)
 
 
 def argv(value: EngineLaunch | GatewayLaunch) -> list[str]:

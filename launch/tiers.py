@@ -20,6 +20,8 @@ class ServeConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     api_keys: tuple[str, ...] = ()  # gateway.security: written as digests to a file only this user reads
     admin_keys: tuple[str, ...] = ()
+    # The tenants file (zserve.tenants): its keys, limits, weights; read again on SIGHUP and `launch reload`.
+    tenants: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None  # serve on this Unix socket instead of host:port

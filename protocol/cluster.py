@@ -97,6 +97,8 @@ class ClusterState:
     # weight version each model serves (``POST /update_weights``; "default" until one is given).
     sleeping: dict[str, int] = field(default_factory=dict)
     weight_versions: dict[str, str] = field(default_factory=dict)
+    # Bumped when the tenants were reloaded (``launch reload --tenants``, SIGHUP): gateways read the key file again.
+    keys_version: int = 0
 
     @property
     def paused(self) -> bool:
@@ -122,7 +124,7 @@ class ClusterState:
             raise TypeError("loras must be a list of adapters")
         state = cls(**{**d, "engines": engines, "holds": tuple(Hold.from_json(h) for h in holds),
                        "loras": tuple(LoraInfo(**a) for a in loras)})
-        for name in ("version", "gateways_desired", "engines_desired"):
+        for name in ("version", "gateways_desired", "engines_desired", "keys_version"):
             if not is_int(getattr(state, name)):
                 raise TypeError(f"{name} must be an int")
         if state.scaling not in SCALING_PHASES:

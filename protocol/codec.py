@@ -43,7 +43,8 @@ MAX_FRAMES = 8
 
 _BY_TYPE: dict[str, type[Message]] = {m.TYPE: m for m in ALL_MESSAGES}
 _LITTLE = sys.byteorder == "little"
-_OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "ec", "lp", "k", "nc", "plp", "pk", "pr"}  # one output's header
+# one output's header
+_OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "ec", "lp", "k", "nc", "plp", "pk", "pr", "qt"}
 
 
 def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
@@ -133,6 +134,8 @@ def _encode_outputs(msg: StepOutputs) -> list[bytes]:
             top_lps.extend(o.top_logprobs.logprobs)
         if o.num_cached_tokens:
             item["nc"] = o.num_cached_tokens
+        if o.queue_time is not None:
+            item["qt"] = round(o.queue_time, 6)
         if o.prompt_logprobs is not None:
             item["plp"] = len(o.prompt_logprobs)
             plps.extend(o.prompt_logprobs)
@@ -288,7 +291,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
             raise ProtocolError("output item token count does not match the tokens array")
         new = tuple(toks[t : t + n])
         t += n
-        if len(item) <= 5 and not item.keys() & _LOGPROB_KEYS and "ec" not in item:  # the common case, checked here
+        if len(item) <= 5 and not item.keys() & _SLOW_KEYS:  # the common case, checked here
             rid, finish, err = item.get("rid"), item.get("finish"), item.get("err")
             n_prompt, n_cached = item.get("np", 0), item.get("nc", 0)
             if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_LEN or (
@@ -347,6 +350,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
                 num_cached_tokens=item.get("nc", 0),
                 prompt_ranks=ranks,
                 error_code=item.get("ec"),
+                queue_time=item.get("qt"),
             )
         )
     if t != n_toks or lp != len(lps) or tp != len(top_ids) or pl != len(plps) or ptp != len(ptop_ids) \
@@ -356,6 +360,7 @@ def _decode_outputs(head: dict, frames: Sequence[bytes | memoryview]) -> StepOut
 
 
 _LOGPROB_KEYS = frozenset({"lp", "k", "plp", "pk", "pr"})
+_SLOW_KEYS = _LOGPROB_KEYS | {"ec", "qt"}  # an item with any of these takes the checked path
 
 
 def _refuse_plain(item: dict) -> None:

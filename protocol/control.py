@@ -34,7 +34,7 @@ from .validate import ProtocolError, check, is_int, is_nonneg, is_str, is_uint, 
 
 # 4: engine operations (sleep, weights, caches, profiling), aborts and the status reply's options; 3: LoRA adapters
 # (cluster state, engine reports, load/unload); 2: holds per (reason, model)
-CONTROL_VERSION = 4
+CONTROL_VERSION = 5
 MAX_LINE = 1 << 20  # a cluster state with many engines still fits
 
 
@@ -357,6 +357,10 @@ MAX_SCALE = 256
 @dataclass(frozen=True)
 class StatusCommand(ControlMessage):
     TYPE: ClassVar[str] = "status"
+    tenants: bool = False  # with each tenant's limits and current usage (``launch status --tenants``)
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.tenants, bool), "tenants must be a bool")
 
 
 @dataclass(frozen=True)
@@ -485,9 +489,14 @@ class AbortCommand(ControlMessage):
 
 @dataclass(frozen=True)
 class ReloadCommand(ControlMessage):
-    """Replace every process one at a time (like SIGHUP to the supervisor); answered when it is done."""
+    """Replace every process one at a time (like SIGHUP to the supervisor); answered when it is done. The tenants
+    file is read again first; with ``tenants_only``, that is all (answered once every gateway applied it)."""
 
     TYPE: ClassVar[str] = "reload"
+    tenants_only: bool = False
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.tenants_only, bool), "tenants_only must be a bool")
 
 
 @dataclass(frozen=True)
@@ -573,9 +582,15 @@ class StatusReply(ControlMessage):
     expert_parallel: dict | None = None
     holds: tuple[Hold, ...] = ()  # what gateways hold or refuse now, per (reason, model)
     options: dict | None = None  # every option the server was started with, secrets redacted (/server_info)
+    # (asked for) each tenant's limits and its buckets' levels and requests in flight now (zserve.tenants)
+    tenants: list | None = None
 
     def __post_init__(self) -> None:
         check(optional(self.options, lambda v: isinstance(v, dict)), "options must be an object")
+        check(optional(self.tenants, lambda v: isinstance(v, list | tuple) and all(isinstance(t, dict) for t in v)),
+              "tenants must be a list of objects")
+        if self.tenants is not None:
+            object.__setattr__(self, "tenants", list(self.tenants))
         check(optional(self.expert_parallel, lambda v: isinstance(v, dict) and all(
             is_str(k, 1024) and isinstance(g, dict) for k, g in v.items())), "expert_parallel maps models to groups")
         check(is_str(self.url, 1024, empty=True) and is_uint(self.pid) and is_str(self.run_dir, 4096, empty=True),

@@ -405,10 +405,15 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (with the first token)
     prompt_ranks: tuple[int, ...] | None = None  # with prompt_logprobs: each token's rank (1 = most likely)
     error_code: str | None = None  # with error, what kind of failure it is (an ERR_* of protocol.constants)
+    # With the first output: seconds it waited in the engine's queue before it was first scheduled (per-tenant
+    # queue time in the gateway's metrics, ``gateway.tenancy``).
+    queue_time: float | None = None
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
         _check_token_ids(self.new_token_ids, "new_token_ids")
+        check(self.queue_time is None or (is_num(self.queue_time) and 0 <= self.queue_time < 1e9),
+              "queue_time must be seconds")
         if not (self.finish_reason is None or self.finish_reason in FINISH_REASONS):
             raise ProtocolError(f"unknown finish_reason {self.finish_reason!r}")
         if self.logprobs is not None:

@@ -32,6 +32,9 @@ def check_memory(value: str) -> str:
     return value.strip()
 
 
+SCHEDULING = ("fair", "fifo")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What every engine worker of a tier is started with (besides its rank, endpoint and device)."""
@@ -52,6 +55,9 @@ class EngineConfig:
     # request queues as one, and a request with more than this is a 400: 4096 holds the largest pooling request
     # (a score of 2,048 distinct texts against 2,048 others).
     max_waiting: int | None = 4096
+    # How a contended queue is admitted when requests carry tenants (--tenants): "fair", weighted fairness of tokens
+    # served between tenants (engine_worker.fairness), or "fifo", priority then arrival only (as without tenants).
+    scheduling: str = "fair"
     # A mixture-of-experts model's engines form one expert-parallel group: each holds a share of the experts,
     # attention stays data parallel (engine_worker.expert_parallel); resized with /scale_elastic_ep.
     expert_parallel: bool = False
@@ -80,6 +86,7 @@ class EngineConfig:
             (self.seed is None or _int(self.seed, 0, (1 << 63) - 1), "seed must be a non-negative integer"),
             (self.max_waiting is None or _int(self.max_waiting, 1, 1 << 20), "max_waiting must be an integer in "
                                                                                  "1..1048576"),
+            (self.scheduling in SCHEDULING, f"scheduling must be one of {', '.join(SCHEDULING)}"),
             (isinstance(self.enable_lora, bool), "enable_lora must be true or false"),
             (_int(self.max_loras, 1, 256), "max_loras must be an integer in 1..256"),
             (_int(self.max_lora_rank, 1, 1024), "max_lora_rank must be an integer in 1..1024"),

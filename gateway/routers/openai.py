@@ -20,6 +20,7 @@ from ..serving.plans import plan_chat, plan_completion
 from ..serving.shapes import json_body
 from ..serving.tools import NO_TOOLS
 from ..state import STATE, ModelState
+from ..tenancy import SERVED
 
 routes = web.RouteTableDef()
 
@@ -36,7 +37,9 @@ def model_card(view: ModelState) -> dict:
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    return json_body({"object": "list", "data": [model_card(view) for view in request.app[STATE].views]})
+    served = SERVED.get()  # a tenant sees the models it may use
+    return json_body({"object": "list", "data": [model_card(view) for view in request.app[STATE].views
+                                                 if served is None or served.tenant.may_use(view.name)]})
 
 
 @routes.get("/v1/models/{model:.+}")

@@ -30,6 +30,7 @@ from protocol.control import (
     PauseReply,
     ProcessStatus,
     ReloadCommand,
+    ReloadReply,
     ResumeCommand,
     ScaleCommand,
     ScaleReply,
@@ -110,7 +111,7 @@ class Commands:
         """Carry out one control-socket command (the ControlServer's dispatch)."""
         sup = self.sup
         if isinstance(cmd, StatusCommand):
-            return self.status()
+            return self.status(cmd.tenants)
         if isinstance(cmd, ScaleCommand):
             if cmd.tier_name == "gateway":
                 sup.arbiter.scale("gateway", cmd.count)
@@ -144,13 +145,27 @@ class Commands:
         if isinstance(cmd, AbortCommand):
             return sup.aborts.request(cmd, Later())
         if isinstance(cmd, ReloadCommand):
-            answer = Later()
-            sup.reload().answers.append(answer)
-            return answer
+            return self._reload(cmd)
         if isinstance(cmd, StopCommand):
             sup.arbiter.stopping = True
             return StopReply()
         return ErrorReply(f"unknown command {cmd.TYPE!r}")
+
+    def _reload(self, cmd: ReloadCommand) -> ControlMessage | AwaitAcks | Later:
+        """``launch reload``: the tenants file read again (refused whole when it is malformed: nothing restarts),
+        then, unless ``tenants_only``, every process replaced."""
+        sup = self.sup
+        if cmd.tenants_only and sup.cfg.tenants is None:
+            return ErrorReply("reload --tenants-only: this server has no tenants file (--tenants)")
+        if cmd.tenants_only or sup.reloading is None:
+            why, version = sup.reload_tenants()
+            if why is not None:
+                return ErrorReply(f"reload refused: {why}")
+            if cmd.tenants_only:
+                return AwaitAcks(version, ReloadReply(0, 0.0))
+        answer = Later()
+        sup.reload(tenants=False).answers.append(answer)
+        return answer
 
     def _pause(self, paused: bool, model: str | None) -> ControlMessage | AwaitAcks:
         """An operator's pause or resume (of one model, or every one), on every gateway host."""
@@ -230,7 +245,7 @@ class Commands:
                               + ("; name the model" if len(groups) > 1 else ""))
         return groups[0].request(cmd.size, cmd.drain_timeout, Later())
 
-    def status(self) -> StatusReply:
+    def status(self, tenants: bool = False) -> StatusReply:
         sup, a = self.sup, self.sup.arbiter
         now = time.monotonic()
         procs = []
@@ -262,7 +277,8 @@ class Commands:
                                     "engine": sum(st.models.values()) if st.models else a.engines_desired},
                            paused=st.paused, cluster_version=st.version, processes=tuple(procs),
                            expert_parallel={g.tier.model_id: g.status() for g in sup.elastic.values()} or None,
-                           holds=st.holds, options=sup.cfg.options())
+                           holds=st.holds, options=sup.cfg.options(),
+                           tenants=sup.tenant_usage() if tenants else None)
 
     def _model_of(self, tier: str, index: int) -> str | None:
         return self.sup.arbiter.tier_of(index).model_id if tier == "engine" else None

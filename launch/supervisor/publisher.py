@@ -44,6 +44,7 @@ class ClusterPublisher:
         self.registry: RegistryServer | None = None  # an engine host's
         self.remote: list[RemoteEngines] = []  # a gateway host's engine hosts
         self._unknown_models: set[str] = set()  # served by an engine host but not here (warned once)
+        self.keys_version = 0  # bumped when the tenants are reloaded: gateways read the key file again
 
     @property
     def state(self) -> ClusterState:
@@ -62,12 +63,12 @@ class ClusterPublisher:
         holds, phase, loras = self.admission.holds(), self._phase(), self._loras()
         sleeping, versions = self._conditions()
         st = self.store.get()
-        if (engines, models, gateways, holds, phase, loras, sleeping, versions) != (
+        if (engines, models, gateways, holds, phase, loras, sleeping, versions, self.keys_version) != (
                 st.engines, st.models, st.gateways_desired, st.holds, st.scaling, st.loras, st.sleeping,
-                st.weight_versions):
+                st.weight_versions, st.keys_version):
             st = self.store.update(engines=engines, models=models, gateways_desired=gateways,
                                    engines_desired=engines_desired, holds=holds, scaling=phase, loras=loras,
-                                   sleeping=sleeping, weight_versions=versions)
+                                   sleeping=sleeping, weight_versions=versions, keys_version=self.keys_version)
             msg = ClusterUpdate(st)
             for c in self._gateways():
                 c.send(msg)

@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import fields
 from functools import partial
 
+from gateway.quota import Rules, usage_now
 from gateway.security import write_key_file
 from protocol.cluster import EngineInfo, EngineState
 from protocol.constants import EXIT_CUT_OFF
@@ -49,6 +50,7 @@ from zserve import control
 from zserve.curve import CurveKeys, tcp_port
 from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import no_cache_warning, user_cache_dir
+from zserve.tenants import Tenants, TenantsError, load_tenants
 
 from .. import handoff, systemd
 from ..children import Child, Slot, spawn
@@ -118,6 +120,7 @@ class Supervisor:
         self.elastic = {t.base: ElasticGroup(self.arbiter, self.publisher, self.admission, t)
                         for t in self.tiers if t.spec.engine.expert_parallel}
         self.reloading: RollingRestart | None = None  # SIGHUP / launch reload in progress
+        self.tenants = Tenants()  # the tenants in force (--tenants; zserve.tenants)
         self.shared: SharedControl | None = None  # the control state of every gateway host (--state-url redis)
         self.commands = Commands(self)
         self.loras.share, self.loras.shared_behind = self.commands.share_loras, self.commands.shared_behind
@@ -154,9 +157,46 @@ class Supervisor:
     def group_of(self, child: Child) -> ElasticGroup | None:
         return self.elastic.get(self.arbiter.tier_of(child.index).base) if child.tier == "engine" else None
 
-    def reload(self) -> RollingRestart:
-        """Start a rolling restart (``launch.ops.reload``), or join the one in progress."""
+    @property
+    def quota_dir(self) -> str:
+        """Where this host's gateways keep each tenant's limits (``gateway.quota``)."""
+        return os.path.join(self.run_dir, "quota")
+
+    def tenant_usage(self) -> list[dict]:
+        """Each tenant's limits beside its buckets' levels and requests in flight now (``launch status --tenants``):
+        Redis's with ``--state-url redis://``, else this host's."""
+        rows = []
+        for t in self.tenants.tenants:
+            use = usage_now(self.quota_dir, self.cfg.gateway.state_url, t.name, Rules.of(t)) if t.limited else {}
+            rows.append({"name": t.name, "requests_per_minute": t.requests_per_minute,
+                         "tokens_per_minute": t.tokens_per_minute, "max_concurrent": t.max_concurrent,
+                         "weight": t.weight, "priority": t.priority, "models": t.models, "admin": t.admin, **use})
+        return rows
+
+    def reload_tenants(self) -> tuple[str | None, int]:
+        """Read the tenants file again: written to the key file and applied by every gateway (the cluster state's
+        ``keys_version``). A malformed file is refused and the tenants in force stay: (why, 0); else (None, the
+        cluster-state version every gateway must apply)."""
+        if self.cfg.tenants is None:
+            return None, self.publisher.publish()
+        try:
+            tenants = load_tenants(self.cfg.tenants)
+        except TenantsError as e:
+            log.error("reload: the tenants file is refused, the tenants in force stay: %s", e)
+            return str(e), 0
+        write_key_file(self.key_file, self.cfg.api_keys, self.cfg.admin_keys, tenants)
+        self.tenants = tenants
+        self.publisher.keys_version += 1
+        log.info("reload: %d tenant(s) from %s", len(tenants.tenants), self.cfg.tenants)
+        return None, self.publisher.publish()
+
+    def reload(self, tenants: bool = True) -> RollingRestart:
+        """Start a rolling restart (``launch.ops.reload``), or join the one in progress; with ``tenants``, the
+        tenants file is read again first (SIGHUP: a malformed one is logged, and the rolling restart goes on with the
+        tenants in force)."""
         if self.reloading is None:
+            if tenants:
+                self.reload_tenants()
             self.reloading = RollingRestart.begin(self.arbiter, self.publisher, self.admission, self.tiers)
         else:
             log.info("reload: one is in progress already")
@@ -184,8 +224,8 @@ class Supervisor:
             index, fd, [(t.source, t.names, t.loras) for t in self.tiers], c.gateway, render_only=self.render_only,
             cache_dir=self.cache_dir, control_socket=self.control_path, shutdown_timeout=c.shutdown_timeout,
             heartbeat_interval=c.heartbeat_interval, responses_db=os.path.join(self.run_dir, "responses.db"),
-            key_file=self.key_file if c.api_keys or c.admin_keys else None,
-            keys_dir=c.keys_dir if c.remote_engines else None)
+            key_file=self.key_file if c.api_keys or c.admin_keys or c.tenants else None,
+            quota_dir=self.quota_dir if c.tenants else None, keys_dir=c.keys_dir if c.remote_engines else None)
         env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
         child = spawn(slot, "gateway", handoff.argv(gateway), pass_fds=(fd,), env=env)
         self.publisher.welcome(child)
@@ -323,8 +363,12 @@ class Supervisor:
         with open(os.path.join(self.run_dir, "supervisor.pid"), "w") as f:
             f.write(str(os.getpid()))
         os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
-        if self.cfg.api_keys or self.cfg.admin_keys:
-            write_key_file(self.key_file, self.cfg.api_keys, self.cfg.admin_keys)
+        if self.cfg.tenants:
+            os.makedirs(self.quota_dir, mode=0o700, exist_ok=True)
+        if self.cfg.tenants:  # (the file was checked at start: one made unreadable since stops the start here)
+            self.tenants = load_tenants(self.cfg.tenants)
+        if self.cfg.api_keys or self.cfg.admin_keys or self.cfg.tenants:
+            write_key_file(self.key_file, self.cfg.api_keys, self.cfg.admin_keys, self.tenants)
 
     def _open_tiers_across_hosts(self) -> None:
         """An engine host's registry, or a gateway host's connections to its engine hosts."""

@@ -10,6 +10,9 @@ round is reported, as a ratio to chat completions measured in the same rounds. R
 
 ``--api-key`` adds a row: chat completions on a second server started with ``--api-key`` (requests send
 the bearer key), in the same rounds, so the key check's cost shows against the open server's chat row.
+``--tenants`` adds another: chat on a server with a tenants file whose tenant has every limit (requests, tokens,
+concurrency) set too high to refuse, so each request pays the whole tenant check (the shared-memory buckets, the
+token charges, the headers) and nothing else differs. Compare it with the ``--api-key`` row.
 """
 
 from __future__ import annotations
@@ -81,7 +84,19 @@ async def run_route(session: aiohttp.ClientSession, url: str, body: dict, n: int
     return n / wall, cpu / n * 1e6
 
 
-async def bench(base: str, args, keyed: str | None = None) -> dict[str, list[tuple[float, float]]]:
+TENANT_KEY = "sk-bench-tenant-key"
+
+
+def tenants_file(path: Path) -> Path:
+    from zserve.tenants import key_digest
+
+    path.write_text(f'[[tenant]]\nname = "bench"\nkey_sha256 = ["{key_digest(TENANT_KEY)}"]\n'
+                    "requests_per_minute = 100000000\ntokens_per_minute = 1000000000\nmax_concurrent = 100000\n")
+    return path
+
+
+async def bench(base: str, args, keyed: str | None = None,
+                tenanted: str | None = None) -> dict[str, list[tuple[float, float]]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
         auth = {"Authorization": f"Bearer {args.api_key}"}
         async with session.get(base + "/load") as r:
@@ -95,6 +110,12 @@ async def bench(base: str, args, keyed: str | None = None) -> dict[str, list[tup
                 keyed_pid = (await r.json())["pid"]
             path, body = payloads(model, args.tokens, args.stream)["chat"]
             targets["chat (--api-key)"] = (keyed, path, body, keyed_pid, auth)
+        if tenanted is not None:
+            tenant_auth = {"Authorization": f"Bearer {TENANT_KEY}"}
+            async with session.get(tenanted + "/load", headers=tenant_auth) as r:
+                tenant_pid = (await r.json())["pid"]
+            path, body = payloads(model, args.tokens, args.stream)["chat"]
+            targets["chat (--tenants)"] = (tenanted, path, body, tenant_pid, tenant_auth)
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in targets}
         for url, path, body, gw, headers in targets.values():  # warm-up: tokenizer caches, store file, code paths
             await run_route(session, url + path, body, 20, 4, gw, headers)
@@ -113,6 +134,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1, help="max tokens per request")
     p.add_argument("--stream", action="store_true", help="stream every response (SSE)")
     p.add_argument("--api-key", default=None, help="also measure chat on a server started with this --api-key")
+    p.add_argument("--tenants", action="store_true", help="also measure chat on a server with a tenants file")
     args = p.parse_args()
     procs = []
     try:
@@ -122,7 +144,14 @@ def main() -> None:
         if args.api_key:
             proc, keyed = start_server(args, "--api-key", args.api_key)
             procs.append(proc)
-        results = asyncio.run(bench(base, args, keyed))
+        tenanted = None
+        if args.tenants:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as d:
+                proc, tenanted = start_server(args, "--tenants", str(tenants_file(Path(d) / "tenants.toml")))
+            procs.append(proc)
+        results = asyncio.run(bench(base, args, keyed, tenanted))
     finally:
         for proc in procs:
             proc.terminate()

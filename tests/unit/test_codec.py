@@ -59,6 +59,7 @@ SAMPLES = [
     AddRequest("req-5", (7, 8), lora="sql-lora"),
     AddRequest("req-6", (7, 8), SamplingParams(max_tokens=9), output_token_ids=(4, 5), lora="org/adapter v2"),
     AddRequest("req-7", (7, 8), tenant="team-a", weight=2.5),
+    StepOutputs(0, (RequestOutput("q-1", (5,), queue_time=0.125), RequestOutput("q-2", (6,)))),
     EngineHello(rank=0, model_id="e", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
                 pid=42, device="cpu", dtype="float32", tasks=("embed",), embed_size=384),
     EngineHello(rank=0, model_id="c", max_num_seqs=8, max_model_len=512, vocab_size=30522, eos_token_ids=(),
