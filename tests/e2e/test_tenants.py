@@ -18,7 +18,7 @@ from tests.helpers import LAUNCH, ROOT, Server, wait_until
 from zserve.tenants import key_digest
 
 MODEL = "tiny-random"
-KEYS = {name: f"sk-{name}-0123456789" for name in ("rate", "tok", "pair", "narrow", "ops", "sdk", "free")}
+KEYS = {name: f"sk-{name}-0123456789" for name in ("rate", "tok", "pair", "narrow", "ops", "sdk", "free", "flood")}
 PLAIN = "sk-plain-api-key-00"  # an --api-key key: the default tenant
 RATE_RPM = 600  # 10 requests a second, a burst of 100
 
@@ -32,6 +32,7 @@ def tenants_toml(rate_rpm: int = RATE_RPM) -> str:
         "ops": "admin = true",
         "sdk": "requests_per_minute = 60",
         "free": "weight = 3",
+        "flood": "weight = 1",
     }
     return "\n".join(f'[[tenant]]\nname = "{n}"\nkey_sha256 = ["{key_digest(KEYS[n])}"]\n{rows[n]}\n' for n in rows)
 
@@ -164,6 +165,52 @@ def test_metrics_count_per_tenant_by_name_and_never_show_a_key(server):
     assert 'zserve_tenant_rate_limited_total{limit="requests",tenant="rate"}' in text
     assert 'zserve_tenant_queue_time_seconds_count{tenant="free"}' in text
     assert not any(k in text or key_digest(k) in text for k in (*KEYS.values(), PLAIN))
+
+
+def test_a_flood_of_one_tenant_does_not_queue_another_tenants_request_behind_it(server):
+    # 40 long streams of "flood" fill the engine's 16 slots and queue 24; then "free" sends one request. The engine
+    # admits it at the next free slot (fair scheduling), not after the 24 queued before it (first come, first
+    # served): few flood requests start between its arrival and its first token.
+    http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=120)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["flood"], max_retries=0, timeout=120,
+                           http_client=http)
+    started: list[float] = []
+    stop = threading.Event()
+
+    def flood(i: int) -> None:
+        # (lengths all different: the engine's slots free one at a time)
+        s = client.completions.create(model=MODEL, prompt=f"flood {i}", max_tokens=100 + 10 * i, stream=True,
+                                      extra_body={"ignore_eos": True})
+        for n, _ in enumerate(s):
+            if n == 0:
+                started.append(time.monotonic())
+            if stop.is_set():
+                break
+        s.close()
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(started) >= 16, 60, 0.05, "the flood to fill the engine")
+        waiting = wait_until(lambda: (n := _gauge(server, "zserve_engine_requests_waiting")) >= 20 and n, 30, 0.05,
+                             "the flood to queue")
+        sent = time.monotonic()
+        r = complete(server.url, "free", max_tokens=1)
+        first = time.monotonic()
+        assert r.status_code == 200, r.text
+        overtook = sum(sent <= t <= first for t in started)
+        assert overtook <= 4, (overtook, waiting)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        http.close()
+
+
+def _gauge(server: Server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def reload(server: Server) -> subprocess.CompletedProcess:
