@@ -6,10 +6,15 @@ Every step, within a token budget (``max_num_batched_tokens``):
    prompt never stalls the streams already flowing);
 2. running sequences still in prefill feed their next prompt chunk (chunked prefill);
 3. waiting requests are admitted in order of ``priority`` (lower first, default 0), then first
-   come, first served — or, while requests of several tenants are here, from the tenant furthest below its
-   weighted share of tokens served first (``engine_worker.fairness``) — while there is budget, a free sequence
-   slot (``max_num_seqs``) and KV blocks. A request whose prompt starts with cached
-   blocks (automatic prefix caching) takes them and prefills only the rest.
+   come, first served, while there is budget, a free sequence slot (``max_num_seqs``) and KV blocks.
+   A request whose prompt starts with cached blocks (automatic prefix caching) takes them and
+   prefills only the rest.
+
+While requests of several tenants are here (``engine_worker.fairness``), the tenant furthest below its weighted
+share of tokens served goes first at 2 and 3: its newcomers are admitted before the others' prompt chunks, a
+newcomer of a tenant below another's share takes a sequence slot from that tenant's request still in its prompt
+when none is free, and the tenants above the lowest counter have at most ``FAIR_CHUNK`` of the budget for prompts
+(none in a step where a prompt of a tenant below them runs), so steps stay short for the light tenant's next arrival.
 
 When a running sequence needs a KV block and none is free, the newest running sequence not yet
 scheduled this step (of the lowest priority present) is *preempted*: its blocks are freed and it
@@ -53,7 +58,7 @@ from protocol.kv_events import chain_root
 
 from .block_manager import BlockManager, block_hashes
 from .expert_parallel import GroupLost
-from .fairness import Fairness
+from .fairness import PROMPT_COST, Fairness
 from .grammar import Grammars
 from .pooling import shape_embedding
 from .runner import SampleOut, SeqInput
@@ -65,6 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zserve.engine")
 
 STATS_WINDOW = 64  # steps averaged for tokens_per_step
+FAIR_CHUNK = 0.25  # the share of a step's budget for the prompts of tenants above their share (``_Share``)
 
 
 class Executor(Protocol):
@@ -110,7 +116,7 @@ class Scheduler:
         self.grammars = grammars
         self.loras = loras
         self.lora_closing: set[str] = set()  # unloaded while requests still use them: dropped once they end
-        self.fairness = Fairness() if fair else None
+        self.fairness = Fairness(credit=max_num_batched_tokens * PROMPT_COST) if fair else None
         # An engine operation waits for the started requests (``operations``): those not started stay queued.
         self.hold_new = False
         self._failed: list[Sequence] = []  # ended while waiting (their grammar failed), reported by step()
@@ -299,41 +305,82 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         chosen: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, new tokens), in order
-        preempted_now = False
+        fair = self._contended()
+        share = _Share(self.fairness, fair is not None, budget)
 
-        for decoding in (True, False):
-            for seq in list(self.running):
-                if budget <= 0:
-                    break
-                if seq not in self.running or id(seq) in chosen:
-                    continue  # preempted in this loop, or already scheduled
-                left = seq.total_len - seq.num_computed
-                if (left == 1) != decoding:
-                    continue
-                n = min(left, budget)
-                if not self._reserve(seq, n, chosen):
-                    preempted_now = True
-                    continue
-                chosen[id(seq)] = (seq, n)
-                budget -= n
-
-        # Admit newcomers only when nothing had to be preempted: otherwise they would take the
-        # blocks the preempted sequence needs back.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
-            seq = self._next_waiting()
-            if seq is None:
+        for seq in list(self.running):  # decodes first: the streams already flowing never stall
+            if budget <= 0:
                 break
-            n = self._admit(seq, budget)
+            if seq not in self.running or id(seq) in chosen or seq.total_len - seq.num_computed != 1:
+                continue  # preempted in this loop, or already scheduled, or still in its prompt
+            if not self._reserve(seq, 1, chosen):
+                share.preempted = True
+                continue
+            chosen[id(seq)] = (seq, 1)
+            budget -= 1
+
+        # Prompt chunks: of the running sequences, then of newcomers; while tenants contend, the tenant furthest below
+        # its share first (its new requests before the others' chunks), and the others within ``_Share``'s cap.
+        prefilling = [s for s in self.running if id(s) not in chosen and s.total_len - s.num_computed > 1]
+        if fair is not None:
+            prefilling.sort(key=lambda s: fair.rank(s.tenant))
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            budget = self._admit_waiting(budget, chosen, share, below=(seq.tenant, share.counter(seq.tenant)))
+            if seq not in self.running or id(seq) in chosen:
+                continue  # preempted meanwhile
+            n = min(seq.total_len - seq.num_computed, budget, share.allows(seq.tenant))
+            if n <= 0:
+                continue
+            if not self._reserve(seq, n, chosen):
+                share.preempted = True
+                continue
+            chosen[id(seq)] = (seq, n)
+            share.used(seq.tenant, n)
+            budget -= n
+        self._admit_waiting(budget, chosen, share)
+
+        seqs = [s for s, _ in chosen.values()]
+        inputs = [self._input(s, n) for s, n in chosen.values()]
+        return ScheduledStep(seqs, inputs)
+
+    def _contended(self) -> Fairness | None:
+        """The fairness counters while they decide the order (fair scheduling, two tenants or more here)."""
+        return self.fairness if self.fairness is not None and self.fairness.contended else None
+
+    def _admit_waiting(self, budget: int, chosen: dict[int, tuple[Sequence, int]], share: _Share,
+                       below: tuple[str, float] | None = None) -> int:
+        """Admit waiting requests while there is budget, a sequence slot and blocks; the budget left. ``below``:
+        (tenant, counter) of a running prompt that goes next: while tenants contend, only newcomers of other tenants
+        whose counter is not higher go before it; without contention none. Newcomers are admitted only when nothing
+        had to be preempted for blocks this step: otherwise they would take the blocks the preempted sequence needs
+        back."""
+        while self.waiting and budget > 0 and not share.preempted:
+            seq = self._next_waiting()
+            if seq is None or (below is not None and (share.fair is None or seq.tenant == below[0]
+                                                      or share.counter(seq.tenant) > below[1])):
+                break  # (a tie goes to the newcomer: a tenant lifted on arrival ties the lowest counter)
+            if len(self.running) >= self.max_num_seqs:
+                # Every slot taken: a tenant below its share takes one from the tenant furthest above it (a sequence
+                # not scheduled this step: one still in its prompt), instead of waiting for a flood's request to end.
+                victim = self._victim(chosen, above=share.counter(seq.tenant)) if share.fair is not None else None
+                if victim is None:
+                    break
+                self._preempt(victim)
+                continue
+            allowed = share.allows(seq.tenant)
+            if allowed <= 0:
+                break
+            n = self._admit(seq, min(budget, allowed))
             if n is None:
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
             chosen[id(seq)] = (seq, n)
+            share.used(seq.tenant, n)
             budget -= n
-
-        seqs = [s for s, _ in chosen.values()]
-        inputs = [self._input(s, n) for s, n in chosen.values()]
-        return ScheduledStep(seqs, inputs)
+        return budget
 
     def _next_waiting(self) -> Sequence | None:
         """The first waiting sequence that can run: not still compiling its grammar, and not needing
@@ -341,7 +388,7 @@ class Scheduler:
         reported by ``step``."""
         loras = self.loras
         adapters = {s.lora for s in self.running if s.lora is not None} if loras is not None else set()
-        fair = self.fairness if self.fairness is not None and self.fairness.contended else None
+        fair = self._contended()
         best: Sequence | None = None
         seen: set[str] = set()  # (fair) tenants whose first runnable request was found
         for seq in list(self.waiting):
@@ -366,8 +413,8 @@ class Scheduler:
             if fair is None:
                 return seq
             seen.add(seq.tenant)
-            if best is None or fair.counter(seq.tenant) < fair.counter(best.tenant):
-                best = seq  # the tenant furthest below its share (ties: the earlier in the queue)
+            if best is None or fair.rank(seq.tenant) < fair.rank(best.tenant):
+                best = seq  # the tenant furthest below its share (ties: fewer requests here, then the earlier)
         return best
 
     def _reserve(self, seq: Sequence, n: int, chosen: dict[int, tuple[Sequence, int]]) -> bool:
@@ -375,19 +422,26 @@ class Scheduler:
         running sequences while none are free. False when ``seq`` itself was preempted."""
         need = self.block_manager.blocks_needed(seq.num_computed + n) - len(seq.block_table)
         while need > 0 and not self.block_manager.can_allocate(need):
-            fair = self.fairness if self.fairness is not None and self.fairness.contended else None
-            candidates = [(fair.counter(s.tenant) if fair is not None else 0.0, s.sampling.priority, i, s)
-                          for i, s in enumerate(self.running) if id(s) not in chosen]
-            if not candidates:
+            victim = self._victim(chosen)
+            if victim is None:
                 return False
-            # the tenant furthest above its share (with several), then the lowest priority, then the newest
-            victim = max(candidates, key=lambda c: c[:3])[3]
             self._preempt(victim)
             if victim is seq:
                 return False
         if need > 0:
             seq.block_table.extend(self.block_manager.allocate(need))
         return True
+
+    def _victim(self, chosen: dict[int, tuple[Sequence, int]], above: float | None = None) -> Sequence | None:
+        """The running sequence to preempt, of those not scheduled this step: of the tenant furthest above its share
+        (while tenants contend; ``above``: only of a tenant whose counter is higher), then of the lowest priority,
+        then the newest."""
+        fair = self._contended()
+        candidates = [(fair.counter(s.tenant) if fair is not None else 0.0, s.sampling.priority, i, s)
+                      for i, s in enumerate(self.running) if id(s) not in chosen]
+        if above is not None:
+            candidates = [c for c in candidates if c[0] > above]
+        return max(candidates, key=lambda c: c[:3])[3] if candidates else None
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Take cached blocks and allocate the first chunk of a waiting sequence; return its
@@ -616,3 +670,29 @@ def run_until_done(scheduler: Scheduler, on_step=None) -> dict[str, list[Request
             if not compiling:
                 raise RuntimeError("the scheduler has work but scheduled nothing (not enough KV blocks?)")
             compiling[0].wait(60.0)
+
+
+class _Share:
+    """One step's prompt tokens by tenant: the tenants above their share (``Fairness.over_share``) have at most
+    ``FAIR_CHUNK`` of the step's budget for prompt chunks between them, so steps stay short and a request of a tenant
+    below its share, arriving during one, starts its prompt within a short step rather than after a full budget of
+    another tenant's prompts (a step's time grows with its tokens on a compute-bound device). With one tenant (or
+    fifo scheduling) it allows everything."""
+
+    def __init__(self, fairness: Fairness | None, contended: bool, budget: int):
+        self.fair = fairness if contended else None  # the counters, while they decide the order
+        self.preempted = False  # a sequence was preempted for blocks this step: no newcomers
+        self.left = max(1, int(budget * FAIR_CHUNK))
+        self.capped = fairness.over_share(time.monotonic()) if fairness is not None else set()
+
+    def counter(self, tenant: str) -> float:
+        return self.fair.counter(tenant) if self.fair is not None else 0.0
+
+    def allows(self, tenant: str) -> int:
+        return self.left if tenant in self.capped else 1 << 30
+
+    def used(self, tenant: str, n: int) -> None:
+        if tenant in self.capped:
+            self.left -= n
+        elif self.capped:
+            self.left = 0  # a prompt of a tenant below its share runs in this step: the others' wait for the next

@@ -10,7 +10,8 @@ without limits (so the engine, not the gateway, decides who waits). B sends ``--
 (temperature 1.0) chat requests at ``--b-rate`` per second (Poisson arrivals), prompts of ``--prompt-len`` tokens and
 ``--output-len`` output tokens. Phases, each on a fresh server: B alone; B while A keeps ``--flood`` times B's rate of
 the same requests arriving (more than the engine can serve: its queue grows), FIFO; the same, fair. Reported: B's
-TTFT p50 / p99 / mean and A's completed requests per phase, and B's p99 against its solo baseline.
+TTFT p50 / p99 / mean and A's completed requests per phase (and per second of the flood: the cost of fairness to
+the flooding tenant), and B's p99 against its solo baseline.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ async def phase(url: str, args: argparse.Namespace, flood: bool) -> dict:
                 a_tasks.append(asyncio.create_task(a_request(len(a_tasks))))
                 await asyncio.sleep(arng.expovariate(args.b_rate * args.flood))
 
+        began = time.perf_counter()
         fl = asyncio.create_task(flooder()) if flood else None
         if flood:
             await asyncio.sleep(args.warmup)  # A's backlog builds up first
@@ -93,6 +95,7 @@ async def phase(url: str, args: argparse.Namespace, flood: bool) -> dict:
             await asyncio.sleep(brng.expovariate(args.b_rate))
         ttfts = await asyncio.gather(*b_tasks)
         stop.set()
+        elapsed = time.perf_counter() - began
         if fl is not None:
             await fl
             for t in a_tasks:
@@ -101,7 +104,8 @@ async def phase(url: str, args: argparse.Namespace, flood: bool) -> dict:
     ok = sorted(t for t in ttfts if t is not None)
     p = (lambda q: ok[min(len(ok) - 1, int(q * len(ok)))]) if ok else (lambda q: float("nan"))
     return {"b_ok": len(ok), "b_failed": len(ttfts) - len(ok), "p50": p(0.5), "p99": p(0.99),
-            "mean": statistics.fmean(ok) if ok else float("nan"), "a_done": a_done[0]}
+            "mean": statistics.fmean(ok) if ok else float("nan"), "a_done": a_done[0],
+            "a_rate": a_done[0] / elapsed if flood else 0.0}
 
 
 def run(args: argparse.Namespace, scheduling: str, flood: bool) -> dict:
@@ -127,11 +131,13 @@ def main() -> None:
     rows = [("B alone", run(args, "fair", False)), ("A floods, FIFO", run(args, "fifo", True)),
             ("A floods, fair", run(args, "fair", True))]
     solo = rows[0][1]["p99"]
-    print("| phase | B ok | B failed | B TTFT p50 ms | B TTFT p99 ms | B TTFT mean ms | B p99 / solo | A completed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| phase | B ok | B failed | B TTFT p50 ms | B TTFT p99 ms | B TTFT mean ms | B p99 / solo | A completed "
+          "| A completed/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {r['b_ok']} | {r['b_failed']} | {r['p50'] * 1e3:.0f} | {r['p99'] * 1e3:.0f} | "
-              f"{r['mean'] * 1e3:.0f} | {r['p99'] / solo:.2f}x | {r['a_done']} |")
+              f"{r['mean'] * 1e3:.0f} | {r['p99'] / solo:.2f}x | {r['a_done']} | "
+              f"{r['a_rate']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_worker.fairness import Fairness
+from engine_worker.fairness import LINGER, Fairness
 from engine_worker.runner import SampleOut
-from engine_worker.scheduler import Scheduler
+from engine_worker.scheduler import FAIR_CHUNK, Scheduler
 from engine_worker.sequence import Sequence
 from protocol import SamplingParams
 
@@ -78,8 +78,8 @@ def test_a_tenant_returning_from_idle_gets_no_banked_credit():
     for _ in range(100):
         step(s)
     for i in range(10):
-        s.add(seq(f"a{i}", "a"))  # a returns: lifted to c's counter, not left at its old, far lower one
-    assert s.fairness.counter("a") >= s.fairness.counter("c") - 30  # (c's running request's tokens aside)
+        s.add(seq(f"a{i}", "a"))  # a returns: lifted to c's counter (less a step's credit), not its old, far lower one
+    assert s.fairness.counter("a") >= s.fairness.counter("c") - 64 - 30  # (c's running request's tokens aside)
     later = finish_order(s)[:8]
     assert sum(r.startswith("a") for r in later) <= 5 and sum(r.startswith("c") for r in later) >= 3, later
 
@@ -107,7 +107,51 @@ def test_preemption_takes_from_the_tenant_furthest_above_its_share():
     assert preempted == ["r"], preempted
 
 
+def test_a_light_tenant_goes_before_the_floods_prompt_chunks_and_takes_a_slot_from_it():
+    # A's long prompts take several steps each (chunked prefill); both slots are A's, still in their prompts
+    s = Scheduler(FakeRunner(), max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(6):
+        s.add(seq(f"a{i}", "a", n_prompt=100))
+    step(s)
+    step(s)
+    assert len(s.running) == 2 and s.running[1].num_computed < 64  # both slots a's, a1 still in its prompt
+    s.add(seq("b0", "b", n_prompt=8))
+    st = s.schedule()
+    by_id = {q.request_id: len(i.new_token_ids) for q, i in zip(st.seqs, st.inputs)}
+    assert by_id.get("b0") == 8, by_id  # b's whole prompt this step: a slot taken from a, and before a's chunks
+    assert s.preemptions == 1 and s.waiting[0].request_id == "a1" and s.waiting[0].num_preemptions == 1
+    for _ in range(3):
+        st = s.schedule()  # a's prompts, while b is here: short chunks
+        assert sum(len(i.new_token_ids) for q, i in zip(st.seqs, st.inputs) if q.request_id.startswith("a")
+                   and q.num_computed < q.total_len - 1) <= 64 * FAIR_CHUNK
+        s.update(st, [SampleOut(7, None, None, None) if i.sample else None for i in st.inputs])
+
+
+def test_prompt_chunks_of_one_tenant_alone_are_not_capped():
+    s = Scheduler(FakeRunner(), max_num_seqs=2, max_num_batched_tokens=32)
+    s.add(seq("a0", "a", n_prompt=60))
+    s.add(seq("a1", "a", n_prompt=60))
+    st = s.schedule()
+    assert [len(i.new_token_ids) for i in st.inputs] == [32]
+    s = Scheduler(FakeRunner(), max_num_seqs=2, max_num_batched_tokens=32, fair=False)
+    for t in "ab":
+        s.add(seq(f"{t}0", t, n_prompt=60))  # fifo: two tenants, no cap either
+    assert [len(i.new_token_ids) for i in s.schedule().inputs] == [32]
+
+
 def test_counters_lift_and_forget():
+    f = Fairness(credit=3.0)
+    f.arrived("a")
+    f.served("a", 2.0, 10, 5)
+    f.arrived("c")  # c arrives while a is active: starts at a's counter less the credit
+    assert f.counter("c") == f.counter("a") - 3.0 and f.contended
+    assert f.over_share(0.0) == {"a"}  # a is above the lowest counter: its prompts run in short chunks
+    f.left("c")
+    assert f.over_share(f.idle_since["c"] + 1.0) == {"a"}  # c left a moment ago: still counted
+    assert f.over_share(f.idle_since["c"] + LINGER) == set() and not f.idle_since  # then forgotten
+
+
+def test_counters_lift_and_forget_without_credit():
     f = Fairness()
     f.arrived("a")
     f.served("a", 2.0, 10, 5)
