@@ -45,6 +45,13 @@ UNLIMITED_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"
 
 log = logging.getLogger("zserve.gateway.access")
 
+
+def holds_slot(request: web.Request) -> bool:
+    """Whether a tenant's request takes one of its concurrent slots (``max_concurrent``): requests that put a model
+    to work do; reads, deletes and cancels do not, so a tenant whose slots are all busy (its background responses
+    among them) can still poll, cancel and delete."""
+    return request.method not in ("GET", "HEAD", "DELETE") and not request.path.endswith(("/cancel", "abort_requests"))
+
 RID: web.RequestKey[str] = web.RequestKey("zserve_request_id", str)
 
 CORS: web.AppKey[CorsPolicy] = web.AppKey("zserve_cors", CorsPolicy)
@@ -65,7 +72,7 @@ class Guard:
         """A request of a tenant (a tenants file is in force) is admitted against its limits: its ``Served``."""
         if tenant is None or self.tenancy is None or not self.keys.tenants.tenants or request.path in UNLIMITED_PATHS:
             return None
-        served = await self.tenancy.admit(tenant)
+        served = await self.tenancy.admit(tenant, holds_slot(request))
         request[SERVED_KEY] = served
         return served
 

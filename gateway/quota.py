@@ -53,8 +53,9 @@ class Rules:
     max_concurrent: int | None = None
 
     @classmethod
-    def of(cls, tenant: Tenant) -> Rules:
-        return cls(tenant.requests_per_minute, tenant.tokens_per_minute, tenant.max_concurrent)
+    def of(cls, tenant: Tenant, slot: bool = True) -> Rules:
+        """``slot``: the request takes one of the tenant's concurrent slots (False: its concurrency is not checked)."""
+        return cls(tenant.requests_per_minute, tenant.tokens_per_minute, tenant.max_concurrent if slot else None)
 
     def divided(self, n: int) -> Rules:
         """Each limit shared by ``n`` hosts (concurrency rounded up, at least 1)."""

@@ -62,13 +62,13 @@ class TenantMetrics:
 class Served:
     """One request's tenant while it is served: what the engine client charges, and the verdict its headers say."""
 
-    __slots__ = ("tenant", "tenancy", "verdict", "_ended")
+    __slots__ = ("tenant", "tenancy", "verdict", "_holders")
 
     def __init__(self, tenant: Tenant, tenancy: Tenancy, verdict: Verdict | None):
         self.tenant = tenant
         self.tenancy = tenancy
         self.verdict = verdict  # None: a tenant without limits
-        self._ended = False
+        self._holders = 1  # the admission middleware, until the response is over; ``keep`` adds one
 
     @property
     def engine_tenant(self) -> tuple[str, float]:
@@ -90,13 +90,19 @@ class Served:
     def headers(self) -> dict[str, str]:
         return self.verdict.headers() if self.verdict is not None else {}
 
+    def keep(self) -> None:
+        """The request goes on after its HTTP response (a background Responses request): its concurrency slot is
+        given back only once the one that called this calls ``ended`` too."""
+        self._holders += 1
+
     def ended(self) -> None:
-        """The response is over: its concurrency slot goes back (once)."""
-        if self._ended:
+        """A holder is done (the middleware, once the response is over; a ``keep`` caller, once its work is): the
+        concurrency slot goes back when the last one is."""
+        if self._holders <= 0:
             return
-        self._ended = True
+        self._holders -= 1
         lease = self.verdict.lease if self.verdict is not None else None
-        if lease is not None:
+        if not self._holders and lease is not None:
             self.tenancy.release(lease)
 
 
@@ -114,11 +120,12 @@ class Tenancy:
         self._flushing = False
         self._tasks: set[asyncio.Task] = set()
 
-    async def admit(self, tenant: Tenant) -> Served:
-        """The request may start for ``tenant``; else the 429 its limit gives, with the headers saying when to retry."""
+    async def admit(self, tenant: Tenant, slot: bool = True) -> Served:
+        """The request may start for ``tenant``; else the 429 its limit gives, with the headers saying when to retry.
+        ``slot``: it takes one of the tenant's concurrent slots (``max_concurrent``) while it is served."""
         verdict = None
         if tenant.limited and self.quota is not None:
-            verdict = await self.quota.admit(tenant.name, Rules.of(tenant))
+            verdict = await self.quota.admit(tenant.name, Rules.of(tenant, slot))
             if not verdict.allowed:
                 self.metrics.rate_limited.inc(1, (tenant.name, verdict.reason))
                 raise APIError(429, _REFUSALS[verdict.reason].format(name=tenant.name, wait=verdict.retry_after),

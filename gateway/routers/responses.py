@@ -50,6 +50,7 @@ from ..serving.tools import final_tool_calls
 from ..sse import encode_event, open_stream
 from ..state import STATE, ModelState
 from ..store import StoreUnavailable
+from ..tenancy import SERVED, Served
 from ..text.message import MessagePiece
 from ..text.token_text import TokenLogprob
 
@@ -382,7 +383,9 @@ class Turn:
                         type(e).__name__, err)
 
 
-async def _background(turn: Turn) -> None:
+async def _background(turn: Turn, served: Served | None) -> None:
+    """Run a background response to its end; its tenant's concurrency slot (``served``, kept for it) is held until
+    then, not only while the HTTP request that started it was open."""
     try:
         await turn.run(OutputBuilder(None))
     except Exception:  # noqa: BLE001 - a background response must never take the gateway down
@@ -392,6 +395,9 @@ async def _background(turn: Turn) -> None:
             await turn.state.responses.transition(turn.rid, LIVE, turn.record(obj))
         except Exception:  # noqa: BLE001
             pass
+    finally:
+        if served is not None:
+            served.ended()
 
 
 async def _stream(request: web.Request, turn: Turn) -> web.StreamResponse:
@@ -459,7 +465,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.store and turn.announced:
         await store_call(state.responses.put(turn.rid, turn.record(turn.obj)))
     if req.background:
-        task = asyncio.create_task(_background(turn))
+        if (served := SERVED.get()) is not None:
+            served.keep()
+        task = asyncio.create_task(_background(turn, served))
         _background_tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_background_tasks.discard)
         return json_body(turn.obj)

@@ -140,6 +140,22 @@ def test_a_tenants_concurrency_holds_across_gateways(server):
     wait_until(lambda: complete(server.url, "pair").status_code == 200, 30, 0.05, "a slot to be given back")
 
 
+def test_a_background_response_holds_its_tenants_slot_until_it_ends_and_polls_and_cancels_get_through(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["pair"], max_retries=0, timeout=60,
+                           http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=60))
+    # Random weights almost never write EOS: thousands of tokens, far longer than this test waits.
+    ids = [client.responses.create(model=MODEL, input="Write a very long story.", max_output_tokens=4000,
+                                   extra_body={"ignore_eos": True}, background=True).id for _ in range(2)]
+    try:
+        third = complete(server.url, "pair")  # both slots are the background responses', after their HTTP replies
+        assert third.status_code == 429 and "max_concurrent" in third.json()["error"]["message"], third.text
+        assert all(client.responses.retrieve(i).status in ("queued", "in_progress") for i in ids)  # polls get through
+    finally:
+        for i in ids:
+            assert client.responses.cancel(i).status == "cancelled"  # and so do cancels
+    wait_until(lambda: complete(server.url, "pair").status_code == 200, 30, 0.05, "the slots to be given back")
+
+
 def test_models_and_admin_routes_are_restricted_per_tenant(server):
     r = complete(server.url, "narrow")
     assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed", r.text
