@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 
 import uvloop
 from aiohttp import web
@@ -243,6 +244,22 @@ async def drain(state: GatewayState, site: web.SockSite, server: web.Server | No
     return EXIT_CUT_OFF
 
 
+def profiled(name: str, run: Callable[[], int]) -> int:
+    """``run()``; under ``ZSERVE_PROFILE_DIR`` (a developer's switch: where a gateway's CPU goes, for the gateway
+    benchmarks) inside ``cProfile``, the stats written to ``<dir>/<name>-<pid>.prof`` when it returns (a drained,
+    not a killed, gateway)."""
+    directory = os.environ.get("ZSERVE_PROFILE_DIR")
+    if not directory:
+        return run()
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(run)
+    finally:
+        profile.dump_stats(os.path.join(directory, f"{name}-{os.getpid()}.prof"))
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m gateway --launch JSON``: the ``GatewayLaunch`` the supervisor built (``launch.handoff``)."""
     a, pipes = parse_child_argv(argv, "python -m gateway", "zserve HTTP gateway (started by `launch`)",
@@ -252,4 +269,4 @@ def main(argv: list[str] | None = None) -> None:
     set_title(f"zserve: gateway {a.index}")
     setup_logging(f"gateway {a.index}")
     logs.install()
-    exit_now(uvloop.run(serve(a, pipes)))  # its sockets and stores were closed by serve
+    exit_now(profiled(f"gateway-{a.index}", lambda: uvloop.run(serve(a, pipes))))  # (serve closed its sockets)
