@@ -61,6 +61,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "`0` (or `false`, `no`, `off`): GGUF weights are converted at every start instead of once into the "
            "cache directory.",
            ("engine_worker/weight_cache.py",)),
+    EnvVar("ZSERVE_PROFILE_DIR", "no profile",
+           "A directory: each gateway runs under `cProfile` and writes `gateway-<index>-<pid>.prof` there when it "
+           "drains (a developer's aid for the gateway benchmarks; it slows the gateway 2-3x).",
+           ("gateway/server.py",)),
     EnvVar("ZSERVE_WEIGHT_CACHE_MIN_BYTES", "`16777216` (16 MiB)",
            "GGUF files smaller than this many bytes are converted at every start, not cached.",
            ("engine_worker/weight_cache.py",)),
