@@ -76,4 +76,4 @@ class Fairness:
 
     def rank(self, tenant: str) -> tuple[float, int]:
         """Lower goes first: the counter, then (a tie, as a tenant lifted on arrival makes) fewer requests here."""
-        return self.counters.get(tenant, 0.0), self.active[tenant]
+        return self.counter(tenant), self.active[tenant]

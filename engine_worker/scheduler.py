@@ -327,7 +327,8 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0:
                 break
-            budget = self._admit_waiting(budget, chosen, share, below=(seq.tenant, share.counter(seq.tenant)))
+            if fair is not None:  # (without contention newcomers come after every running prompt)
+                budget = self._admit_waiting(budget, chosen, share, below=(seq.tenant, fair.counter(seq.tenant)))
             if seq not in self.running or id(seq) in chosen:
                 continue  # preempted meanwhile
             n = min(seq.total_len - seq.num_computed, budget, share.allows(seq.tenant))
@@ -352,14 +353,13 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chosen: dict[int, tuple[Sequence, int]], share: _Share,
                        below: tuple[str, float] | None = None) -> int:
         """Admit waiting requests while there is budget, a sequence slot and blocks; the budget left. ``below``:
-        (tenant, counter) of a running prompt that goes next: while tenants contend, only newcomers of other tenants
-        whose counter is not higher go before it; without contention none. Newcomers are admitted only when nothing
+        (tenant, counter) of a running prompt that goes next (while tenants contend): only newcomers of other tenants
+        whose counter is not higher go before it. Newcomers are admitted only when nothing
         had to be preempted for blocks this step: otherwise they would take the blocks the preempted sequence needs
         back."""
         while self.waiting and budget > 0 and not share.preempted:
             seq = self._next_waiting()
-            if seq is None or (below is not None and (share.fair is None or seq.tenant == below[0]
-                                                      or share.counter(seq.tenant) > below[1])):
+            if seq is None or (below is not None and (seq.tenant == below[0] or share.counter(seq.tenant) > below[1])):
                 break  # (a tie goes to the newcomer: a tenant lifted on arrival ties the lowest counter)
             if len(self.running) >= self.max_num_seqs:
                 # Every slot taken: a tenant below its share takes one from the tenant furthest above it (a sequence

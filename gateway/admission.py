@@ -52,6 +52,7 @@ def holds_slot(request: web.Request) -> bool:
     among them) can still poll, cancel and delete."""
     return request.method not in ("GET", "HEAD", "DELETE") and not request.path.endswith(("/cancel", "abort_requests"))
 
+
 RID: web.RequestKey[str] = web.RequestKey("zserve_request_id", str)
 
 CORS: web.AppKey[CorsPolicy] = web.AppKey("zserve_cors", CorsPolicy)

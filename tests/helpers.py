@@ -7,6 +7,7 @@ after a deadline, so a process that never answers fails its test instead of hang
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -172,6 +173,29 @@ def free_ports(n: int) -> int:
 
 # -- a tiny-random server and what tests ask it --------------------------------------------------------
 TINY = ("--model", "tiny-random", "--dtype", "float32")
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of every sample of ``/metrics`` whose line starts with ``name`` (a metric, or a metric and the start
+    of its labels: ``'zserve_migrations_total{cause="engine_lost"'``)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+@contextlib.contextmanager
+def hosts_sharing(state_url: str, *args: str, log_name: str, count: int = 2):
+    """Two hosts' servers (``--count`` gateways each, ``args`` beside) sharing ``--state-url state_url``: (a, b)."""
+    a = Server(*args, "--count", str(count), "--state-url", state_url, log_name=f"{log_name}-a")
+    try:
+        b = Server(*args, "--count", str(count), "--state-url", state_url, log_name=f"{log_name}-b")
+    except Exception:
+        a.stop()
+        raise
+    try:
+        yield a, b
+    finally:
+        for s in (a, b):
+            s.stop()
 
 
 def status(server: Server) -> dict:

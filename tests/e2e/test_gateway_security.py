@@ -13,7 +13,7 @@ import openai
 import psutil
 import pytest
 
-from tests.helpers import Server, wait_until
+from tests.helpers import Server, metric, wait_until
 
 KEY, FILE_KEY, ADMIN = "sk-zs-test-0123456789abcdef", "sk-zs-file-fedcba9876543210", "adm-zs-test-5555aaaa"
 SECRETS = (KEY, FILE_KEY, ADMIN)
@@ -58,8 +58,7 @@ def server(tmp_path_factory):
 
 
 def engine_steps(server: Server) -> float:
-    text = httpx.get(server.url + "/metrics").text  # open to scrapers by default (--metrics-auth closes it)
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("zserve_engine_steps_total"))
+    return metric(server.url, "zserve_engine_steps_total")  # open to scrapers by default (--metrics-auth closes it)
 
 
 def test_without_a_key_every_protected_route_is_401_in_its_familys_shape_and_reaches_no_engine(server):

@@ -29,7 +29,18 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import LAUNCH, ROOT, TINY, Server, close_streams, procs, ready_pids, streams_go_on, wait_until
+from tests.helpers import (
+    LAUNCH,
+    ROOT,
+    TINY,
+    Server,
+    close_streams,
+    metric,
+    procs,
+    ready_pids,
+    streams_go_on,
+    wait_until,
+)
 from zserve.catalog import DEFAULT_CHAT_MODEL
 
 KINDS = ("greedy", "seeded", "schema", "tools")
@@ -188,11 +199,6 @@ def check_kinds(streams: dict[tuple[str, int], Stream], max_tokens: int) -> None
             for name, arguments in s.calls.values():
                 assert name == "record"
                 jsonschema.validate(json.loads(arguments), SCHEMA)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def settled_metric(url: str, name: str, since: float, enough) -> float:

@@ -17,10 +17,10 @@ import pytest
 
 from tests.helpers import (
     TINY,
-    Server,
     Traffic,
     collect_finishes,
     free_port,
+    hosts_sharing,
     ready_pids,
     start_redis,
     stop_process,
@@ -49,16 +49,8 @@ def lora_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hosts(redis_server, lora_dir):
     url = f"redis://127.0.0.1:{redis_server['port']}/0"
-    lora = ("--enable-lora", "--lora-dir", str(lora_dir))
-    a = Server(*TINY, "--count", "2", "--state-url", url, *lora, log_name="shared-host-a")
-    try:
-        b = Server(*TINY, "--count", "2", "--state-url", url, *lora, log_name="shared-host-b")
-    except Exception:
-        a.stop()
-        raise
-    yield a, b
-    for s in (a, b):
-        s.stop()
+    with hosts_sharing(url, *TINY, "--enable-lora", "--lora-dir", str(lora_dir), log_name="shared-host") as ab:
+        yield ab
 
 
 def every_gateway(url: str, count: int = 2) -> dict[int, dict]:

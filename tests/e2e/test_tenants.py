@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import LAUNCH, ROOT, Server, wait_until
+from tests.helpers import LAUNCH, ROOT, Server, metric, wait_until
 from zserve.tenants import key_digest
 
 MODEL = "tiny-random"
@@ -209,7 +209,7 @@ def test_a_flood_of_one_tenant_does_not_queue_another_tenants_request_behind_it(
         t.start()
     try:
         wait_until(lambda: len(started) >= 16, 60, 0.05, "the flood to fill the engine")
-        waiting = wait_until(lambda: (n := _gauge(server, "zserve_engine_requests_waiting")) >= 20 and n, 30, 0.05,
+        waiting = wait_until(lambda: (n := metric(server.url, "zserve_engine_requests_waiting{")) >= 20 and n, 30, 0.05,
                              "the flood to queue")
         sent = time.monotonic()
         r = complete(server.url, "free", max_tokens=1)
@@ -222,11 +222,6 @@ def test_a_flood_of_one_tenant_does_not_queue_another_tenants_request_behind_it(
         for t in threads:
             t.join(120)
         http.close()
-
-
-def _gauge(server: Server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def reload(server: Server) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import LAUNCH, ROOT, TINY, Server, wait_until
+from tests.helpers import LAUNCH, ROOT, TINY, hosts_sharing, wait_until
 from zserve.tenants import key_digest
 
 pytestmark = pytest.mark.slow
@@ -25,15 +25,8 @@ def hosts(redis_port, tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants-hosts") / "tenants.toml"
     path.write_text(f'[[tenant]]\nname = "shared"\nkey_sha256 = ["{key_digest(KEY)}"]\nrequests_per_minute = {RPM}\n')
     url = f"redis://127.0.0.1:{redis_port}/3"
-    a = Server(*TINY, "--count", "2", "--state-url", url, "--tenants", str(path), log_name="tenants-host-a")
-    try:
-        b = Server(*TINY, "--count", "2", "--state-url", url, "--tenants", str(path), log_name="tenants-host-b")
-    except Exception:
-        a.stop()
-        raise
-    yield a, b
-    for s in (a, b):
-        s.stop()
+    with hosts_sharing(url, *TINY, "--tenants", str(path), log_name="tenants-host") as ab:
+        yield ab
 
 
 def complete(url: str) -> int:
