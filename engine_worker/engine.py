@@ -44,7 +44,7 @@ from zserve.proc import (
 
 from .device import configure_cpu_threads, parse_memory, resolve_dtype, select_device
 from .grammar import Grammars, tokenizer_json_loader
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, load_model, quantized_source
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .server import EngineServer
@@ -73,7 +73,7 @@ class Engine:
         status = status or StatusPipe(None)
         cfg, source = launch.config, launch.source
         device = select_device(launch.device)
-        dtype = resolve_dtype(cfg.dtype, device)
+        dtype = resolve_dtype(cfg.dtype, device, quantized=quantized_source(source, cfg.quantization))
         if device.type == "cpu":
             configure_cpu_threads(cfg.threads)
         started = time.monotonic()
@@ -88,7 +88,8 @@ class Engine:
         if launch.loras is not None:
             cfg = cfg.replace(lora_modules=())  # the cluster's adapters, loaded below, replace the configuration's
         with boot_phase(status, f"engine {launch.rank}"):
-            loaded = load_model(source, dtype, device, progress=_progress, expert_share=launch.expert_share)
+            loaded = load_model(source, dtype, device, progress=_progress, expert_share=launch.expert_share,
+                                quantization=cfg.quantization)
             engine = cls.generation(loaded, device, dtype, cfg, rank=launch.rank,
                                     tokenizer_json=tokenizer_json_loader(source.tokenizer_path),
                                     expert_parallel=launch.expert_share is not None)

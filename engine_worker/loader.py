@@ -34,9 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine_worker.gguf_quant import QuantParts
 from engine_worker.models import config_from_hf
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from zserve.catalog import ModelSource
+from zserve.config import QUANTIZATIONS
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -52,19 +54,29 @@ class LoadedModel:
     eos_token_ids: list[int]
     vocab_size: int
     model_id: str
+    quantization: str = "none"  # what load_model was asked for (a reload asks the same: engine_worker.residency)
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               progress: ProgressFn | None = None, expert_share: tuple[int, int] | None = None) -> LoadedModel:
+               progress: ProgressFn | None = None, expert_share: tuple[int, int] | None = None,
+               quantization: str = "none") -> LoadedModel:
     """Load ``source`` onto ``device`` in ``dtype``, calling ``progress(stage, done, total)`` per tensor.
 
     ``expert_share``: ``(member, size)`` of an expert-parallel group: load only that member's experts of each
-    MoE layer (``expert_parallel.expert_shard``; the others are never read), from a Hugging Face directory."""
+    MoE layer (``expert_parallel.expert_shard``; the others are never read), from a Hugging Face directory.
+    ``quantization``: ``auto`` keeps a GGUF file's quantized linear weights (and embedding) quantized
+    (``engine_worker.gguf_quant``, ``models.quant_linear``); ``none`` dequantizes every tensor to ``dtype``."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
     if expert_share is not None:
         if source.weights != "hf":
             raise NotImplementedError(f"model {source.model_id!r}: expert parallelism needs a Hugging Face "
                                       f"(safetensors) checkpoint, not {source.weights} weights")
         return _load_hf(source, dtype, device, progress, expert_share)
+    if quantized_source(source, quantization):
+        loaded = _convert_gguf(source, read_gguf_metadata(source.path), dtype, device, progress, None, quantize=True)
+        loaded.quantization = quantization
+        return loaded
     if source.weights == "gguf":
         return _load_gguf(source, dtype, device, progress)
     if source.weights == "random":
@@ -120,6 +132,20 @@ def read_gguf_metadata(path: str | Path) -> dict[str, int | float | bool | str]:
             else:
                 raise ValueError(f"{path}: unknown GGUF value type {vtype} for {key!r}")
         return out
+
+
+# general.file_type values of files whose tensors are not quantized: F32, F16, BF16 (llama.cpp's LLAMA_FTYPE_*).
+_UNQUANTIZED_FILE_TYPES = {0, 1, 32}
+
+
+def gguf_quantized(meta: dict) -> bool:
+    """Whether a GGUF file's header says its weights are quantized (``general.file_type``; absent: assumed so)."""
+    return meta.get("general.file_type") not in _UNQUANTIZED_FILE_TYPES
+
+
+def quantized_source(source: ModelSource, quantization: str) -> bool:
+    """Whether ``load_model(source, ..., quantization=quantization)`` keeps weights quantized."""
+    return quantization == "auto" and source.weights == "gguf" and gguf_quantized(read_gguf_metadata(source.path))
 
 
 def eos_ids_from_metadata(meta: dict) -> list[int]:
@@ -217,13 +243,26 @@ def _gguf_tensors(name: str, w: torch.Tensor, cfg: LlamaConfig) -> Iterator[tupl
     yield hf, w
 
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+# The GGUF tensors kept quantized with --quantization auto: the dense linears and the embedding (experts are not).
+_QUANTIZABLE_GLOBAL = {"token_embd.weight", "output.weight"}
+_QUANTIZABLE_LAYER = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+def _quantizable(name: str) -> bool:
+    parts = name.split(".")
+    return name in _QUANTIZABLE_GLOBAL or (len(parts) == 4 and parts[0] == "blk" and parts[2] in _QUANTIZABLE_LAYER
+                                           and parts[3] == "weight")
+
+
+def unpermute_qk(w, n_heads: int):
     """Undo llama.cpp's Q/K row permutation so rotate-half RoPE applies.
 
     llama.cpp interleaves the two halves of every head's rows (pairs (i, i + D/2) become adjacent
     rows 2i, 2i+1); viewing the rows as (heads, D/2, 2) and swapping the last two axes restores
     the Hugging Face order.
     """
+    if isinstance(w, QuantParts):  # codes and scales are per row: the same reordering
+        return w.rows(lambda t: unpermute_qk(t, n_heads))
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -297,13 +336,16 @@ def _layout(model: LlamaForCausalLM) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _convert_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: torch.device,
-                  progress: ProgressFn | None, cache: tuple[Path, dict[str, str]] | None) -> LoadedModel:
+                  progress: ProgressFn | None, cache: tuple[Path, dict[str, str]] | None,
+                  quantize: bool = False) -> LoadedModel:
     """Dequantize every tensor (the slow part) into a new model, streaming them into the weight
-    cache file too when ``cache`` is given."""
+    cache file too when ``cache`` is given. With ``quantize``, the linear weights and the embedding of a type
+    ``gguf_quant`` decodes are kept quantized instead (``LlamaForCausalLM.use_quantized``)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from engine_worker import weight_cache
+    from engine_worker.gguf_quant import DECODED, quant_parts
 
     reader = GGUFReader(source.path)
     tensors = {t.name: t for t in reader.tensors}
@@ -322,9 +364,26 @@ def _convert_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: t
         except OSError as e:
             log.warning("weight cache: cannot write %s (%s)", cache[0], e)
 
+    kept = {}
+    if quantize:
+        for name, t in tensors.items():
+            if t.tensor_type in DECODED and len(t.shape) == 2 and _quantizable(name):
+                parts = quant_parts(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+                for hf, p in _gguf_tensors(name, parts, cfg):
+                    kept[hf] = p
+        used = model.use_quantized(kept)
+        log.info("model %s: %d of %d tensors kept quantized (%s)", source.model_id, len(used), len(tensors),
+                 ", ".join(model.quantized_kinds()) or "none")
+    else:
+        used = set()
+
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         total = len(tensors)
         for i, (name, t) in enumerate(tensors.items()):
+            if used and _quantizable(name) and hf_name_for_gguf(name) in used:  # (a part of a fused linear whose
+                if progress is not None:                                       # other parts were not kept: dense)
+                    progress("load", i + 1, total)
+                continue
             arr = dequantize(t.data, t.tensor_type)
             # F32 tensors come back as read-only views of the mmapped file: copy them.
             arr = np.asarray(arr, dtype=np.float32)
@@ -337,7 +396,7 @@ def _convert_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: t
                 progress("load", i + 1, total)
 
     try:
-        model.load_weights(weights())
+        model.load_weights(weights(), skip=used)
     except BaseException:
         if writer is not None:
             writer.abort()

@@ -233,7 +233,7 @@ class Residency:
 
     def _read(self, source: ModelSource, device: torch.device) -> LoadedModel:
         r = self.runner
-        loaded = load_model(source, r.dtype, device, expert_share=self.expert_share())
+        loaded = load_model(source, r.dtype, device, expert_share=self.expert_share(), quantization=r.quantization)
         model = loaded.model
         model.dtype = r.dtype
         if r.packed:

@@ -101,6 +101,7 @@ class ModelRunner:
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.model_id = loaded.model_id
+        self.quantization = loaded.quantization  # (a reload of the weights asks for the same)
         self.block_size = block_size
 
         per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)

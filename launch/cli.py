@@ -41,7 +41,7 @@ from protocol.control import (
 )
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, pools_only, resolve
-from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, SCHEDULING, EngineConfig, ModelSpec, parse_lora_module
+from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, QUANTIZATIONS, SCHEDULING, EngineConfig, ModelSpec, parse_lora_module
 from zserve.proc import SECRET_OPTIONS, redact_option, set_title, setup_logging
 from zserve.tenants import BURST_SECONDS
 
@@ -200,7 +200,11 @@ class SeveralValuesCommand(click.Command):
 engine_options = _options(
     click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True,
                  help="Precision of weights and activations; auto: bfloat16 on CUDA and on CPUs with native bfloat16, "
-                      "else float32."),
+                      "else float32; float32 on a CPU serving quantized weights (--quantization)."),
+    click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=_ENGINE.quantization, show_default=True,
+                 help="auto: a GGUF file's quantized weights (Q4_0, Q4_1, Q4_K, Q5_*, Q6_K, Q8_0) stay quantized in "
+                      "the engines and the linear layers run on them, 4 or 8 bits a weight; none: every weight is "
+                      "dequantized to --dtype at load."),
     click.option("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, show_default=True,
                  help="Sequences an engine runs at once."),
     click.option("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens, show_default=True,

@@ -33,13 +33,16 @@ def check_memory(value: str) -> str:
 
 
 SCHEDULING = ("fair", "fifo")
+# auto: a GGUF file's quantized weights stay quantized in the engines (engine_worker.gguf_quant); none: dequantized.
+QUANTIZATIONS = ("auto", "none")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What every engine worker of a tier is started with (besides its rank, endpoint and device)."""
 
-    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with native bf16, else fp32
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with native bf16, else fp32 (and fp32 for a CPU's quantized)
+    quantization: str = "auto"  # one of QUANTIZATIONS
     max_num_seqs: int = 32  # sequences an engine runs at once
     # Context (prompt + output) per sequence. None: the model's own (vLLM's default), lowered to what the KV cache
     # holds (logged at start); a given value is capped to the model's own.
@@ -74,6 +77,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (self.quantization in QUANTIZATIONS, f"quantization must be one of {', '.join(QUANTIZATIONS)}"),
             (_int(self.max_num_seqs, 1, 4096), "max_num_seqs must be an integer in 1..4096"),
             (self.max_model_len is None or _int(self.max_model_len, 16, 1 << 20),
              "max_model_len must be an integer in 16..1048576"),

@@ -5,7 +5,9 @@ gathers every row's keys and values into a contiguous copy each step and layer, 
 batched matmuls and a softmax over it: three passes over the whole context. ``kernels.cpp`` does
 it in one pass, reading the blocks through the block table with an online softmax.
 
-Build: ``g++ -O3 -march=native -fopenmp -shared`` (about a second, no torch headers), cached under
+``qgemm.cpp`` multiplies by weights kept quantized as GGUF stores them (``engine_worker.models.quant_linear``).
+
+Build: ``g++ -O3 -march=native -fopenmp -shared`` (a few seconds, no torch headers), cached under
 the user's cache directory keyed by the source, the compiler and the CPU's flags, and renamed
 into place atomically so engines starting together never see half a library. With no compiler,
 a failed build, or ``ZSERVE_CPU_KERNELS=0``, ``available()`` is False and the engine keeps its
@@ -30,13 +32,13 @@ from zserve.paths import private_dir, user_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = (Path(__file__).with_name("kernels.cpp"), Path(__file__).with_name("qgemm.cpp"))
 ABI_VERSION = 3
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
-__all__ = ["LoraKernel", "add_rms_norm", "available", "decode_attention", "lora_shrink_expand", "rope_and_store",
-           "silu_and_mul", "supports", "supports_lora"]
+__all__ = ["LoraKernel", "add_rms_norm", "available", "decode_attention", "lora_shrink_expand", "qgemm",
+           "rope_and_store", "silu_and_mul", "supports", "supports_lora"]
 
 
 def _cpu_flags() -> str:
@@ -56,9 +58,9 @@ def _compiler() -> str | None:
 
 
 def _build(cxx: str) -> Path:
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
     base = user_cache_dir()
     # The library is loaded as code: its directory must be this user's alone.
     out_dir = Path(private_dir(os.path.join(base, "kernels") if base
@@ -69,7 +71,8 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=target.stem, suffix=".tmp.so")
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)
@@ -115,6 +118,8 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"zs_{name}_{suffix}")
             fn.argtypes, fn.restype = args, ret
     lib.zs_set_portable_only.argtypes = [i32]
+    lib.zs_qgemm_f32.argtypes, lib.zs_qgemm_f32.restype = [p, i64, p, i64, i64, p, p, p, i64, i64, i32, i32], ctypes.c_int
+    lib.zs_qgemm_set_portable.argtypes = [i32]
     return lib
 
 
@@ -127,6 +132,7 @@ def set_portable_only(on: bool) -> None:
     lib = _library()
     if lib is not None:
         lib.zs_set_portable_only(int(on))
+        lib.zs_qgemm_set_portable(int(on))
 
 
 def available() -> bool:
@@ -262,3 +268,17 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, seg
                        bt: tuple[torch.Tensor, ...]) -> None:
     """One ``LoraKernel(at, bt)(x, y, rows, segs)`` call (see ``LoraKernel``)."""
     LoraKernel(at, bt)(x, y, rows, segs)
+
+
+def qgemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int, group: int,
+          bits: int) -> torch.Tensor:
+    """``x @ W.T`` ([M, n], float32) for ``x`` [M, K] float32 (unit column stride) and ``W`` kept quantized in
+    ``qgemm.cpp``'s tiled layout (``engine_worker.models.quant_linear.QuantWeight``)."""
+    m, k = x.shape
+    _check(x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu", "qgemm")
+    y = torch.empty((m, n), dtype=torch.float32)
+    rc = _library().zs_qgemm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, codes.data_ptr(), scales.data_ptr(),
+                                 None if mins is None else mins.data_ptr(), n, k, group, bits)
+    if rc != 0:
+        raise ValueError(f"qgemm kernel rejected its arguments (code {rc})")
+    return y

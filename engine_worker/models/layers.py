@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker import cpu_kernels
+from engine_worker.models.quant_linear import QuantWeight
 
 
 class RMSNorm(nn.Module):
@@ -152,6 +153,9 @@ class Linear(nn.Module):
 
     A step serving LoRA adapters passes them (``StepAdapters``), which add each adapter's low-rank update on that
     adapter's rows after the base matmul (``engine_worker.lora``); without one, a linear costs one None check more.
+
+    A weight kept quantized (``quant``, a ``QuantWeight``: ``--quantization auto`` on a GGUF file) replaces the
+    plain one: the matmul runs on the quantized codes (``QuantWeight.matmul``).
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
@@ -162,9 +166,18 @@ class Linear(nn.Module):
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.packed_weight: torch.Tensor | None = None
+        self.quant: QuantWeight | None = None
+
+    def quantize(self, quant: QuantWeight) -> None:
+        """Serve from ``quant`` (the same shape) from now on; the plain weight is dropped."""
+        self.quant, self.weight = quant, None
 
     def forward(self, x: torch.Tensor, lora: StepAdapters | None = None) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.quant is not None:
+            y = self.quant.matmul(x)
+            if self.bias is not None:
+                y += self.bias
+        elif self.packed_weight is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, self.bias)
@@ -173,7 +186,7 @@ class Linear(nn.Module):
         return y
 
     def pack(self, keep_plain: bool = False) -> None:
-        if self.packed_weight is None:
+        if self.packed_weight is None and self.quant is None:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             if not keep_plain:
                 self.weight = None

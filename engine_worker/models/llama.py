@@ -27,6 +27,7 @@ from torch import nn
 
 from engine_worker import cpu_kernels
 from engine_worker.attention import AttentionBackend, StepLayout
+from engine_worker.gguf_quant import QuantParts
 from engine_worker.models.layers import (
     Linear,
     RMSNorm,
@@ -38,6 +39,7 @@ from engine_worker.models.layers import (
     onednn_packing_available,
 )
 from engine_worker.models.moe import SparseMoE
+from engine_worker.models.quant_linear import QuantWeight
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,49 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_llama3)
         self.packed = False
         self.native = False
+        self.embed_quant: QuantWeight | None = None  # the embedding, kept quantized (``use_quantized``)
+
+    def use_quantized(self, parts: dict[str, QuantParts]) -> set[str]:
+        """Serve the linears (and the embedding) that ``parts`` holds, by HF name, from their quantized codes
+        (``QuantWeight``); the names used, which ``load_weights`` is then told to skip. A fused linear is quantized
+        only when ``parts`` has all of its pieces."""
+        if self.packed:
+            raise RuntimeError("weights were packed for serving; load into a fresh model")
+        device, used = self.embed_weight.device, set()
+
+        def take(linear: Linear, names: list[str]) -> None:
+            if all(n in parts for n in names):
+                linear.quantize(QuantWeight([parts[n] for n in names], device))
+                used.update(names)
+
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            take(layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+            take(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
+            if isinstance(layer.mlp, LlamaMLP):
+                take(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                take(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
+        embed = parts.get("model.embed_tokens.weight")
+        if embed is not None:
+            self.embed_quant = QuantWeight([embed], device)
+            self.embed_weight = nn.Parameter(torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=device),
+                                             requires_grad=False)
+            used.add("model.embed_tokens.weight")
+            if self.config.tie_word_embeddings:
+                self.lm_head.quantize(self.embed_quant)
+        if not self.config.tie_word_embeddings:
+            take(self.lm_head, ["lm_head.weight"])
+        return used
+
+    def quantized_kinds(self) -> list[str]:
+        """The GGUF types of the weights kept quantized (none: [])."""
+        kinds = {k for m in self.modules() if isinstance(m, Linear) and m.quant is not None for k in m.quant.kinds}
+        return sorted(kinds | set(self.embed_quant.kinds if self.embed_quant is not None else ()))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quant is not None:
+            return self.embed_quant.dequantize(self.dtype, input_ids)
+        return F.embedding(input_ids, self.embed_weight)
 
     def use_native_kernels(self, on: bool) -> None:
         """Run norms, RoPE + KV store and the SwiGLU activation as native CPU kernels
@@ -193,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
                 lora: StepAdapters | None = None) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` (before the final norm) for the step's flat token batch,
         laid out by ``attn.plan``; ``lora``: the step's LoRA adapters, by token row (``engine_worker.lora``)."""
-        x = F.embedding(input_ids, self.embed_weight)
+        x = self.embed(input_ids)
         cos = signed_sin = None
         if not self.native:
             cos, signed_sin = self.rope(layout.positions, self.dtype)
@@ -308,11 +353,13 @@ class LlamaForCausalLM(nn.Module):
         return (rows, dest.shape[1])
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (any dtype/device); fails unless every weight arrives once."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], skip: set[str] = frozenset()) -> None:
+        """Copy HF-named tensors in (any dtype/device); fails unless every weight but ``skip`` (those kept quantized,
+        ``use_quantized``) arrives once."""
         if self.packed:
             raise RuntimeError("weights were packed for serving; load into a fresh model")
-        targets = {name: (dest, row, self._shape(name, dest)) for name, (dest, row) in self._targets().items()}
+        targets = {name: (dest, row, self._shape(name, dest)) for name, (dest, row) in self._targets().items()
+                   if name not in skip}
         if len(self.expert_ids) < self.config.num_experts:  # expert parallel: skip the other members' experts
             weights = ((name, w) for name, w in weights if self.holds(name))
         copy_checkpoint(weights, targets, f"a {self.config.num_layers}-layer {self.config.architecture}")

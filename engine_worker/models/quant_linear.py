@@ -1,0 +1,102 @@
+"""Weights kept quantized: GGUF's codes and per-group scales (``engine_worker.gguf_quant``) laid out once for the
+native kernel (``cpu_kernels/qgemm.cpp``), so a linear layer reads 4 or 8 bits a weight instead of 16 or 32.
+
+A ``QuantWeight`` is one (possibly fused) weight matrix ``[N, K]``: Q, K and V, or gate and up, become one matrix as
+the dense layers do. Parts of different types (a Q4_K_M file keeps some tensors in Q6_K) share the widest form: 4 bits
+when every part is 4-bit with the same group, else a signed byte a code with the smallest group.
+
+On a CPU with the native kernels, ``matmul`` runs the kernel on float32 activations: the products are those of the
+dequantized float32 model up to the order of the sums, so greedy text follows it (bf16 activations agree with it on
+96% of a text's positions: ``tests/bench/bench_quant_accuracy.py``). Elsewhere (CUDA, no compiler) the weight is
+dequantized on the fly, one matrix at a time, into the activations' dtype: the memory held stays quantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_worker import cpu_kernels
+from engine_worker.gguf_quant import QuantParts
+
+TILE = 16  # output rows per tile: one AVX-512 vector of float32
+
+
+class QuantWeight(nn.Module):
+    """``W [N, K] = scale * q + min`` by group of ``group`` inputs, tiled for ``qgemm.cpp``:
+
+    - ``codes`` uint8: 4-bit: ``[tiles, K / 2, 16]``, byte ``j`` of pair ``p`` holds rows ``16t + j``'s codes for
+      inputs ``2p`` (low nibble) and ``2p + 1`` (high); 8-bit: ``[tiles, K, 16]`` signed bytes;
+    - ``scales``, ``mins`` float32 ``[tiles, K / group, 16]`` (``mins`` None when every min is 0).
+
+    Rows past ``N`` in the last tile are zeros. A module whose tensors are plain attributes: ``model.to(dtype)``
+    leaves the float32 scales alone, and ``engine_worker.residency`` finds them (sleep, weight replacement).
+    """
+
+    def __init__(self, parts: Sequence[QuantParts], device: torch.device):
+        super().__init__()
+        bits = 4 if all(p.bits == 4 for p in parts) and len({p.group for p in parts}) == 1 else 8
+        group = min(p.group for p in parts)
+        q = torch.cat([p.q for p in parts])
+        scale = torch.cat([_regroup(p.scale, p.group, group) for p in parts])
+        has_min = any(p.min is not None for p in parts)
+        mn = torch.cat([_regroup(p.min if p.min is not None else torch.zeros_like(p.scale), p.group, group)
+                        for p in parts]) if has_min else None
+        self.n, self.k = q.shape
+        self.group, self.bits = group, bits
+        self.kinds = sorted({p.kind for p in parts})
+        tiles = -(-self.n // TILE)
+        pad = tiles * TILE - self.n
+        if pad:
+            q = F.pad(q, (0, 0, 0, pad))
+            scale = F.pad(scale, (0, 0, 0, pad))
+            mn = None if mn is None else F.pad(mn, (0, 0, 0, pad))
+        q = q.view(tiles, TILE, self.k).transpose(1, 2)  # [tiles, K, 16]
+        if bits == 4:
+            codes = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+        else:
+            codes = q.to(torch.int8).view(torch.uint8)
+        self.codes = codes.contiguous().to(device)
+        self.scales = _tiled(scale, tiles).to(device)
+        self.mins = None if mn is None else _tiled(mn, tiles).to(device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense weight ``[N, K]`` in ``dtype`` (with ``rows``: only those rows, e.g. embedding lookups)."""
+        if rows is None:
+            rows = torch.arange(self.n, device=self.codes.device)
+        tile, lane = rows // TILE, rows % TILE
+        c = self.codes[tile, :, lane]  # [R, K / 2] or [R, K]
+        if self.bits == 4:
+            q = torch.stack([c & 15, c >> 4], dim=-1).flatten(1).float()
+        else:
+            q = c.view(torch.int8).float()
+        groups = self.k // self.group
+        w = q.view(-1, groups, self.group) * self.scales[tile, :, lane][..., None]
+        if self.mins is not None:
+            w += self.mins[tile, :, lane][..., None]
+        return w.view(-1, self.k).to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in ``x``'s dtype."""
+        if x.device.type == "cpu" and cpu_kernels.available():
+            y = cpu_kernels.qgemm(x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous(),
+                                  self.codes, self.scales, self.mins, self.n, self.group, self.bits)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype))
+
+
+def _regroup(t: torch.Tensor, group: int, to: int) -> torch.Tensor:
+    """Per-group values ``[rows, K / group]`` repeated for a finer group ``to``."""
+    return t if group == to else t.repeat_interleave(group // to, dim=1)
+
+
+def _tiled(t: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``[tiles * 16, groups]`` -> ``[tiles, groups, 16]`` float32."""
+    return t.float().view(tiles, TILE, -1).transpose(1, 2).contiguous()

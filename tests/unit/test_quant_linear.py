@@ -1,0 +1,109 @@
+"""Weights kept quantized (--quantization auto): every GGUF type decodes to what ``gguf.quants.dequantize`` gives, the
+native kernel (vectorised and portable, every row count it treats apart) multiplies by exactly those weights, fused
+parts of different types share one matrix, and SmolLM2 served quantized answers as the dequantized float32 model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from engine_worker import cpu_kernels
+from engine_worker.device import resolve_dtype
+from engine_worker.gguf_quant import DECODED, quant_parts
+from engine_worker.loader import load_model, quantized_source
+from engine_worker.models.quant_linear import QuantWeight
+from zserve.catalog import resolve
+
+CPU = torch.device("cpu")
+QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # gguf-py quantizes these; the K types are read only
+
+
+def raw_blocks(kind: T, rows: int, k: int, seed: int) -> np.ndarray:
+    """A tensor of ``kind`` in GGUF's bytes: quantized from random weights where gguf-py can, else random blocks
+    whose float16 scales are finite (any bits are valid codes)."""
+    rng = np.random.default_rng(seed)
+    if kind in QUANTIZABLE:
+        return quantize((rng.standard_normal((rows, k)) * 0.05).astype(np.float32), kind)
+    block, size = GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    halves = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[kind]
+    for at in halves:  # d (and dmin) of each block: small finite float16s
+        raw[:, at:at + 2] = (rng.standard_normal(len(raw)) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(DECODED, key=int), ids=lambda k: T(k).name)
+def test_each_type_decodes_to_what_gguf_dequantizes(kind):
+    raw = raw_blocks(kind, 48, 512, seed=int(kind))
+    parts = quant_parts(raw, kind, (48, 512))
+    expected = torch.from_numpy(np.asarray(dequantize(raw, kind), dtype=np.float32)).view(48, 512)
+    assert torch.equal(parts.dequantize(), expected)
+    assert parts.bits == (4 if T(kind).name.startswith("Q4") else 8)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda k: k.name)
+def test_the_kernel_multiplies_by_the_dequantized_weights(kind, portable):
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels did not build here (no compiler)")
+    n, k = 70, 512  # 70 rows: a last tile of 6
+    parts = quant_parts(raw_blocks(kind, n, k, seed=1), kind, (n, k))
+    weight = QuantWeight([parts], CPU)
+    assert torch.equal(weight.dequantize(), parts.dequantize())
+    dense = parts.dequantize().double()
+    cpu_kernels.set_portable_only(portable)
+    try:
+        for m in (1, 2, 4, 5, 9, 300):  # register-formed rows (<= 4), 8-row blocks and their rest, row chunks
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            y = weight.matmul(x)
+            ref = x.double() @ dense.T
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (kind.name, m)
+            strided = torch.randn(m, k + 8)[:, :k]  # a row stride other than K
+            assert torch.allclose(weight.matmul(strided), (strided.double() @ dense.T).float(), rtol=1e-4, atol=1e-4)
+    finally:
+        cpu_kernels.set_portable_only(False)
+
+
+def test_parts_of_different_types_share_one_matrix_and_bf16_inputs_come_back_bf16():
+    q = quant_parts(raw_blocks(T.Q4_K, 32, 256, seed=2), T.Q4_K, (32, 256))
+    v = quant_parts(raw_blocks(T.Q6_K, 16, 256, seed=3), T.Q6_K, (16, 256))
+    fused = QuantWeight([q, v], CPU)
+    assert (fused.bits, fused.group, fused.kinds) == (8, 16, ["Q4_K", "Q6_K"])
+    dense = torch.cat([q.dequantize(), v.dequantize()])
+    assert torch.equal(fused.dequantize(), dense)
+    rows = torch.tensor([0, 17, 47, 31])
+    assert torch.equal(fused.dequantize(rows=rows), dense[rows])
+    x = torch.randn(3, 256).bfloat16()
+    y = fused.matmul(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), x.float() @ dense.T, rtol=2e-2, atol=1e-2)
+
+
+def test_dtype_auto_is_float32_for_a_cpu_serving_quantized_weights():
+    assert resolve_dtype("auto", CPU, quantized=True) == torch.float32
+    assert resolve_dtype("bfloat16", CPU, quantized=True) == torch.bfloat16
+    source = resolve("SmolLM2-135M-Instruct")
+    assert quantized_source(source, "auto") and not quantized_source(source, "none")
+    assert not quantized_source(resolve("tiny-random"), "auto")
+
+
+@pytest.mark.slow
+def test_smollm2_kept_quantized_gives_the_float32_models_logits():
+    source = resolve("SmolLM2-135M-Instruct")
+    quant = load_model(source, torch.float32, CPU, quantization="auto").model
+    dense = load_model(source, torch.float32, CPU, quantization="none").model
+    assert quant.quantized_kinds() == ["Q4_1", "Q8_0"]
+    assert quant.embed_weight.numel() == 0 and quant.lm_head.quant is quant.embed_quant  # tied, one copy
+    ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365])
+    assert torch.equal(quant.embed(ids), dense.embed(ids))
+    for layer_q, layer_d in zip(quant.layers[:2], dense.layers[:2]):
+        for lq, ld in ((layer_q.self_attn.qkv_proj, layer_d.self_attn.qkv_proj),
+                       (layer_q.mlp.down_proj, layer_d.mlp.down_proj)):
+            assert torch.equal(lq.quant.dequantize(), ld.weight)  # the Q/K rows un-permuted as the dense ones
+    hidden = torch.randn(4, quant.config.hidden_size)
+    assert torch.allclose(quant.compute_logits(hidden), dense.compute_logits(hidden), rtol=1e-4, atol=1e-4)
