@@ -120,6 +120,8 @@ def _library() -> ctypes.CDLL | None:
     lib.zs_set_portable_only.argtypes = [i32]
     lib.zs_qgemm_f32.argtypes, lib.zs_qgemm_f32.restype = [p, i64, p, i64, i64, p, p, p, i64, i64, i32, i32], ctypes.c_int
     lib.zs_qgemm_set_portable.argtypes = [i32]
+    lib.zs_qgemm_set_float.argtypes = [i32]
+    lib.zs_qgemm_set_few_rows.argtypes = [i32]
     return lib
 
 
@@ -133,6 +135,14 @@ def set_portable_only(on: bool) -> None:
     if lib is not None:
         lib.zs_set_portable_only(int(on))
         lib.zs_qgemm_set_portable(int(on))
+
+
+def set_qgemm_float(on: bool) -> None:
+    """Run ``qgemm``'s many-row case in float32 FMAs even where the 16-bit integer (VNNI) one exists (for tests and
+    the benchmarks)."""
+    lib = _library()
+    if lib is not None:
+        lib.zs_qgemm_set_float(int(on))
 
 
 def available() -> bool:
