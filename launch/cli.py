@@ -41,7 +41,15 @@ from protocol.control import (
 )
 from zserve import control
 from zserve.catalog import DEFAULT_CHAT_MODEL, ModelNotFound, ModelSource, pools_only, resolve
-from zserve.config import DTYPES, MAX_ENGINES_PER_MODEL, QUANTIZATIONS, SCHEDULING, EngineConfig, ModelSpec, parse_lora_module
+from zserve.config import (
+    DTYPES,
+    MAX_ENGINES_PER_MODEL,
+    QUANTIZATIONS,
+    SCHEDULING,
+    EngineConfig,
+    ModelSpec,
+    parse_lora_module,
+)
 from zserve.proc import SECRET_OPTIONS, redact_option, set_title, setup_logging
 from zserve.tenants import BURST_SECONDS
 

@@ -118,7 +118,8 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"zs_{name}_{suffix}")
             fn.argtypes, fn.restype = args, ret
     lib.zs_set_portable_only.argtypes = [i32]
-    lib.zs_qgemm_f32.argtypes, lib.zs_qgemm_f32.restype = [p, i64, p, i64, i64, p, p, p, i64, i64, i32, i32], ctypes.c_int
+    lib.zs_qgemm_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i64, i64, i32, i32]
+    lib.zs_qgemm_f32.restype = ctypes.c_int
     lib.zs_qgemm_set_portable.argtypes = [i32]
     lib.zs_qgemm_set_float.argtypes = [i32]
     lib.zs_qgemm_set_few_rows.argtypes = [i32]

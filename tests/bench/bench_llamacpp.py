@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import subprocess
 import sys
@@ -171,7 +170,8 @@ def main() -> None:
                  f"{m[1]['ttft'] * 1000:.0f}"] if 1 in args.concurrency else ["", "", ""]
         for c in args.concurrency:
             if c != 1:
-                cells += [f"{m[c]['aggregate']:.0f}", f"{m[c]['aggregate'] / base[c]['aggregate']:.2f}x" if base else ""]
+                ratio = f"{m[c]['aggregate'] / base[c]['aggregate']:.2f}x" if base else ""
+                cells += [f"{m[c]['aggregate']:.0f}", ratio]
         print(f"| {kind} | {server} | " + " | ".join(cells) + f" | {m['rss']:.0f} |")
 
 
