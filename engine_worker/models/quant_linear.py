@@ -7,8 +7,11 @@ when every part is 4-bit with the same group, else a signed byte a code with the
 
 On a CPU with the native kernels, ``matmul`` runs the kernel on float32 activations: the products are those of the
 dequantized float32 model up to the order of the sums, so greedy text follows it (bf16 activations agree with it on
-96% of a text's positions: ``tests/bench/bench_quant_accuracy.py``). Elsewhere (CUDA, no compiler) the weight is
-dequantized on the fly, one matrix at a time, into the activations' dtype: the memory held stays quantized.
+96% of a text's positions: ``tests/bench/bench_quant_accuracy.py``). On CUDA, a 4-bit matrix is also packed for
+torch's int4 kernel (``torch.ops.aten._weight_int4pack_mm``, tinygemm: ``(q - 8) * scale + zero`` per group, which
+every 4-bit type here maps onto), checked against the dequantized weight once at load, for steps of up to
+``CUDA_INT4_ROWS`` rows. Otherwise (larger CUDA steps, 8-bit types, no compiler) the weight is dequantized on the
+fly, one matrix at a time, into the activations' dtype: the memory held stays quantized.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from engine_worker import cpu_kernels
 from engine_worker.gguf_quant import QuantParts
 
 TILE = 16  # output rows per tile: one AVX-512 vector of float32
+CUDA_INT4_ROWS = 16  # the largest step (rows) tinygemm runs on CUDA; larger ones dequantize and call cuBLAS
 
 
 class QuantWeight(nn.Module):
@@ -48,6 +52,7 @@ class QuantWeight(nn.Module):
         self.n, self.k = q.shape
         self.group, self.bits = group, bits
         self.kinds = sorted({p.kind for p in parts})
+        rows = (q, scale, mn)  # in row order, unpadded (CUDA's int4 packing starts from these)
         tiles = -(-self.n // TILE)
         pad = tiles * TILE - self.n
         if pad:
@@ -62,6 +67,9 @@ class QuantWeight(nn.Module):
         self.codes = codes.contiguous().to(device)
         self.scales = _tiled(scale, tiles).to(device)
         self.mins = None if mn is None else _tiled(mn, tiles).to(device)
+        self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
+        if device.type == "cuda" and bits == 4:
+            self.int4pack = _cuda_int4pack(self, *rows)
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +93,10 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` in ``x``'s dtype."""
+        if self.int4pack is not None and x.shape[0] <= CUDA_INT4_ROWS:
+            packed, scales_zeros = self.int4pack
+            y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), packed, self.group, scales_zeros)
+            return y.to(x.dtype)
         if x.device.type == "cpu" and cpu_kernels.available():
             y = cpu_kernels.qgemm(x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous(),
                                   self.codes, self.scales, self.mins, self.n, self.group, self.bits)
@@ -100,3 +112,31 @@ def _regroup(t: torch.Tensor, group: int, to: int) -> torch.Tensor:
 def _tiled(t: torch.Tensor, tiles: int) -> torch.Tensor:
     """``[tiles * 16, groups]`` -> ``[tiles, groups, 16]`` float32."""
     return t.float().view(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+
+def _cuda_int4pack(weight: QuantWeight, q: torch.Tensor, scale: torch.Tensor,
+                   mn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``weight`` packed for tinygemm (``q`` [N, K] codes in the original row order, per-group ``scale``/``mn``), or
+    None where the shape or this torch does not allow it or the packed product is not the dequantized one."""
+    import logging
+
+    n, k, group = weight.n, weight.k, weight.group
+    inner = next((t for t in (8, 4, 2) if k % (t * 16) == 0), None)
+    if inner is None or n % 8 or group not in (32, 64, 128, 256):
+        return None
+    try:
+        device = weight.codes.device
+        q, scale = q.to(device), scale.to(device)
+        mn = None if mn is None else mn.to(device)
+        packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), inner)
+        zero = (mn if mn is not None else torch.zeros_like(scale)) + 8 * scale  # (q - 8) * scale + zero
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(device, torch.bfloat16)
+        x = torch.randn(4, k, device=device, dtype=torch.bfloat16)
+        got = torch.ops.aten._weight_int4pack_mm(x, packed, group, scales_zeros).float()
+        want = x.float() @ weight.dequantize().T
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+            raise ValueError(f"the packed product is off by {(got - want).abs().max().item():.3g}")
+        return packed, scales_zeros
+    except Exception as e:  # an op missing from this build, a shape it refuses: the dequantizing path serves
+        logging.getLogger(__name__).warning("int4 CUDA kernel not used for a %dx%d weight: %s", n, k, e)
+        return None

@@ -16,7 +16,8 @@ The traffic users send: completions streamed, sampled (temperature 1.0), each wi
 400 tokens, distinct from its first token so no prefix cache serves another's), EOS banned by ``logit_bias`` so
 every request writes exactly ``--max-tokens``. At concurrency 1: each stream's TTFT and its decode rate after the
 first token (median of ``--streams``); at 8 and 32: the aggregate output tokens/s of ``2 x concurrency`` requests.
-The engine's resident memory (zserve's engine process, llama.cpp's server) is read after the traffic.
+The engine's resident memory (zserve's engine process, llama.cpp's server) is read after the warm-up request and
+after the traffic; zserve's KV cache is ``--kv-cache-memory`` (default 1GiB) for both of its paths.
 """
 
 from __future__ import annotations
@@ -46,14 +47,14 @@ def prompt(i: int) -> str:
     return f"Story {i}. " + STORY * 9 + "Tell what happened next, in detail."
 
 
-def start(kind: str, path: Path, port: int, max_seqs: int) -> subprocess.Popen:
+def start(kind: str, path: Path, port: int, max_seqs: int, kv_cache_memory: str) -> subprocess.Popen:
     if kind == "llama.cpp":
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--n_threads", "2",
                "--n_threads_batch", "2", "--n_ctx", "8192", "--host", "127.0.0.1", "--port", str(port)]
     else:
         cmd = [sys.executable, "-m", "launch", "api-server", "--host", "127.0.0.1", "--port", str(port), "--count",
-               "1", "--model", str(path), "--max-num-seqs", str(max_seqs), "--quantization",
-               "none" if kind == "zserve-dequant" else "auto"]
+               "1", "--model", str(path), "--max-num-seqs", str(max_seqs), "--kv-cache-memory", kv_cache_memory,
+               "--quantization", "none" if kind == "zserve-dequant" else "auto"]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -115,14 +116,14 @@ async def traffic(url: str, model: str, concurrency: int, n: int, max_tokens: in
 def run_server(kind: str, path: Path, args) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(kind, path, port, max(args.concurrency))
+    proc = start(kind, path, port, max(args.concurrency), args.kv_cache_memory)
     try:
         wait_ready(url, proc)
         import httpx
 
         model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
         asyncio.run(traffic(url, model, 1, 1, 8, 10_000))  # warm-up
-        out = {}
+        out = {"idle_rss": engine_rss(proc)}
         for c in args.concurrency:
             n, tokens = (args.streams, args.max_tokens) if c == 1 else (2 * c, args.max_tokens // 2)
             out[c] = asyncio.run(traffic(url, model, c, n, tokens, 1000 * c))
@@ -144,6 +145,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4, help="streams at concurrency 1")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request at concurrency 1 (half above it)")
     ap.add_argument("--servers", nargs="+", default=["zserve", "zserve-dequant", "llama.cpp"])
+    ap.add_argument("--kv-cache-memory", default="1GiB", help="zserve's KV cache (float32 with quantized weights on "
+                    "a CPU, bf16 dequantized: half the tokens for the same bytes)")
     args = ap.parse_args()
     files = {kind: make(kind, DEFAULT_DIR) for kind in args.types}
     rows: dict[tuple[str, str], list[dict]] = {}
@@ -156,13 +159,14 @@ def main() -> None:
                 print(f"round {r + 1} {kind} {server}: " + (f"c=1 decode {c1['decode']:.1f} tok/s, TTFT "
                       f"{c1['ttft'] * 1000:.0f} ms; " if c1 else "") + "; ".join(
                       f"c={c} {res[c]['aggregate']:.0f} tok/s" for c in args.concurrency if c != 1)
-                      + f"; RSS {res['rss']:.0f} MiB", flush=True)
+                      + f"; RSS {res['idle_rss']:.0f} MiB after one request, {res['rss']:.0f} after all", flush=True)
     print("\nMedians over rounds; ratios against llama.cpp (decode at c=1) and against zserve-dequant (aggregate).")
     print("| file | server | c=1 decode tok/s | vs llama.cpp | TTFT ms | "
-          + " | ".join(f"c={c} tok/s | vs dequant" for c in args.concurrency if c != 1) + " | engine RSS MiB |")
+          + " | ".join(f"c={c} tok/s | vs dequant" for c in args.concurrency if c != 1)
+          + " | engine RSS MiB (one request / all) |")
     print("|---|---|---|---|---|" + "---|---|" * (len(args.concurrency) - 1) + "---|")
     med = {key: {c: {m: statistics.median(x[c][m] for x in v) for m in ("decode", "ttft", "aggregate")}
-                 for c in args.concurrency} | {"rss": statistics.median(x["rss"] for x in v)}
+                 for c in args.concurrency} | {k: statistics.median(x[k] for x in v) for k in ("rss", "idle_rss")}
            for key, v in rows.items()}
     for (kind, server), m in med.items():
         peer, base = med.get((kind, "llama.cpp")), med.get((kind, "zserve-dequant"))
@@ -172,7 +176,7 @@ def main() -> None:
             if c != 1:
                 ratio = f"{m[c]['aggregate'] / base[c]['aggregate']:.2f}x" if base else ""
                 cells += [f"{m[c]['aggregate']:.0f}", ratio]
-        print(f"| {kind} | {server} | " + " | ".join(cells) + f" | {m['rss']:.0f} |")
+        print(f"| {kind} | {server} | " + " | ".join(cells) + f" | {m['idle_rss']:.0f} / {m['rss']:.0f} |")
 
 
 if __name__ == "__main__":
