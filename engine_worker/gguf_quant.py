@@ -38,7 +38,7 @@ QK_K = 256
 class QuantParts:
     """One weight matrix ``[rows, K]`` as codes and per-group scales: ``W = scale * q + min`` by group of ``G``."""
 
-    q: torch.Tensor  # [rows, K] int16 (0..15 for 4-bit types; -128..127 otherwise)
+    q: torch.Tensor  # [rows, K] int8 (0..15 for 4-bit types; -128..127 otherwise)
     scale: torch.Tensor  # [rows, K // G] float32
     min: torch.Tensor | None  # [rows, K // G] float32, or None where every min is 0
     group: int
@@ -127,7 +127,7 @@ def quant_parts(data: np.ndarray, kind: int, shape: tuple[int, int]) -> QuantPar
     per_block = QK_K if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(rows * (k // per_block), -1)
     q, scale, mn, group, bits = _decode(kind, blocks)
-    q = torch.from_numpy(np.ascontiguousarray(q).astype(np.int16)).view(rows, k)
+    q = torch.from_numpy(np.ascontiguousarray(q).astype(np.int8)).view(rows, k)
     scale = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)).reshape(rows, k // group)
     mn = None if mn is None else torch.from_numpy(np.ascontiguousarray(mn, dtype=np.float32)).reshape(rows, k // group)
     return QuantParts(q, scale, mn, group, bits, T(kind).name)

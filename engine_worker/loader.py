@@ -372,6 +372,10 @@ def _convert_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: t
                 for hf, p in _gguf_tensors(name, parts, cfg):
                     kept[hf] = p
         used = model.use_quantized(kept)
+        kept.clear()
+        from engine_worker.residency import release_free_memory
+
+        release_free_memory()  # (the codes as read, before tiling: malloc keeps freed pages resident otherwise)
         log.info("model %s: %d of %d tensors kept quantized (%s)", source.model_id, len(used), len(tensors),
                  ", ".join(model.quantized_kinds()) or "none")
     else:

@@ -118,7 +118,7 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"zs_{name}_{suffix}")
             fn.argtypes, fn.restype = args, ret
     lib.zs_set_portable_only.argtypes = [i32]
-    lib.zs_qgemm_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i64, i64, i32, i32]
+    lib.zs_qgemm_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i32, i64, i64, i32, i32]
     lib.zs_qgemm_f32.restype = ctypes.c_int
     lib.zs_qgemm_set_portable.argtypes = [i32]
     lib.zs_qgemm_set_float.argtypes = [i32]
@@ -284,12 +284,15 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, seg
 def qgemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int, group: int,
           bits: int) -> torch.Tensor:
     """``x @ W.T`` ([M, n], float32) for ``x`` [M, K] float32 (unit column stride) and ``W`` kept quantized in
-    ``qgemm.cpp``'s tiled layout (``engine_worker.models.quant_linear.QuantWeight``)."""
+    ``qgemm.cpp``'s tiled layout (``engine_worker.models.quant_linear.QuantWeight``; scales and mins float32 or
+    float16)."""
     m, k = x.shape
-    _check(x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu", "qgemm")
+    _check(x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
+           and scales.dtype in (torch.float32, torch.float16) and (mins is None or mins.dtype == scales.dtype), "qgemm")
     y = torch.empty((m, n), dtype=torch.float32)
     rc = _library().zs_qgemm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, codes.data_ptr(), scales.data_ptr(),
-                                 None if mins is None else mins.data_ptr(), n, k, group, bits)
+                                 None if mins is None else mins.data_ptr(), int(scales.dtype == torch.float16), n, k,
+                                 group, bits)
     if rc != 0:
         raise ValueError(f"qgemm kernel rejected its arguments (code {rc})")
     return y

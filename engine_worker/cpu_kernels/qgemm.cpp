@@ -35,20 +35,51 @@ int g_few_rows = 8;  // rows up to which the weights are formed in registers (me
 
 struct QArgs {
     const uint8_t *codes;
-    const float *scales;
-    const float *mins;  // may be null
+    const void *scales;  // float32, or float16 where ``half``
+    const void *mins;  // may be null
     int64_t N, K;
     int G;
     int bits;  // 4 or 8
+    bool half;
+    const float *xsum;  // with mins, few rows: each row's sum over each group ([rows][K / G])
 };
+
+// An IEEE half's value (the portable path; the vectorised ones convert with vcvtph2ps).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            uint32_t m = man;
+            do {
+                m <<= 1;
+                ++e;
+            } while (!(m & 1024));
+            bits = sign | uint32_t(127 - 15 - e) << 23 | (m & 1023) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 127 - 15) << 23 | man << 13;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float scale_at(const void *p, int64_t i, bool half) {
+    return half ? half_to_float(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
+}
 
 inline int64_t tile_code_bytes(const QArgs &a) { return a.bits == 4 ? a.K * 8 : a.K * 16; }
 
 // The float32 weights of tile t, inputs [0, K), as w[k * 16 + j].
 void form_tile_generic(const QArgs &a, int64_t t, float *w) {
     const uint8_t *c = a.codes + t * tile_code_bytes(a);
-    const int64_t groups = a.K / a.G;
-    const float *s = a.scales + t * groups * 16, *m = a.mins ? a.mins + t * groups * 16 : nullptr;
+    const int64_t groups = a.K / a.G, base = t * groups * 16;
     for (int64_t k = 0; k < a.K; ++k) {
         const int64_t g = k / a.G;
         for (int j = 0; j < 16; ++j) {
@@ -59,7 +90,9 @@ void form_tile_generic(const QArgs &a, int64_t t, float *w) {
             } else {
                 q = float(int8_t(c[k * 16 + j]));
             }
-            w[k * 16 + j] = m ? q * s[g * 16 + j] + m[g * 16 + j] : q * s[g * 16 + j];
+            const int64_t at = base + g * 16 + j;
+            const float sc = scale_at(a.scales, at, a.half);
+            w[k * 16 + j] = a.mins ? q * sc + scale_at(a.mins, at, a.half) : q * sc;
         }
     }
 }
@@ -82,35 +115,51 @@ void tile_rows_generic(const QArgs &a, int64_t t, const float *x, int64_t xs, fl
 #ifdef __AVX512F__
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
 
-// Up to R rows (R <= 8) against tile t, weights formed in registers.
+inline __m512 load_scales(const void *p, int64_t i, bool half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(static_cast<const uint16_t *>(p) + i)))
+                : _mm512_loadu_ps(static_cast<const float *>(p) + i);
+}
+
+// Up to R rows (R <= 8) against tile t: per group, sum x * q over independent chains (an FMA's latency would bound a
+// single chain), then scale the group's sum once, and add min * the group's input sum.
 template <int R>
 void tile_few_avx512(const QArgs &a, int64_t t, const float *x, int64_t xs, float *y, int64_t ys) {
+    constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;
     const uint8_t *c = a.codes + t * tile_code_bytes(a);
-    const int64_t groups = a.K / a.G;
-    const float *s = a.scales + t * groups * 16, *m = a.mins ? a.mins + t * groups * 16 : nullptr;
+    const int64_t groups = a.K / a.G, base = t * groups * 16;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi32(15);
     for (int64_t g = 0; g < groups; ++g) {
-        const __m512 sv = _mm512_loadu_ps(s + g * 16);
-        const __m512 mv = m ? _mm512_loadu_ps(m + g * 16) : _mm512_setzero_ps();
+        __m512 ga[R][C];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < C; ++i) ga[r][i] = _mm512_setzero_ps();
         const int64_t k0 = g * a.G;
         if (a.bits == 4) {
-            for (int64_t k = k0; k < k0 + a.G; k += 2) {
+            for (int64_t k = k0, p = 0; k < k0 + a.G; k += 2, ++p) {
                 const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + (k / 2) * 16)));
-                const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), sv, mv);
-                const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), sv, mv);
+                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, low4));
+                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                const int i = int(p % C);
                 for (int r = 0; r < R; ++r) {
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), w0, acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k + 1]), w1, acc[r]);
+                    ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), q0, ga[r][i]);
+                    ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k + 1]), q1, ga[r][i]);
                 }
             }
         } else {
             for (int64_t k = k0; k < k0 + a.G; ++k) {
-                const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k * 16)));
-                const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, mv);
-                for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), w, acc[r]);
+                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k * 16))));
+                const int i = int(k % C);
+                for (int r = 0; r < R; ++r) ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), q, ga[r][i]);
             }
+        }
+        const __m512 sv = load_scales(a.scales, base + g * 16, a.half);
+        const __m512 mv = a.mins ? load_scales(a.mins, base + g * 16, a.half) : _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+            __m512 sum = ga[r][0];
+            for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, ga[r][i]);
+            acc[r] = _mm512_fmadd_ps(sum, sv, acc[r]);
+            if (a.mins) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[r * groups + g]), acc[r]);
         }
     }
     const __mmask16 mask = tail_mask(a.N - t * 16);
@@ -119,12 +168,11 @@ void tile_few_avx512(const QArgs &a, int64_t t, const float *x, int64_t xs, floa
 
 void form_tile_avx512(const QArgs &a, int64_t t, float *w) {
     const uint8_t *c = a.codes + t * tile_code_bytes(a);
-    const int64_t groups = a.K / a.G;
-    const float *s = a.scales + t * groups * 16, *m = a.mins ? a.mins + t * groups * 16 : nullptr;
+    const int64_t groups = a.K / a.G, base = t * groups * 16;
     const __m512i low4 = _mm512_set1_epi32(15);
     for (int64_t g = 0; g < groups; ++g) {
-        const __m512 sv = _mm512_loadu_ps(s + g * 16);
-        const __m512 mv = m ? _mm512_loadu_ps(m + g * 16) : _mm512_setzero_ps();
+        const __m512 sv = load_scales(a.scales, base + g * 16, a.half);
+        const __m512 mv = a.mins ? load_scales(a.mins, base + g * 16, a.half) : _mm512_setzero_ps();
         const int64_t k0 = g * a.G;
         if (a.bits == 4) {
             for (int64_t k = k0; k < k0 + a.G; k += 2) {
@@ -222,9 +270,8 @@ void form_pairs(const QArgs &a, int64_t t, int32_t *w) {
 template <int R>
 void rows_pairs(const QArgs &a, const QuantRows &xr, int64_t r0, const int32_t *w0, const int32_t *w1, int64_t t0,
                 float *y, int64_t ys) {
-    const int64_t groups = a.K / a.G, half = a.G / 2;
-    const float *s0 = a.scales + t0 * groups * 16, *s1 = s0 + groups * 16;
-    const float *m0 = a.mins ? a.mins + t0 * groups * 16 : nullptr, *m1 = m0 ? m0 + groups * 16 : nullptr;
+    const int64_t groups = a.K / a.G, half = a.G / 2, b0 = t0 * groups * 16, b1 = b0 + groups * 16;
+    const bool mins = a.mins != nullptr;
     __m512 f0[R], f1[R];
     for (int r = 0; r < R; ++r) f0[r] = f1[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -246,16 +293,17 @@ void rows_pairs(const QArgs &a, const QuantRows &xr, int64_t r0, const int32_t *
                 for (int r = 0; r < R; ++r) i0[r] = _mm512_dpwssd_epi32(i0[r], v0, _mm512_set1_epi32(xq[r][p]));
             }
         }
-        const __m512 sc0 = _mm512_loadu_ps(s0 + g * 16), sc1 = g1 ? _mm512_loadu_ps(s1 + g * 16) : sc0;
+        const __m512 sc0 = load_scales(a.scales, b0 + g * 16, a.half);
+        const __m512 sc1 = g1 ? load_scales(a.scales, b1 + g * 16, a.half) : sc0;
         for (int r = 0; r < R; ++r) {
             const int64_t at = (r0 + r) * groups + g;
             const __m512 step = _mm512_set1_ps(xr.step[at]);
             f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(sc0, step), f0[r]);
             if (g1) f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(sc1, step), f1[r]);
-            if (m0) {
+            if (mins) {
                 const __m512 sum = _mm512_set1_ps(xr.sum[at]);
-                f0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(m0 + g * 16), sum, f0[r]);
-                if (g1) f1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(m1 + g * 16), sum, f1[r]);
+                f0[r] = _mm512_fmadd_ps(load_scales(a.mins, b0 + g * 16, a.half), sum, f0[r]);
+                if (g1) f1[r] = _mm512_fmadd_ps(load_scales(a.mins, b1 + g * 16, a.half), sum, f1[r]);
             }
         }
     }
@@ -308,11 +356,23 @@ extern "C" {
 
 // Returns 0, or a negative number for arguments it cannot take.
 int zs_qgemm_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t M, const uint8_t *codes,
-                 const float *scales, const float *mins, int64_t N, int64_t K, int G, int bits) {
+                 const void *scales, const void *mins, int half, int64_t N, int64_t K, int G, int bits) {
     if (M < 0 || N <= 0 || K <= 0 || G <= 0 || K % G || (bits != 4 && bits != 8) || (bits == 4 && G % 2))
         return -1;
     if (M == 0) return 0;
-    const QArgs a{codes, scales, mins, N, K, G, bits};
+    QArgs a{codes, scales, mins, N, K, G, bits, half != 0, nullptr};
+    std::vector<float> xsum;
+    if (mins && M <= g_few_rows) {
+        const int64_t groups = K / G;
+        xsum.resize(size_t(M * groups));
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t g = 0; g < groups; ++g) {
+                float sum = 0.f;
+                for (int i = 0; i < G; ++i) sum += x[r * x_stride + g * G + i];
+                xsum[r * groups + g] = sum;
+            }
+        a.xsum = xsum.data();
+    }
     const int64_t tiles = (N + 15) / 16;
 #ifdef __AVX512F__
     if (!g_qgemm_portable) {

@@ -34,7 +34,8 @@ class QuantWeight(nn.Module):
 
     - ``codes`` uint8: 4-bit: ``[tiles, K / 2, 16]``, byte ``j`` of pair ``p`` holds rows ``16t + j``'s codes for
       inputs ``2p`` (low nibble) and ``2p + 1`` (high); 8-bit: ``[tiles, K, 16]`` signed bytes;
-    - ``scales``, ``mins`` float32 ``[tiles, K / group, 16]`` (``mins`` None when every min is 0).
+    - ``scales``, ``mins`` ``[tiles, K / group, 16]``, float16 where that is exact, else float32 (``mins`` None when
+      every min is 0).
 
     Rows past ``N`` in the last tile are zeros. A module whose tensors are plain attributes: ``model.to(dtype)``
     leaves the float32 scales alone, and ``engine_worker.residency`` finds them (sleep, weight replacement).
@@ -61,12 +62,17 @@ class QuantWeight(nn.Module):
             mn = None if mn is None else F.pad(mn, (0, 0, 0, pad))
         q = q.view(tiles, TILE, self.k).transpose(1, 2)  # [tiles, K, 16]
         if bits == 4:
-            codes = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+            q = q.to(torch.uint8)
+            codes = q[:, 0::2] | (q[:, 1::2] << 4)
         else:
             codes = q.to(torch.int8).view(torch.uint8)
         self.codes = codes.contiguous().to(device)
-        self.scales = _tiled(scale, tiles).to(device)
-        self.mins = None if mn is None else _tiled(mn, tiles).to(device)
+        # float16 where that is exact (Q4_0, Q4_1, Q8_0: GGUF's own d and m), as llama.cpp reads them: a fifth fewer
+        # bytes for a 4-bit weight; float32 for the K types' products of two scales.
+        half = all(torch.equal(t.half().float(), t) for t in (scale, mn) if t is not None)
+        store = torch.float16 if half else torch.float32
+        self.scales = _tiled(scale, tiles).to(device, store)
+        self.mins = None if mn is None else _tiled(mn, tiles).to(device, store)
         self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
         if device.type == "cuda" and bits == 4:
             self.int4pack = _cuda_int4pack(self, *rows)
@@ -86,9 +92,9 @@ class QuantWeight(nn.Module):
         else:
             q = c.view(torch.int8).float()
         groups = self.k // self.group
-        w = q.view(-1, groups, self.group) * self.scales[tile, :, lane][..., None]
+        w = q.view(-1, groups, self.group) * self.scales[tile, :, lane].float()[..., None]
         if self.mins is not None:
-            w += self.mins[tile, :, lane][..., None]
+            w += self.mins[tile, :, lane].float()[..., None]
         return w.view(-1, self.k).to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +134,8 @@ def _cuda_int4pack(weight: QuantWeight, q: torch.Tensor, scale: torch.Tensor,
         device = weight.codes.device
         q, scale = q.to(device), scale.to(device)
         mn = None if mn is None else mn.to(device)
-        packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), inner)
+        q = q.to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4) | q[:, 1::2], inner)
         zero = (mn if mn is not None else torch.zeros_like(scale)) + 8 * scale  # (q - 8) * scale + zero
         scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(device, torch.bfloat16)
         x = torch.randn(4, k, device=device, dtype=torch.bfloat16)

@@ -67,16 +67,16 @@ def prepare(out: Path, layers: int) -> None:
 
 
 def run(folder: Path) -> int:
-    sys.path[:0] = [str(folder / "site"), str(ROOT)]
+    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(folder / "site"))  # (the image lacks gguf and orjson; a local run has its own)
     import torch
 
-    from engine_worker.engine import Engine
     from engine_worker.loader import load_model
+    from engine_worker.runner import ModelRunner
     from engine_worker.scheduler import Scheduler, run_until_done
     from engine_worker.sequence import Sequence
     from protocol.messages import SamplingParams
     from zserve.catalog import ModelSource
-    from zserve.config import EngineConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ids = json.loads((folder / "ids.json").read_text())
@@ -92,9 +92,9 @@ def run(folder: Path) -> int:
         model = loaded.model
         quant = [m for m in model.modules() if type(m).__name__ == "QuantWeight"]
         tiny = sum(q.int4pack is not None for q in quant)
-        engine = Engine.generation(loaded, device, dtype, EngineConfig(max_num_seqs=32, max_model_len=4096),
-                                   cuda_graphs=graphs if device.type == "cuda" else False)
-        return engine.runner, held, f"{tiny} of {len(quant)} on tinygemm" if quant else "dense"
+        runner = ModelRunner(loaded, device, dtype, 32, 4096, kv_cache_bytes=1 << 30,
+                             cuda_graphs=graphs if device.type == "cuda" else False)
+        return runner, held, f"{tiny} of {len(quant)} on tinygemm" if quant else "dense"
 
     def forced(runner, chunk: int) -> list[int]:
         sched = Scheduler(runner, 1, chunk, enable_prefix_caching=False)
