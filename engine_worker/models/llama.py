@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
                 take(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
         embed = parts.get("model.embed_tokens.weight")
         if embed is not None:
-            self.embed_quant = QuantWeight([embed], device)
+            self.embed_quant = QuantWeight([embed], device, lookups=True)
             self.embed_weight = nn.Parameter(torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=device),
                                              requires_grad=False)
             used.add("model.embed_tokens.weight")

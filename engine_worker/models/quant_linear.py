@@ -9,13 +9,15 @@ On a CPU with the native kernels, ``matmul`` runs the kernel on float32 activati
 dequantized float32 model up to the order of the sums, so greedy text follows it (bf16 activations agree with it on
 96% of a text's positions: ``tests/bench/bench_quant_accuracy.py``). On CUDA, a 4-bit matrix is also packed for
 torch's int4 kernel (``torch.ops.aten._weight_int4pack_mm``, tinygemm: ``(q - 8) * scale + zero`` per group, which
-every 4-bit type here maps onto), checked against the dequantized weight once at load, for steps of up to
-``CUDA_INT4_ROWS`` rows. Otherwise (larger CUDA steps, 8-bit types, no compiler) the weight is dequantized on the
-fly, one matrix at a time, into the activations' dtype: the memory held stays quantized.
+every 4-bit type here maps onto), checked against the dequantized weight once at load; the tiled codes are then
+dropped unless the matrix is also the embedding (its rows are looked up). Otherwise (8-bit types, no compiler) the
+weight is dequantized on the fly, one matrix at a time, into the activations' dtype: the memory held stays
+quantized.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -25,8 +27,9 @@ from torch import nn
 from engine_worker import cpu_kernels
 from engine_worker.gguf_quant import QuantParts
 
+log = logging.getLogger(__name__)
+
 TILE = 16  # output rows per tile: one AVX-512 vector of float32
-CUDA_INT4_ROWS = 16  # the largest step (rows) tinygemm runs on CUDA; larger ones dequantize and call cuBLAS
 
 
 class QuantWeight(nn.Module):
@@ -41,7 +44,8 @@ class QuantWeight(nn.Module):
     leaves the float32 scales alone, and ``engine_worker.residency`` finds them (sleep, weight replacement).
     """
 
-    def __init__(self, parts: Sequence[QuantParts], device: torch.device):
+    def __init__(self, parts: Sequence[QuantParts], device: torch.device, lookups: bool = False):
+        """``lookups``: rows of the weight are also read alone (``dequantize(rows=...)``: the embedding)."""
         super().__init__()
         bits = 4 if all(p.bits == 4 for p in parts) and len({p.group for p in parts}) == 1 else 8
         group = min(p.group for p in parts)
@@ -73,13 +77,20 @@ class QuantWeight(nn.Module):
         store = torch.float16 if half else torch.float32
         self.scales = _tiled(scale, tiles).to(device, store)
         self.mins = None if mn is None else _tiled(mn, tiles).to(device, store)
-        self.int4pack: tuple[torch.Tensor, torch.Tensor] | None = None
+        # tinygemm's packed weight and its bf16 scales and zeros (plain tensor attributes, as the codes, so that
+        # engine_worker.residency moves them when the engine sleeps); None off CUDA or where it does not fit.
+        self.int4_packed: torch.Tensor | None = None
+        self.int4_scales_zeros: torch.Tensor | None = None
         if device.type == "cuda" and bits == 4:
-            self.int4pack = _cuda_int4pack(self, *rows)
+            self.int4_packed, self.int4_scales_zeros = _cuda_int4pack(self, *rows) or (None, None)
+            if self.int4_packed is not None and not lookups:  # (4 bits a weight once, not twice)
+                self.codes = torch.empty(0, dtype=torch.uint8, device=device)
+                self.scales, self.mins = torch.empty(0, device=device), None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+        held = (self.codes, self.scales, self.mins, self.int4_packed, self.int4_scales_zeros)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The dense weight ``[N, K]`` in ``dtype`` (with ``rows``: only those rows, e.g. embedding lookups)."""
@@ -99,9 +110,9 @@ class QuantWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` in ``x``'s dtype."""
-        if self.int4pack is not None and x.shape[0] <= CUDA_INT4_ROWS:
-            packed, scales_zeros = self.int4pack
-            y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), packed, self.group, scales_zeros)
+        if self.int4_packed is not None:
+            y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), self.int4_packed, self.group,
+                                                   self.int4_scales_zeros)
             return y.to(x.dtype)
         if x.device.type == "cpu" and cpu_kernels.available():
             y = cpu_kernels.qgemm(x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous(),
@@ -124,8 +135,6 @@ def _cuda_int4pack(weight: QuantWeight, q: torch.Tensor, scale: torch.Tensor,
                    mn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``weight`` packed for tinygemm (``q`` [N, K] codes in the original row order, per-group ``scale``/``mn``), or
     None where the shape or this torch does not allow it or the packed product is not the dequantized one."""
-    import logging
-
     n, k, group = weight.n, weight.k, weight.group
     inner = next((t for t in (8, 4, 2) if k % (t * 16) == 0), None)
     if inner is None or n % 8 or group not in (32, 64, 128, 256):
@@ -145,5 +154,5 @@ def _cuda_int4pack(weight: QuantWeight, q: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"the packed product is off by {(got - want).abs().max().item():.3g}")
         return packed, scales_zeros
     except Exception as e:  # an op missing from this build, a shape it refuses: the dequantizing path serves
-        logging.getLogger(__name__).warning("int4 CUDA kernel not used for a %dx%d weight: %s", n, k, e)
+        log.warning("int4 CUDA kernel not used for a %dx%d weight: %s", n, k, e)
         return None

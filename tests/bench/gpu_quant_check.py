@@ -91,7 +91,7 @@ def run(folder: Path) -> int:
         held = (torch.cuda.memory_allocated() - before) if device.type == "cuda" else 0
         model = loaded.model
         quant = [m for m in model.modules() if type(m).__name__ == "QuantWeight"]
-        tiny = sum(q.int4pack is not None for q in quant)
+        tiny = sum(q.int4_packed is not None for q in quant)
         runner = ModelRunner(loaded, device, dtype, 32, 4096, kv_cache_bytes=1 << 30,
                              cuda_graphs=graphs if device.type == "cuda" else False)
         return runner, held, f"{tiny} of {len(quant)} on tinygemm" if quant else "dense"
