@@ -135,22 +135,31 @@ void tile_few_avx512(const QArgs &a, int64_t t, const float *x, int64_t xs, floa
         for (int r = 0; r < R; ++r)
             for (int i = 0; i < C; ++i) ga[r][i] = _mm512_setzero_ps();
         const int64_t k0 = g * a.G;
+        // (The chain of each step is a constant after unrolling: an index known only at run time would keep the
+        // chains in memory instead of registers.)
         if (a.bits == 4) {
-            for (int64_t k = k0, p = 0; k < k0 + a.G; k += 2, ++p) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + (k / 2) * 16)));
-                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, low4));
-                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-                const int i = int(p % C);
-                for (int r = 0; r < R; ++r) {
-                    ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), q0, ga[r][i]);
-                    ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k + 1]), q1, ga[r][i]);
+            for (int64_t k = k0; k < k0 + a.G; k += 2 * C) {
+#pragma GCC unroll 4
+                for (int i = 0; i < C; ++i) {
+                    const int64_t kk = k + 2 * i;
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + (kk / 2) * 16)));
+                    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, low4));
+                    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                    for (int r = 0; r < R; ++r) {
+                        ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + kk]), q0, ga[r][i]);
+                        ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + kk + 1]), q1, ga[r][i]);
+                    }
                 }
             }
         } else {
-            for (int64_t k = k0; k < k0 + a.G; ++k) {
-                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k * 16))));
-                const int i = int(k % C);
-                for (int r = 0; r < R; ++r) ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), q, ga[r][i]);
+            for (int64_t k = k0; k < k0 + a.G; k += C) {
+#pragma GCC unroll 4
+                for (int i = 0; i < C; ++i) {
+                    const __m512 q = _mm512_cvtepi32_ps(
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + (k + i) * 16))));
+                    for (int r = 0; r < R; ++r)
+                        ga[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k + i]), q, ga[r][i]);
+                }
             }
         }
         const __m512 sv = load_scales(a.scales, base + g * 16, a.half);
@@ -375,7 +384,7 @@ int zs_qgemm_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, i
     }
     const int64_t tiles = (N + 15) / 16;
 #ifdef __AVX512F__
-    if (!g_qgemm_portable) {
+    if (!g_qgemm_portable && G % 8 == 0) {  // (GGUF's groups are 16 or 32)
         if (M <= g_few_rows) {
             switch (M) {
                 case 1: few_rows<1>(a, tiles, x, x_stride, y, y_stride); break;
