@@ -12,7 +12,9 @@ measures the CPU's caches, not the memory traffic that bounds a decode step. The
   baseline of the ratios;
 - ``int4``: ``torch._weight_int4pack_mm_for_cpu`` on 4-bit weights with a bf16 scale and zero per group of
   ``--group`` columns (the layout Q4_0, Q4_1 and Q4_K's 32-wide sub-blocks map onto exactly);
-- ``int8``: ``torch._weight_int8pack_mm`` on 8-bit weights with one scale per output row.
+- ``int8``: ``torch._weight_int8pack_mm`` on 8-bit weights with one scale per output row;
+- ``qgemm``: zserve's own kernel (``engine_worker/cpu_kernels/qgemm.cpp``, what ``--quantization auto`` runs) on the
+  same 4-bit codes, scales and zeros, with float32 activations.
 
 Each kernel's error against the dequantized weight is printed too (relative Frobenius norm), so a fast kernel that
 computes something else shows. Weights are random: the time depends on the shapes only.
@@ -55,6 +57,25 @@ def int4_weights(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k), 1), sz, deq
 
 
+def q4_codes(w: torch.Tensor, group: int) -> torch.Tensor:
+    """The 4-bit codes ``int4_weights`` packs (the same rounding), [N, K] int8."""
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    return ((g - low) / scale).round().clamp(0, 15).to(torch.int8).view(n, k)
+
+
+def _qgemm_weight(q: torch.Tensor, sz: torch.Tensor):
+    """zserve's ``QuantWeight`` of the codes and the bf16 scales and zeros of ``int4_weights`` (w = scale*q + min)."""
+    from engine_worker.gguf_quant import QuantParts
+    from engine_worker.models.quant_linear import QuantWeight
+
+    scale, zero = sz[..., 0].float().T.contiguous(), sz[..., 1].float().T.contiguous()
+    group = q.shape[1] // scale.shape[1]
+    return QuantWeight([QuantParts(q, scale, zero - 8 * scale, group, 4, "int4")], torch.device("cpu"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -66,18 +87,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads, int4 groups of {args.group}; µs per matmul")
-    print("| shape | batch | bf16 (oneDNN) | int4 | int4 / bf16 speed | int8 | int8 / bf16 speed |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | batch | bf16 (oneDNN) | int4 | int4 / bf16 speed | int8 | int8 / bf16 speed | qgemm "
+          "| qgemm speed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     errors = []
     for name, (n, k) in SHAPES.items():
         copies = 1 if name.startswith("lm_head") else args.layers
-        plain, bf, i4, i8 = [], [], [], []
+        plain, bf, i4, i8, qg = [], [], [], [], []
         for _ in range(copies):
             w = torch.randn(n, k, generator=gen) * 0.05
             q4, sz, deq4 = int4_weights(w, args.group)
             s8 = w.abs().amax(1) / 127
             q8 = (w / s8[:, None]).round().to(torch.int8)
             plain.append((w, deq4, q8, s8))
+            qg.append((_qgemm_weight(q4_codes(w, args.group), sz),))
             bf.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()),))
             i4.append((q4, args.group, sz))
             i8.append((q8, s8.bfloat16()))
@@ -87,7 +110,9 @@ def main() -> None:
             t_bf = timed(reps, torch.ops.mkldnn._linear_pointwise, x, bf, None, "none", [], "")
             t_4 = timed(reps, torch.ops.aten._weight_int4pack_mm_for_cpu, x, i4)
             t_8 = timed(reps, torch.ops.aten._weight_int8pack_mm, x, i8)
-            print(f"| {name} | {b} | {t_bf:.0f} | {t_4:.0f} | {t_bf / t_4:.2f}x | {t_8:.0f} | {t_bf / t_8:.2f}x |")
+            t_q = timed(reps, lambda x, w: w.matmul(x), x.float(), qg)
+            print(f"| {name} | {b} | {t_bf:.0f} | {t_4:.0f} | {t_bf / t_4:.2f}x | {t_8:.0f} | {t_bf / t_8:.2f}x "
+                  f"| {t_q:.0f} | {t_bf / t_q:.2f}x |")
         w, deq4, q8, s8 = plain[0]
         x = torch.randn(4, k, generator=gen).bfloat16()
         ref4, ref8 = x.float() @ deq4.T, x.float() @ (q8.float() * s8.bfloat16().float()[:, None]).T
