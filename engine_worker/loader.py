@@ -73,12 +73,13 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             raise NotImplementedError(f"model {source.model_id!r}: expert parallelism needs a Hugging Face "
                                       f"(safetensors) checkpoint, not {source.weights} weights")
         return _load_hf(source, dtype, device, progress, expert_share)
-    if quantized_source(source, quantization):
-        loaded = _convert_gguf(source, read_gguf_metadata(source.path), dtype, device, progress, None, quantize=True)
-        loaded.quantization = quantization
-        return loaded
     if source.weights == "gguf":
-        return _load_gguf(source, dtype, device, progress)
+        meta = read_gguf_metadata(source.path)
+        if quantized_source(source, quantization, meta):
+            loaded = _convert_gguf(source, meta, dtype, device, progress, None, quantize=True)
+            loaded.quantization = quantization
+            return loaded
+        return _load_gguf(source, meta, dtype, device, progress)
     if source.weights == "random":
         return _load_random(source, dtype, device, progress)
     if source.weights == "hf":
@@ -143,9 +144,11 @@ def gguf_quantized(meta: dict) -> bool:
     return meta.get("general.file_type") not in _UNQUANTIZED_FILE_TYPES
 
 
-def quantized_source(source: ModelSource, quantization: str) -> bool:
-    """Whether ``load_model(source, ..., quantization=quantization)`` keeps weights quantized."""
-    return quantization == "auto" and source.weights == "gguf" and gguf_quantized(read_gguf_metadata(source.path))
+def quantized_source(source: ModelSource, quantization: str, meta: dict | None = None) -> bool:
+    """Whether ``load_model(source, ..., quantization=quantization)`` keeps weights quantized (``meta``: the file's
+    header, when already read)."""
+    return quantization == "auto" and source.weights == "gguf" and gguf_quantized(
+        meta if meta is not None else read_gguf_metadata(source.path))
 
 
 def eos_ids_from_metadata(meta: dict) -> list[int]:
@@ -267,9 +270,8 @@ def unpermute_qk(w, n_heads: int):
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device,
+def _load_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: torch.device,
                progress: ProgressFn | None) -> LoadedModel:
-    meta = read_gguf_metadata(source.path)
     cache = _weight_cache_for(source, dtype)
     if cache is not None:
         loaded = _load_gguf_cached(source, meta, dtype, device, progress, *cache)
@@ -384,8 +386,9 @@ def _convert_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: t
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         total = len(tensors)
         for i, (name, t) in enumerate(tensors.items()):
-            if used and _quantizable(name) and hf_name_for_gguf(name) in used:  # (a part of a fused linear whose
-                if progress is not None:                                       # other parts were not kept: dense)
+            # Kept quantized: skipped. (A part of a fused linear whose other parts were not kept is not in ``used``.)
+            if used and _quantizable(name) and hf_name_for_gguf(name) in used:
+                if progress is not None:
                     progress("load", i + 1, total)
                 continue
             arr = dequantize(t.data, t.tensor_type)

@@ -43,8 +43,9 @@ def timed(reps: int, fn, x: torch.Tensor, weights: list[tuple], *rest) -> float:
     return (time.perf_counter() - t) / (reps * len(weights)) * 1e6
 
 
-def int4_weights(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed 4-bit weight, scales and zeros [K/group, N, 2] in bf16, the dequantized weight) of ``w`` [N, K]."""
+def int4_weights(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed 4-bit weight, scales and zeros [K/group, N, 2] in bf16, the dequantized weight, the codes [N, K]) of
+    ``w`` [N, K]."""
     n, k = w.shape
     g = w.view(n, k // group, group)
     low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
@@ -54,16 +55,7 @@ def int4_weights(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     scale, zero = scale.bfloat16().float(), zero.bfloat16().float()
     sz = torch.stack([scale.view(n, -1), zero.view(n, -1)], -1).transpose(0, 1).contiguous().bfloat16()
     deq = ((q.float() - 8) * scale + zero).view(n, k)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k), 1), sz, deq
-
-
-def q4_codes(w: torch.Tensor, group: int) -> torch.Tensor:
-    """The 4-bit codes ``int4_weights`` packs (the same rounding), [N, K] int8."""
-    n, k = w.shape
-    g = w.view(n, k // group, group)
-    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-8)
-    return ((g - low) / scale).round().clamp(0, 15).to(torch.int8).view(n, k)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k), 1), sz, deq, q.view(n, k)
 
 
 def _qgemm_weight(q: torch.Tensor, sz: torch.Tensor):
@@ -96,11 +88,11 @@ def main() -> None:
         plain, bf, i4, i8, qg = [], [], [], [], []
         for _ in range(copies):
             w = torch.randn(n, k, generator=gen) * 0.05
-            q4, sz, deq4 = int4_weights(w, args.group)
+            q4, sz, deq4, codes = int4_weights(w, args.group)
             s8 = w.abs().amax(1) / 127
             q8 = (w / s8[:, None]).round().to(torch.int8)
             plain.append((w, deq4, q8, s8))
-            qg.append((_qgemm_weight(q4_codes(w, args.group), sz),))
+            qg.append((_qgemm_weight(codes.to(torch.int8), sz),))
             bf.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()),))
             i4.append((q4, args.group, sz))
             i8.append((q8, s8.bfloat16()))
