@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from engine_worker.gguf_quant import QuantParts
+from engine_worker.host_memory import release_free_memory
 from engine_worker.models import config_from_hf
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from zserve.catalog import ModelSource
@@ -375,8 +376,6 @@ def _convert_gguf(source: ModelSource, meta: dict, dtype: torch.dtype, device: t
                     kept[hf] = p
         used = model.use_quantized(kept)
         kept.clear()
-        from engine_worker.residency import release_free_memory
-
         release_free_memory()  # (the codes as read, before tiling: malloc keeps freed pages resident otherwise)
         log.info("model %s: %d of %d tensors kept quantized (%s)", source.model_id, len(used), len(tensors),
                  ", ".join(model.quantized_kinds()) or "none")

@@ -22,7 +22,8 @@ import torch
 from protocol.control import WAKE_TAGS, EngineCondition, EngineOp, EngineOpReport
 from zserve.catalog import ModelSource
 
-from .residency import Residency, WeightsRefused, device_bytes, resident_bytes
+from .host_memory import resident_bytes
+from .residency import Residency, WeightsRefused, device_bytes
 
 
 class Host(Protocol):

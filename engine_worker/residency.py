@@ -11,11 +11,8 @@ back. After any change of addresses on a GPU the decode graphs are captured agai
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import mmap
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +21,7 @@ from torch import nn
 
 from zserve.catalog import ModelNotFound, ModelSource, resolve
 
+from .host_memory import release_free_memory
 from .loader import LoadedModel, load_model
 from .runner import ModelRunner
 
@@ -37,27 +35,6 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "
 
 class WeightsRefused(ValueError):
     """A checkpoint that cannot replace the served weights (bad input: nothing changed)."""
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (RSS), from /proc; 0 where there is none."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``): freed weights live in malloc's arenas
-    (their chunks are below the allocator's mmap threshold once it has grown), which ``free`` alone keeps resident."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:  # (not glibc: nothing to trim)
-        pass
 
 
 def device_bytes(device: torch.device) -> int | None:
