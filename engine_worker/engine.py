@@ -73,7 +73,9 @@ class Engine:
         status = status or StatusPipe(None)
         cfg, source = launch.config, launch.source
         device = select_device(launch.device)
-        dtype = resolve_dtype(cfg.dtype, device, quantized=quantized_source(source, cfg.quantization))
+        with boot_phase(status, f"engine {launch.rank}"):  # (a GGUF header that cannot be read never will be)
+            quantized = quantized_source(source, cfg.quantization)
+        dtype = resolve_dtype(cfg.dtype, device, quantized=quantized)
         if device.type == "cpu":
             configure_cpu_threads(cfg.threads)
         started = time.monotonic()

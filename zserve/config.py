@@ -42,7 +42,7 @@ class EngineConfig:
     """What every engine worker of a tier is started with (besides its rank, endpoint and device)."""
 
     dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with native bf16, else fp32 (and fp32 for a CPU's quantized)
-    quantization: str = "none"  # one of QUANTIZATIONS (auto: opt-in until the whole suite has run with it)
+    quantization: str = "auto"  # one of QUANTIZATIONS
     max_num_seqs: int = 32  # sequences an engine runs at once
     # Context (prompt + output) per sequence. None: the model's own (vLLM's default), lowered to what the KV cache
     # holds (logged at start); a given value is capped to the model's own.
