@@ -121,7 +121,6 @@ def _library() -> ctypes.CDLL | None:
     lib.zs_qgemm_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i32, i64, i64, i32, i32]
     lib.zs_qgemm_f32.restype = ctypes.c_int
     lib.zs_qgemm_set_portable.argtypes = [i32]
-    lib.zs_qgemm_set_float.argtypes = [i32]
     lib.zs_qgemm_set_few_rows.argtypes = [i32]
     return lib
 
@@ -138,12 +137,12 @@ def set_portable_only(on: bool) -> None:
         lib.zs_qgemm_set_portable(int(on))
 
 
-def set_qgemm_float(on: bool) -> None:
-    """Run ``qgemm``'s many-row case in float32 FMAs even where the 16-bit integer (VNNI) one exists (for tests and
-    the benchmarks)."""
+def set_qgemm_few_rows(n: int) -> None:
+    """Up to ``n`` rows (0..8) ``qgemm`` forms the codes in registers, past it once per tile pair; the numbers are
+    the same either way (for tests and the benchmarks)."""
     lib = _library()
     if lib is not None:
-        lib.zs_qgemm_set_float(int(on))
+        lib.zs_qgemm_set_few_rows(int(n))
 
 
 def available() -> bool:

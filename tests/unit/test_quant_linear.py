@@ -45,11 +45,12 @@ def test_each_type_decodes_to_what_gguf_dequantizes(kind):
     assert parts.bits == (4 if T(kind).name.startswith("Q4") else 8)
 
 
-@pytest.mark.parametrize("path", ["vectorised", "float", "portable"])
 @pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda k: k.name)
-def test_the_kernel_multiplies_by_the_dequantized_weights(kind, path):
-    """Up to 8 rows the weights are formed in registers, in float32: the float32 products to rounding. More rows
-    take 16-bit integer inputs (VNNI, where the CPU has it): within 1e-4 of them; or blocks of 8 float32 rows."""
+def test_the_kernel_multiplies_by_the_dequantized_weights_and_a_row_gets_the_same_numbers_in_any_batch(kind):
+    """The float32 products to rounding, on every path (codes formed in registers up to 8 rows, once per tile pair
+    past it, portable); and one sum order on all of them, so a row's outputs are bit for bit the same alone, among
+    8 or 300 rows, on either vectorised path and on the portable one: a decode step does not change a sequence's
+    numbers by the company it keeps, nor a prompt computed again (a migrated stream) by being one chunk."""
     if not cpu_kernels.available():
         pytest.skip("the native CPU kernels did not build here (no compiler)")
     n, k = 70, 512  # 70 rows: a last tile of 6, and of the last pair of tiles, a lone one
@@ -57,22 +58,22 @@ def test_the_kernel_multiplies_by_the_dequantized_weights(kind, path):
     weight = QuantWeight([parts], CPU)
     assert torch.equal(weight.dequantize(), parts.dequantize())
     dense = parts.dequantize().double()
-    cpu_kernels.set_portable_only(path == "portable")
-    cpu_kernels.set_qgemm_float(path == "float")
+    x = torch.randn(300, k + 8, generator=torch.Generator().manual_seed(0))[:, :k]  # a row stride other than K
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(len(x))])
+    ref = x.double() @ dense.T
+    assert (alone.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), kind.name
     try:
-        for m in (1, 3, 8, 9, 15, 300):  # registers (<= 8); blocks of 6 (VNNI) or 8 (float) rows and their rest
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            y = weight.matmul(x)
-            ref = x.double() @ dense.T
-            assert y.shape == (m, n) and y.dtype == torch.float32
-            exact = m <= 8 or path != "vectorised"
-            assert (y.double() - ref).abs().max() <= (1e-5 if exact else 1e-4) * ref.abs().max(), (kind.name, m)
-            strided = torch.randn(m, k + 8)[:, :k]  # a row stride other than K
-            ref = strided.double() @ dense.T
-            assert (weight.matmul(strided).double() - ref).abs().max() <= 1e-4 * ref.abs().max(), (kind.name, m)
+        for few in (8, 0):  # registers up to 8 rows (the default), or never
+            cpu_kernels.set_qgemm_few_rows(few)
+            for m in (1, 3, 7, 8, 9, 15, 300):  # every block of the two paths and their rests
+                y = weight.matmul(x[:m].contiguous() if m % 2 else x[:m])
+                assert y.shape == (m, n) and y.dtype == torch.float32
+                assert torch.equal(y, alone[:m]), (kind.name, few, m)
+        cpu_kernels.set_portable_only(True)
+        assert torch.equal(weight.matmul(x[:9]), alone[:9]), kind.name
     finally:
         cpu_kernels.set_portable_only(False)
-        cpu_kernels.set_qgemm_float(False)
+        cpu_kernels.set_qgemm_few_rows(8)
 
 
 def test_parts_of_different_types_share_one_matrix_and_bf16_inputs_come_back_bf16():
