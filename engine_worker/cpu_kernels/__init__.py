@@ -120,6 +120,8 @@ def _library() -> ctypes.CDLL | None:
     lib.zs_set_portable_only.argtypes = [i32]
     lib.zs_qgemm_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i32, i64, i64, i32, i32]
     lib.zs_qgemm_f32.restype = ctypes.c_int
+    lib.zs_qgemm_bf16.argtypes = [p, i64, p, i64, i64, p, p, p, i32, i64, i64, i32, i32]
+    lib.zs_qgemm_bf16.restype = ctypes.c_int
     lib.zs_qgemm_set_portable.argtypes = [i32]
     lib.zs_qgemm_set_few_rows.argtypes = [i32]
     return lib
@@ -282,16 +284,23 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, seg
 
 def qgemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int, group: int,
           bits: int) -> torch.Tensor:
-    """``x @ W.T`` ([M, n], float32) for ``x`` [M, K] float32 (unit column stride) and ``W`` kept quantized in
-    ``qgemm.cpp``'s tiled layout (``engine_worker.models.quant_linear.QuantWeight``; scales and mins float32 or
-    float16)."""
+    """``x @ W.T`` ([M, n], ``x``'s dtype) for ``x`` [M, K] float32 or bfloat16 (unit column stride) and ``W`` kept
+    quantized in ``qgemm.cpp``'s tiled layout (``engine_worker.models.quant_linear.QuantWeight``; scales and mins
+    float32 or float16). bfloat16 runs the bf16 kernel (weights formed as bf16, vdpbf16ps) where the CPU has one,
+    else float32 and back."""
     m, k = x.shape
-    _check(x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
+    _check(x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1 and x.device.type == "cpu"
            and scales.dtype in (torch.float32, torch.float16) and (mins is None or mins.dtype == scales.dtype), "qgemm")
-    y = torch.empty((m, n), dtype=torch.float32)
-    rc = _library().zs_qgemm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, codes.data_ptr(), scales.data_ptr(),
-                                 None if mins is None else mins.data_ptr(), int(scales.dtype == torch.float16), n, k,
-                                 group, bits)
+    args = (codes.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+            int(scales.dtype == torch.float16), n, k, group, bits)
+    if x.dtype == torch.bfloat16:
+        y = torch.empty((m, n), dtype=torch.bfloat16)
+        rc = _library().zs_qgemm_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
+        if rc == -2:  # (no bf16 kernel here)
+            return qgemm(x.float(), codes, scales, mins, n, group, bits).to(torch.bfloat16)
+    else:
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = _library().zs_qgemm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
     if rc != 0:
         raise ValueError(f"qgemm kernel rejected its arguments (code {rc})")
     return y

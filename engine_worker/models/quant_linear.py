@@ -115,9 +115,10 @@ class QuantWeight(nn.Module):
                                                    self.int4_scales_zeros)
             return y.to(x.dtype)
         if x.device.type == "cpu" and cpu_kernels.available():
-            y = cpu_kernels.qgemm(x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous(),
-                                  self.codes, self.scales, self.mins, self.n, self.group, self.bits)
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
+            native = x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
+            y = cpu_kernels.qgemm(x if native else x.float().contiguous(), self.codes, self.scales, self.mins, self.n,
+                                  self.group, self.bits)
+            return y.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
 
 

@@ -4,11 +4,13 @@ Usage:
     .venv/bin/python tests/bench/bench_llamacpp.py [--types Q4_1 Q8_0] [--rounds 2] [--concurrency 1 8 32]
 
 Needs ``llama-cpp-python`` (``pip install -e '.[peers]'``, built from source); files other than the shipped Q4_1
-are written by ``tests/bench/make_quants.py``. Each round starts, per file, three servers one after the other (never
+are written by ``tests/bench/make_quants.py``. Each round starts, per file, the servers one after the other (never
 together: they would share the 2 cores) and sends each the same traffic:
 
 - ``zserve``: ``launch api-server --count 1 --model FILE`` (``--quantization auto``, the default: weights kept
   quantized);
+- ``zserve-bf16``: the same with ``--dtype bfloat16`` (bf16 activations: the weights formed as bf16 in the kernel, the
+  throughput of the dequantized path with its accuracy; not run unless named in ``--servers``);
 - ``zserve-dequant``: the same with ``--quantization none`` (every weight dequantized to bf16: the path before);
 - ``llama.cpp``: ``python -m llama_cpp.server --model FILE --n_threads 2``.
 
@@ -54,7 +56,8 @@ def start(kind: str, path: Path, port: int, max_seqs: int, kv_cache_memory: str)
     else:
         cmd = [sys.executable, "-m", "launch", "api-server", "--host", "127.0.0.1", "--port", str(port), "--count",
                "1", "--model", str(path), "--max-num-seqs", str(max_seqs), "--kv-cache-memory", kv_cache_memory,
-               "--quantization", "none" if kind == "zserve-dequant" else "auto"]
+               "--quantization", "none" if kind == "zserve-dequant" else "auto",
+               *(["--dtype", "bfloat16"] if kind == "zserve-bf16" else [])]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

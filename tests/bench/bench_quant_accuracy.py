@@ -11,8 +11,8 @@ with dequantized weights (``--quantization none --dtype float32``):
 - **agreement**: the share of positions where the variant's most likely token is the reference's;
 - **perplexity** of the text, and its difference from the reference's.
 
-Variants: the dequantized bf16 path (today's default on a bf16 CPU) and the quantized path (``--quantization
-auto``), each with prompt chunks of every ``--chunk`` size: 512 runs the prompt as prefill chunks (the large-batch
+Variants: the dequantized bf16 path (``--quantization none`` on a bf16 CPU), the quantized path (``--quantization
+auto``) with float32 activations (its default on a CPU) and with bf16 ones (``--dtype bfloat16``), each with prompt chunks of every ``--chunk`` size: 512 runs the prompt as prefill chunks (the large-batch
 kernel), 1 feeds one token a step (the decode kernel a batch-1 stream runs on). ``--gguf`` takes any number of
 files (default: the SmolLM2 Q4_1 file the catalog installs); ``tests/bench/make_quants.py`` writes the file in
 other quantization types.
@@ -83,7 +83,8 @@ def main() -> None:
         ref_ppl = perplexity(ref_lp)
         print(f"| {gguf.name} | fp32 dequantized (reference) | 512 | 1 | {ref_ppl:.4f} | | {t:.1f} |", flush=True)
         variants = [("bf16 dequantized (--quantization none)", torch.bfloat16, "none"),
-                    ("quantized, float32 activations (--quantization auto)", torch.float32, "auto")]
+                    ("quantized, float32 activations (--quantization auto)", torch.float32, "auto"),
+                    ("quantized, bf16 activations (auto, --dtype bfloat16)", torch.bfloat16, "auto")]
         for name, dtype, quant in variants:
             for chunk in args.chunk:
                 top, lp, t = teacher_forced(gguf, ids, dtype, quant, chunk)

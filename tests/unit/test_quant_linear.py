@@ -76,6 +76,29 @@ def test_the_kernel_multiplies_by_the_dequantized_weights_and_a_row_gets_the_sam
         cpu_kernels.set_qgemm_few_rows(8)
 
 
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q6_K, T.Q8_0], ids=lambda k: k.name)
+def test_bf16_inputs_multiply_by_the_bf16_dequantized_weights_with_the_same_numbers_in_any_batch(kind):
+    """--dtype bfloat16: the weights formed as the dequantized bf16 model holds them, summed by vdpbf16ps where the
+    CPU has it (else in float32 and back); bf16's rounding of the result, and one order of sums on both paths."""
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels did not build here (no compiler)")
+    n, k = 70, 512
+    parts = quant_parts(raw_blocks(kind, n, k, seed=4), kind, (n, k))
+    weight = QuantWeight([parts], CPU)
+    x = torch.randn(300, k + 8, generator=torch.Generator().manual_seed(1))[:, :k].bfloat16()
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(len(x))])
+    assert alone.dtype == torch.bfloat16
+    ref = x.double() @ parts.dequantize().bfloat16().double().T
+    assert (alone.double() - ref).abs().max() <= 8e-3 * ref.abs().max(), kind.name
+    try:
+        for few in (8, 0):
+            cpu_kernels.set_qgemm_few_rows(few)
+            for m in (1, 2, 5, 8, 9, 300):
+                assert torch.equal(weight.matmul(x[:m]), alone[:m]), (kind.name, few, m)
+    finally:
+        cpu_kernels.set_qgemm_few_rows(8)
+
+
 def test_parts_of_different_types_share_one_matrix_and_bf16_inputs_come_back_bf16():
     q = quant_parts(raw_blocks(T.Q4_K, 32, 256, seed=2), T.Q4_K, (32, 256))
     v = quant_parts(raw_blocks(T.Q6_K, 16, 256, seed=3), T.Q6_K, (16, 256))
