@@ -12,9 +12,10 @@ with dequantized weights (``--quantization none --dtype float32``):
 - **perplexity** of the text, and its difference from the reference's.
 
 Variants: the dequantized bf16 path (``--quantization none`` on a bf16 CPU), the quantized path (``--quantization
-auto``) with float32 activations (its default on a CPU) and with bf16 ones (``--dtype bfloat16``), each with prompt chunks of every ``--chunk`` size: 512 runs the prompt as prefill chunks (the large-batch
-kernel), 1 feeds one token a step (the decode kernel a batch-1 stream runs on). ``--gguf`` takes any number of
-files (default: the SmolLM2 Q4_1 file the catalog installs); ``tests/bench/make_quants.py`` writes the file in
+auto``) with float32 activations (its default on a CPU) and with bf16 ones (``--dtype bfloat16``), each with prompt
+chunks of every ``--chunk`` size: 512 runs the prompt as prefill chunks (the large-batch kernel), 1 feeds one token a
+step (the decode kernel a batch-1 stream runs on). ``--gguf`` takes any number of files (default: the SmolLM2 Q4_1
+file the catalog installs); ``tests/bench/make_quants.py`` writes the file in
 other quantization types.
 """
 
