@@ -29,23 +29,21 @@ def select_device(index: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """Turn ``auto|float32|bfloat16|float16`` into a torch dtype for ``device``.
 
     ``auto`` is bf16 on CUDA (the usual serving precision) and on CPUs with native bf16 math
     (AVX512_BF16 / AMX, as oneDNN reports): there it is ~1.5-2x faster than fp32 for the same
     memory traffic halved. Other CPUs get float32 (bf16 would be emulated, and float16 matmuls
-    on CPU are slow). Exactness tests ask for float32 explicitly. A CPU serving ``quantized`` weights
-    gets float32: its kernel reads 4 or 8 bits a weight whatever the activations, and float32 ones keep
-    the dequantized float32 model's greedy text (bf16 ones flip 4% of a text's tokens,
-    tests/bench/bench_quant_accuracy.py).
+    on CPU are slow). Exactness tests ask for float32 explicitly. Weights kept quantized follow the same
+    rule: their bf16 kernel runs prompts at oneDNN's bf16 rate, the float32 one at half of it, and float32
+    keeps the dequantized float32 model's greedy text where bf16 flips ~4% of a text's tokens
+    (tests/bench/bench_quant_accuracy.py), as it does for a dense model.
     """
     key = name.strip().lower()
     if key == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        if quantized:
-            return torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     try:
         return _DTYPES[key]

@@ -44,7 +44,7 @@ from zserve.proc import (
 
 from .device import configure_cpu_threads, parse_memory, resolve_dtype, select_device
 from .grammar import Grammars, tokenizer_json_loader
-from .loader import LoadedModel, load_model, quantized_source
+from .loader import LoadedModel, load_model
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .server import EngineServer
@@ -73,9 +73,7 @@ class Engine:
         status = status or StatusPipe(None)
         cfg, source = launch.config, launch.source
         device = select_device(launch.device)
-        with boot_phase(status, f"engine {launch.rank}"):  # (a GGUF header that cannot be read never will be)
-            quantized = quantized_source(source, cfg.quantization)
-        dtype = resolve_dtype(cfg.dtype, device, quantized=quantized)
+        dtype = resolve_dtype(cfg.dtype, device)
         if device.type == "cpu":
             configure_cpu_threads(cfg.threads)
         started = time.monotonic()

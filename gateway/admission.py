@@ -29,7 +29,7 @@ from aiohttp import web
 
 from protocol.messages import valid_trace_id
 
-from .body_timeout import read_body
+from .body_timeout import BODY_TIMEOUT_S, read_body
 from .errors import APIError, handler_error
 from .ids import random_hex
 from .logs import REQUEST_ID
@@ -62,10 +62,12 @@ class Guard:
     """What ``gateway_middleware`` enforces (keys, the concurrency limit), and how many requests it is letting
     through now."""
 
-    def __init__(self, keys: Keys, metrics_auth: bool, max_concurrent: int | None, tenancy: Tenancy | None = None):
+    def __init__(self, keys: Keys, metrics_auth: bool, max_concurrent: int | None, tenancy: Tenancy | None = None,
+                 body_timeout: float = BODY_TIMEOUT_S):
         self.keys = keys
         self.metrics_auth = metrics_auth
         self.max_concurrent = max_concurrent
+        self.body_timeout = body_timeout
         self.active = 0
         self.tenancy = tenancy  # the tenants' limits and accounting; used while the keys name tenants
 
@@ -113,7 +115,7 @@ async def gateway_middleware(request: web.Request, handler):
                 try:
                     if (served := await guard.admit(request, tenant)) is not None:
                         SERVED.set(served)  # (the handler runs in this task's context)
-                    await read_body(request)
+                    await read_body(request, guard.body_timeout)
                     try:
                         resp = await handler(request)
                     except ScalingPaused as refused:  # (a try costs nothing until it catches)

@@ -31,6 +31,8 @@ from .store import DEFAULT_MAX_ITEMS, DEFAULT_TTL_S, check_store_url
 from .text.reasoning import REASONING_PARSERS
 from .text.tool_parsers import TOOL_PARSERS
 
+BODY_TIMEOUT_S = 10.0  # default --body-timeout (gateway.body_timeout)
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -47,6 +49,7 @@ class GatewayConfig:
     max_model_len: int | None = EngineConfig.max_model_len
     render_only: bool = False  # no engine tier (launch render): requests are rendered, never generated
     max_concurrent_requests: int | None = 1024  # per gateway; past it: 429 at once; None: unbounded
+    body_timeout: float = BODY_TIMEOUT_S  # seconds a request body may take to arrive (plus its length at 1 MiB/s)
     stream_interval: int = 1  # output tokens per stream chunk after the first (vLLM's --stream-interval)
     # Seconds a new request is held while its model has no engine to take it (an expert-parallel resize or
     # recovery, a rolling restart replacing the model's only engine), before a 503 (0: refused at once)
@@ -80,6 +83,9 @@ class GatewayConfig:
         if self.max_concurrent_requests is not None and not (
                 isinstance(self.max_concurrent_requests, int) and 1 <= self.max_concurrent_requests <= 1 << 20):
             raise ValueError("max_concurrent_requests must be an integer in 1..1048576")
+        if not (isinstance(self.body_timeout, (int, float)) and not isinstance(self.body_timeout, bool)
+                and 0.1 <= self.body_timeout <= 3600):
+            raise ValueError("body_timeout must be a number of seconds in 0.1..3600")
         if not (isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
                 and 1 <= self.stream_interval <= 1024):
             raise ValueError("stream_interval must be an integer in 1..1024")

@@ -130,7 +130,7 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
     engines.router.on_decision = RECORDER.routing
     # Each tenant's limits are kept for every gateway of the host (and, with --state-url redis://, of every host).
     tenancy = Tenancy(open_quota(a.quota_dir, a.index, cfg.state_url) if a.quota_dir else None, RECORDER.tenants)
-    guard = Guard(Keys.load(a.key_file), cfg.metrics_auth, cfg.max_concurrent_requests, tenancy)
+    guard = Guard(Keys.load(a.key_file), cfg.metrics_auth, cfg.max_concurrent_requests, tenancy, cfg.body_timeout)
     with boot_phase(status, f"gateway {a.index}"):  # a plugin route that takes a core one without saying so
         app = build_app(state, [f for f in ROUTE_FAMILIES if f not in cfg.disabled_families], plugins,
                         PluginContext(state, cfg), guard=guard,

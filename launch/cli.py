@@ -155,6 +155,9 @@ server_options = _options(
                  help="CORS: allow cookies and Authorization from allowed origins."),
     click.option("--max-concurrent-requests", type=int, default=_GATEWAY.max_concurrent_requests, show_default=True,
                  help="Requests one gateway serves at once; past it, 429 with Retry-After."),
+    click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=_GATEWAY.body_timeout, show_default=True,
+                 help="Seconds a request's body may take to arrive after its headers, plus its length at 1 MiB/s; "
+                      "a client that trickles it (slowloris) gets a 408 and its connection closed."),
     click.option("--stream-interval", type=int, default=_GATEWAY.stream_interval, show_default=True,
                  help="Output tokens per stream chunk after the first (which goes at once; the last goes at the "
                       "finish): above 1, fewer and larger chunks for less gateway CPU per token, as vLLM's option."),
@@ -207,8 +210,9 @@ class SeveralValuesCommand(click.Command):
 # after it).
 engine_options = _options(
     click.option("--dtype", type=click.Choice(DTYPES), default=_ENGINE.dtype, show_default=True,
-                 help="Precision of weights and activations; auto: bfloat16 on CUDA and on CPUs with native bfloat16, "
-                      "else float32; float32 on a CPU serving quantized weights (--quantization)."),
+                 help="Precision of weights and activations (of the activations only, for weights kept quantized); "
+                      "auto: bfloat16 on CUDA and on CPUs with native bfloat16, else float32. float32 computes the "
+                      "float32 model's text; bfloat16 flips ~4% of its greedy tokens, at up to twice the speed."),
     click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=_ENGINE.quantization, show_default=True,
                  help="auto: a GGUF file's quantized weights (Q4_0, Q4_1, Q4_K, Q5_*, Q6_K, Q8_0) stay quantized in "
                       "the engines and the linear layers run on them, 4 or 8 bits a weight; none: every weight is "

@@ -10,6 +10,7 @@ oracle: a wrong RoPE layout, norm, GQA grouping or KV-cache bookkeeping changes 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -45,11 +46,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
 
 @pytest.fixture(scope="module")
 def hf():
-    """SmolLM2 in transformers, fp32, from the same GGUF (loaded once: ~20 s)."""
+    """SmolLM2 in transformers, fp32, from the same GGUF (loaded once). transformers' own GGUF loader reads the
+    file twice (the config, then the tensors) and builds gguf-py's tensor-name map again for each of its ~400
+    modules, ~12 s of a ~19 s load: both are memoized for the load, which changes nothing it computes."""
     transformers = pytest.importorskip("transformers")
+    import gguf
+
     path = smollm2_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        patch.setattr(gguf, "GGUFReader", functools.lru_cache(gguf.GGUFReader))
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

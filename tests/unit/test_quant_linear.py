@@ -12,7 +12,6 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from engine_worker import cpu_kernels
-from engine_worker.device import resolve_dtype
 from engine_worker.gguf_quant import DECODED, quant_parts
 from engine_worker.loader import load_model, quantized_source
 from engine_worker.models.quant_linear import QuantWeight
@@ -114,9 +113,7 @@ def test_parts_of_different_types_share_one_matrix_and_bf16_inputs_come_back_bf1
     assert torch.allclose(y.float(), x.float() @ dense.T, rtol=2e-2, atol=1e-2)
 
 
-def test_dtype_auto_is_float32_for_a_cpu_serving_quantized_weights():
-    assert resolve_dtype("auto", CPU, quantized=True) == torch.float32
-    assert resolve_dtype("bfloat16", CPU, quantized=True) == torch.bfloat16
+def test_a_gguf_files_weights_are_kept_quantized_with_auto_only():
     source = resolve("SmolLM2-135M-Instruct")
     assert quantized_source(source, "auto") and not quantized_source(source, "none")
     assert not quantized_source(resolve("tiny-random"), "auto")
