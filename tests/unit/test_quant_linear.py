@@ -107,10 +107,11 @@ def test_parts_of_different_types_share_one_matrix_and_bf16_inputs_come_back_bf1
     assert torch.equal(fused.dequantize(), dense)
     rows = torch.tensor([0, 17, 47, 31])
     assert torch.equal(fused.dequantize(rows=rows), dense[rows])
-    x = torch.randn(3, 256).bfloat16()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
     y = fused.matmul(x)
     assert y.dtype == torch.bfloat16
-    assert torch.allclose(y.float(), x.float() @ dense.T, rtol=2e-2, atol=1e-2)
+    ref = x.double() @ dense.bfloat16().double().T  # (the bf16 kernel multiplies by the weights rounded to bf16)
+    assert (y.double() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
 def test_a_gguf_files_weights_are_kept_quantized_with_auto_only():
