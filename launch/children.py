@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gateway.security import SECRET_ENV
+from launch.zygote import ForkedChild, Zygote
 from protocol.cluster import EngineState
 from protocol.control import ControlMessage, EngineCondition, Heartbeat, LineBuffer, encode_line
 
@@ -68,7 +69,7 @@ class Slot:
 @dataclass
 class Child:
     slot: Slot
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedChild
     status_fd: int
     control_fd: int
     started: float = field(default_factory=time.monotonic)
@@ -152,17 +153,30 @@ class Child:
                 setattr(self, name, -1)
 
 
-def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = (), env: dict | None = None) -> Child:
-    """Start ``python -m module`` for a slot, in its own session, dying with the supervisor."""
+def child_env(extra: dict | None = None) -> dict[str, str]:
+    """The environment a child runs with: the supervisor's, less its secrets, and ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1", **(extra or {})}
+
+
+def start_zygote(module: str, extra_env: dict | None = None) -> Zygote:
+    """A zygote for ``module``'s children (``launch.zygote``), in the environment they get from ``spawn``."""
+    return Zygote(module, child_env(extra_env), preexec_fn=_child_setup)
+
+
+def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = (), env: dict | None = None,
+          zygote: Zygote | None = None) -> Child:
+    """Start ``python -m module`` for a slot, in its own session, dying with the supervisor: forked from
+    ``zygote`` where it can, else a fresh interpreter."""
     status_r, status_w = os.pipe()
     control_r, control_w = os.pipe()
-    cmd = [sys.executable, "-m", module, *args, "--status-fd", str(status_w), "--control-fd", str(control_r),
-           "--parent-pid", str(os.getpid())]
-    proc = subprocess.Popen(cmd, pass_fds=(status_w, control_r, *pass_fds), start_new_session=True,
-                            preexec_fn=_child_setup,
-                            env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV},
-                                 "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
-                            stdin=subprocess.DEVNULL)
+    args = [*args, "--status-fd", str(status_w), "--control-fd", str(control_r), "--parent-pid", str(os.getpid())]
+    environment = child_env(env)
+    proc = zygote.fork(args, (status_w, control_r, *pass_fds), environment) if zygote is not None else None
+    if proc is None:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], pass_fds=(status_w, control_r, *pass_fds),
+                                start_new_session=True, preexec_fn=_child_setup, env=environment,
+                                stdin=subprocess.DEVNULL)
     os.close(status_w)
     os.close(control_r)
     os.set_blocking(status_r, False)

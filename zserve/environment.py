@@ -57,6 +57,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            ("engine_worker/cpu_kernels/__init__.py",)),
     EnvVar("CXX", "`g++`", "The C++ compiler that builds the native CPU kernels.",
            ("engine_worker/cpu_kernels/__init__.py",)),
+    EnvVar("ZSERVE_PRELOAD", "`1`",
+           "`0` (or `false`, `no`, `off`): the supervisor starts each engine and gateway as a fresh interpreter "
+           "instead of forking it from a zygote that has imported the tier's code (docs/operations.md).",
+           ("launch/zygote.py",)),
     EnvVar("ZSERVE_WEIGHT_CACHE", "`1`",
            "`0` (or `false`, `no`, `off`): GGUF weights are converted at every start instead of once into the "
            "cache directory.",

@@ -52,8 +52,8 @@ from zserve.devices import cuda_device_count, engine_device
 from zserve.paths import no_cache_warning, user_cache_dir
 from zserve.tenants import Tenants, TenantsError, load_tenants
 
-from .. import handoff, systemd
-from ..children import Child, Slot, spawn
+from .. import handoff, systemd, zygote
+from ..children import Child, Slot, spawn, start_zygote
 from ..control_server import ControlServer, Later
 from ..hosts.engine_registry import RegistryServer, RemoteEngines
 from ..hosts.shared_state import SharedControl, is_redis
@@ -109,6 +109,7 @@ class Supervisor:
         self.aborts = Aborts(self.arbiter, lambda: self.shared)
         self.sel = self.arbiter.sel
         self.listener: socket.socket | None = None
+        self.zygotes: dict[str, zygote.Zygote] = {}  # each child module's (launch.zygote), started with the tiers
         self.control: ControlServer | None = None
         self.control_path = self.pointer = self.url = ""
         self.started_at = time.time()
@@ -217,7 +218,7 @@ class Supervisor:
                 expert_share=group.share(index) if group else None,
                 keys_dir=c.keys_dir if c.bind is not None else None, loras=loras, weight_version=version,
                 kv_events=a.kv_events_endpoint(index))
-            return spawn(slot, "engine_worker", handoff.argv(engine))
+            return spawn(slot, "engine_worker", handoff.argv(engine), zygote=self.zygotes.get("engine_worker"))
         assert self.listener is not None
         fd = self.listener.fileno()
         gateway = handoff.gateway_launch(
@@ -226,10 +227,23 @@ class Supervisor:
             heartbeat_interval=c.heartbeat_interval, responses_db=os.path.join(self.run_dir, "responses.db"),
             key_file=self.key_file if c.api_keys or c.admin_keys or c.tenants else None,
             quota_dir=self.quota_dir if c.tenants else None, keys_dir=c.keys_dir if c.remote_engines else None)
-        env = {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
-        child = spawn(slot, "gateway", handoff.argv(gateway), pass_fds=(fd,), env=env)
+        child = spawn(slot, "gateway", handoff.argv(gateway), pass_fds=(fd,), env=self._gateway_env(),
+                      zygote=self.zygotes.get("gateway"))
         self.publisher.welcome(child)
         return child
+
+    def _gateway_env(self) -> dict[str, str]:
+        return {"PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
+
+    def _start_zygotes(self) -> None:
+        """A zygote for each tier this host runs (``launch.zygote``: children forked with their imports done), this
+        process their subreaper; none with ZSERVE_PRELOAD=0 or where a subreaper cannot be had."""
+        if not zygote.enabled() or not zygote.become_subreaper():
+            return
+        if self.arbiter.desired["gateway"]:
+            self.zygotes["gateway"] = start_zygote("gateway", self._gateway_env())
+        if not self.render_only and not self.publisher.remote:
+            self.zygotes["engine_worker"] = start_zygote("engine_worker")
 
     def _on_event(self, child: Child, msg: ControlMessage) -> None:
         group = self.group_of(child)
@@ -322,6 +336,8 @@ class Supervisor:
         now = time.monotonic()
         self.publisher.tick(now)
         self.arbiter.turn(now)
+        if self.zygotes:  # (a subreaper: descendants orphaned to it are its children to reap)
+            zygote.reap_orphans({c.pid for c in self.arbiter.children} | {z.proc.pid for z in self.zygotes.values()})
         if not self.arbiter.stopping:
             for group in self.elastic.values():
                 group.tick(now)
@@ -430,6 +446,7 @@ class Supervisor:
             signal.signal(s, a.on_signal)
         self._open_tiers_across_hosts()
         self._open_listener()
+        self._start_zygotes()
         deadline = time.monotonic() + self.cfg.ready_timeout
         n_gw = a.desired["gateway"]
         if self.render_only:
@@ -533,6 +550,8 @@ class Supervisor:
                 if tier == "gateway" and (c.proc.returncode == EXIT_CUT_OFF or c.proc.returncode < 0):
                     drained = False  # requests were cut off, or the gateway had to be killed
             a.reap(time.monotonic())
+        for z in self.zygotes.values():
+            z.close()
         if self.control is not None:
             self.control.close()
         if self.shared is not None:

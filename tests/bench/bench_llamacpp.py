@@ -8,9 +8,9 @@ are written by ``tests/bench/make_quants.py``. Each round starts, per file, the 
 together: they would share the 2 cores) and sends each the same traffic:
 
 - ``zserve``: ``launch api-server --count 1 --model FILE`` (``--quantization auto``, the default: weights kept
-  quantized);
-- ``zserve-bf16``: the same with ``--dtype bfloat16`` (bf16 activations: the weights formed as bf16 in the kernel, the
-  throughput of the dequantized path with its accuracy; not run unless named in ``--servers``);
+  quantized; ``--dtype auto``: bf16 activations on a CPU with native bf16, the weights formed as bf16 in the kernel);
+- ``zserve-f32``: the same with ``--dtype float32`` (float32 activations: the dequantized float32 model's numbers;
+  not run unless named in ``--servers``);
 - ``zserve-dequant``: the same with ``--quantization none`` (every weight dequantized to bf16: the path before);
 - ``llama.cpp``: ``python -m llama_cpp.server --model FILE --n_threads 2``.
 
@@ -57,7 +57,7 @@ def start(kind: str, path: Path, port: int, max_seqs: int, kv_cache_memory: str)
         cmd = [sys.executable, "-m", "launch", "api-server", "--host", "127.0.0.1", "--port", str(port), "--count",
                "1", "--model", str(path), "--max-num-seqs", str(max_seqs), "--kv-cache-memory", kv_cache_memory,
                "--quantization", "none" if kind == "zserve-dequant" else "auto",
-               *(["--dtype", "bfloat16"] if kind == "zserve-bf16" else [])]
+               *(["--dtype", "float32"] if kind == "zserve-f32" else [])]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4, help="streams at concurrency 1")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request at concurrency 1 (half above it)")
     ap.add_argument("--servers", nargs="+", default=["zserve", "zserve-dequant", "llama.cpp"])
-    ap.add_argument("--kv-cache-memory", default="1GiB", help="zserve's KV cache (float32 with quantized weights on "
+    ap.add_argument("--kv-cache-memory", default="1GiB", help="zserve's KV cache (float32 with --dtype float32 on "
                     "a CPU, bf16 dequantized: half the tokens for the same bytes)")
     args = ap.parse_args()
     files = {kind: make(kind, DEFAULT_DIR) for kind in args.types}

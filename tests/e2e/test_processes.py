@@ -1,4 +1,5 @@
-"""Process hygiene: no orphans after `kill -9` of the supervisor; the gateway never loads torch."""
+"""Process hygiene: no orphans after `kill -9` of the supervisor; the gateway never loads torch; children are forks
+of the zygotes (launch.zygote) and still the supervisor's own."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from tests.helpers import LAUNCH, ROOT, Server, wait_until
 def test_kill_9_of_the_supervisor_leaves_no_process_and_the_port_is_free():
     s = Server("--count", "2", "--model", "tiny-random", log_name="kill9")
     kids = s.descendants()
-    assert len(kids) == 3  # 2 gateways + 1 engine
+    assert len(kids) == 5  # 2 gateways + 1 engine, and a zygote for each tier
     titles = sorted(" ".join(k.cmdline()) for k in kids)
     assert any("zserve: engine 0" in t for t in titles) and any("zserve: gateway 1" in t for t in titles)
+    assert any("zserve: preload engine_worker" in t for t in titles), titles
     port = s.port
     s.proc.kill()
     s.proc.wait()
@@ -55,8 +57,9 @@ def test_the_listening_socket_keeps_the_supervisors_backlog_once_gateways_serve(
 
 
 def test_sigterm_stops_everything_with_exit_0():
-    s = Server("--count", "2", "--model", "tiny-random", log_name="sigterm")
+    s = Server("--count", "2", "--model", "tiny-random", log_name="sigterm", env={"ZSERVE_PRELOAD": "0"})
     kids = s.descendants()
+    assert len(kids) == 3 and not [k for k in kids if "preload" in " ".join(k.cmdline())]  # (no zygote)
     assert s.stop(signal.SIGTERM) == 0
     wait_until(lambda: not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE], 5,
                what="children to exit")
@@ -74,3 +77,57 @@ def test_port_in_use_is_reported(tiny_server):
     r = subprocess.run([*LAUNCH, "api-server", "--model", "tiny-random", "--port", str(tiny_server.port)], cwd=ROOT,
                        capture_output=True, timeout=60)
     assert r.returncode != 0 and b"already in use" in r.stderr
+
+
+def _mapped_at(pid: int, library: str) -> str | None:
+    """Where ``library`` is mapped in ``pid`` (a fork keeps its parent's addresses; a fresh interpreter's are
+    randomized)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return next((line.split("-", 1)[0] for line in f if library in line), None)
+
+
+def _titled(server: Server) -> dict[str, psutil.Process]:
+    return {" ".join(k.cmdline()).strip(): k for k in server.descendants() if k.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_children_are_forks_of_zygotes_that_imported_their_code_and_stay_the_supervisors_own():
+    s = Server("--count", "2", "--model", "tiny-random", log_name="zygote")
+    try:
+        kids = _titled(s)
+        for title in ("zserve: engine 0", "zserve: gateway 0", "zserve: gateway 1", "zserve: preload gateway",
+                      "zserve: preload engine_worker"):
+            assert kids[title].ppid() == s.proc.pid, (title, kids)  # (reparented to the supervisor, a subreaper)
+        zygote, engine = kids["zserve: preload engine_worker"], kids["zserve: engine 0"]
+        torch_at = _mapped_at(zygote.pid, "libtorch_cpu")
+        assert torch_at and _mapped_at(engine.pid, "libtorch_cpu") == torch_at
+        assert _mapped_at(kids["zserve: gateway 1"].pid, "uvloop/loop") == _mapped_at(
+            kids["zserve: preload gateway"].pid, "uvloop/loop") is not None
+
+        def replaced(old: psutil.Process) -> psutil.Process | None:
+            new = _titled(s).get("zserve: engine 0")
+            return new if new is not None and new.pid != old.pid and new.ppid() == s.proc.pid else None
+
+        def completes() -> None:
+            r = httpx.post(f"{s.url}/v1/completions", json={"model": "tiny-random", "prompt": "hi", "max_tokens": 3},
+                           timeout=30)
+            assert r.status_code == 200, r.text
+
+        def ready_times(n: int) -> bool:
+            return s.tail(1_000_000).count("zserve.launch: engine 0 ready (pid") >= n
+
+        engine.kill()  # the replacement is a fork again, and the supervisor read the killed one's exit code
+        engine = wait_until(lambda: replaced(engine), 30, what="engine 0 forked again")
+        assert _mapped_at(engine.pid, "libtorch_cpu") == torch_at
+        wait_until(lambda: ready_times(2), 30, what="engine 0 ready again")
+        assert "died (exit code -9)" in s.tail(1_000_000)
+        completes()
+
+        zygote.kill()  # without its zygote, a tier's children start as fresh interpreters
+        wait_until(lambda: zygote.status() == psutil.STATUS_ZOMBIE, 10, what="the zygote to die")
+        engine.kill()
+        engine = wait_until(lambda: replaced(engine), 60, what="engine 0 started again without a zygote")
+        assert _mapped_at(engine.pid, "libtorch_cpu") != torch_at
+        wait_until(lambda: ready_times(3), 60, what="engine 0 ready a third time")
+        completes()
+    finally:
+        assert s.stop() == 0
