@@ -212,7 +212,9 @@ def test_a_new_member_that_dies_while_loading_leaves_the_old_group_serving(ep, r
                 cmd = p.cmdline()
             except psutil.Error:
                 continue
-            if "engine_worker" in cmd and "--launch" in cmd:
+            if " ".join(cmd).strip() == "zserve: engine 2":  # (its title, set first thing: forked from the zygote)
+                return p
+            if "engine_worker" in cmd and "--launch" in cmd:  # (a fresh interpreter, before it sets its title)
                 share = json.loads(cmd[cmd.index("--launch") + 1])["expert_share"]
                 if share is not None and share[0] == 2:  # (member, size): member 2
                     return p

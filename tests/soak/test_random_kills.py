@@ -97,7 +97,8 @@ def children_of(server: Server) -> set[int]:
             cmd = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if running(p.pid) and ("-m gateway" in cmd or "engine_worker" in cmd or "zserve: " in cmd):
+        if running(p.pid) and ("-m gateway" in cmd or "engine_worker" in cmd or "zserve: " in cmd) \
+                and "preload" not in cmd:  # (a zygote: launch/zygote.py)
             found.add(p.pid)
     return found
 
