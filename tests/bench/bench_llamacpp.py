@@ -29,6 +29,7 @@ import asyncio
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def start(kind: str, path: Path, port: int, max_seqs: int, kv_cache_memory: str)
                "1", "--model", str(path), "--max-num-seqs", str(max_seqs), "--kv-cache-memory", kv_cache_memory,
                "--quantization", "none" if kind == "zserve-dequant" else "auto",
                *(["--dtype", "float32"] if kind == "zserve-f32" else [])]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(tempfile.gettempdir()) / f"bench-llamacpp-{kind}-{port}.log"  # (its log, for a server that fails)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -3,6 +3,7 @@ of the zygotes (launch.zygote) and still the supervisor's own."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -87,7 +88,13 @@ def _mapped_at(pid: int, library: str) -> str | None:
 
 
 def _titled(server: Server) -> dict[str, psutil.Process]:
-    return {" ".join(k.cmdline()).strip(): k for k in server.descendants() if k.status() != psutil.STATUS_ZOMBIE}
+    """The supervisor's live descendants by title (one that exits meanwhile is left out)."""
+    found = {}
+    for k in server.descendants():
+        with contextlib.suppress(psutil.Error):
+            if k.status() != psutil.STATUS_ZOMBIE:
+                found[" ".join(k.cmdline()).strip()] = k
+    return found
 
 
 def test_children_are_forks_of_zygotes_that_imported_their_code_and_stay_the_supervisors_own():

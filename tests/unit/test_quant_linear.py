@@ -76,9 +76,10 @@ def test_the_kernel_multiplies_by_the_dequantized_weights_and_a_row_gets_the_sam
 
 
 @pytest.mark.parametrize("kind", [T.Q4_1, T.Q6_K, T.Q8_0], ids=lambda k: k.name)
-def test_bf16_inputs_multiply_by_the_bf16_dequantized_weights_with_the_same_numbers_in_any_batch(kind):
-    """--dtype bfloat16: the weights formed as the dequantized bf16 model holds them, summed by vdpbf16ps where the
-    CPU has it (else in float32 and back); bf16's rounding of the result, and one order of sums on both paths."""
+def test_bf16_inputs_multiply_by_the_dequantized_weights_with_the_same_numbers_in_any_batch(kind):
+    """bf16 activations: the codes as bf16 (exact) summed by vdpbf16ps where the CPU has it (else in float32 and back),
+    the scales and mins in float32, so the weights are not rounded: only bf16's rounding of the result (and of the
+    sums' terms) is left; and one order of sums on both paths."""
     if not cpu_kernels.available():
         pytest.skip("the native CPU kernels did not build here (no compiler)")
     n, k = 70, 512
@@ -87,8 +88,10 @@ def test_bf16_inputs_multiply_by_the_bf16_dequantized_weights_with_the_same_numb
     x = torch.randn(300, k + 8, generator=torch.Generator().manual_seed(1))[:, :k].bfloat16()
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(len(x))])
     assert alone.dtype == torch.bfloat16
-    ref = x.double() @ parts.dequantize().bfloat16().double().T
+    ref = x.double() @ parts.dequantize().double().T
     assert (alone.double() - ref).abs().max() <= 8e-3 * ref.abs().max(), kind.name
+    f32 = weight.matmul(x.float())  # the float32 kernel's, on the same inputs: within a bf16 step of it, everywhere
+    assert ((alone.float() - f32).abs() <= f32.abs() * 2**-8 + 1e-5 * f32.abs().max()).all(), kind.name
     try:
         for few in (8, 0):
             cpu_kernels.set_qgemm_few_rows(few)
@@ -110,7 +113,7 @@ def test_parts_of_different_types_share_one_matrix_and_bf16_inputs_come_back_bf1
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
     y = fused.matmul(x)
     assert y.dtype == torch.bfloat16
-    ref = x.double() @ dense.bfloat16().double().T  # (the bf16 kernel multiplies by the weights rounded to bf16)
+    ref = x.double() @ dense.double().T
     assert (y.double() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
