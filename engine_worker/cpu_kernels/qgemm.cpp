@@ -1,7 +1,8 @@
 // y = x @ W.T for weights kept quantized, as GGUF files store them: W[n, k] = scale[n, g] * q[n, k] + min[n, g]
 // (g = k / G, a group of G consecutive inputs), q a 4-bit or 8-bit integer. Q4_0, Q4_1 and Q4_K map onto the
 // 4-bit form exactly, Q5_*, Q6_K and Q8_0 onto the 8-bit one (engine_worker/gguf_quant.py), so the products are the
-// dequantized float32 model's up to the order of the sums. x and y are float32.
+// dequantized float32 model's up to the order of the sums. x and y are float32 (zs_qgemm_f32), or bf16
+// (zs_qgemm_bf16: its section below).
 //
 // Layout (built once at load by engine_worker/models/quant_linear.py): the output rows in tiles of 16; per tile,
 //   4-bit: for each pair of inputs (2p, 2p+1), 16 bytes, byte j = q[16t+j, 2p] | q[16t+j, 2p+1] << 4;
@@ -298,65 +299,77 @@ void many_rows(const QArgs &a, int64_t tiles, const float *x, int64_t xs, float 
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-// bf16 inputs (a model served with --dtype bfloat16): the weights are formed as bf16(q * scale + min), which is what
-// the dequantized bf16 model holds, and vdpbf16ps sums 32 products an instruction, twice float32 FMA's rate. One
-// order on both paths here too: each output is one chain over the input pairs in order from zero, so a row's numbers
-// do not depend on the rows beside it.
+// bf16 inputs (--dtype auto on a CPU with native bf16, or --dtype bfloat16): the codes become bf16, exactly (4-bit
+// and 8-bit integers are), and vdpbf16ps multiplies an input pair by a code pair and adds both products per lane, 32
+// products an instruction. The group's scale and min apply in float32, in the float32 path's order: per group
+// s = the vdpbf16ps chain over the group's input pairs in order from zero, then acc = fma(s, scale, acc) and, with
+// mins, acc = fma(min, xsum, acc). Only the inputs are rounded to bf16, not the weights (the dequantized bf16 model
+// rounds both), and every path computes each output so, so a row's numbers do not depend on the rows beside it.
 
-// Lane j: bf16(w0[j]) | bf16(w1[j]) << 16, the pair vdpbf16ps multiplies by an input pair.
-inline __m512i pair_bf16(__m512 w0, __m512 w1) {
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+// 32 bf16s, entry i = bf16(i & 15): vpermw reads the low 5 bits of each index.
+inline __m512i nibble_bf16_table() {
+    alignas(64) static const uint16_t t[32] = {
+        0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140,
+        0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110,
+        0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+    return _mm512_load_si512(t);
 }
 
-// Tile t's weights for inputs 2p and 2p + 1 as a bf16 pair (sv, mv: the group's scales and mins).
-inline __m512i form_pair_bf16(const QArgs &a, const uint8_t *c, int64_t p, __m512 sv, __m512 mv) {
-    __m512 q0, q1;
-    if (a.bits == 4) {
+// Tile codes for inputs 2p and 2p + 1 as a bf16 pair per lane: bf16(q[2p][j]) | bf16(q[2p + 1][j]) << 16.
+inline __m512i codes_pair_bf16(const QArgs &a, const uint8_t *c, int64_t p, __m512i table) {
+    if (a.bits == 4) {  // byte j = lo | hi << 4: the low word indexes by lo (+ a bit the table ignores), the high by hi
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + p * 16)));
-        q0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-        q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    } else {
-        q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 2 * p * 16))));
-        q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + (2 * p + 1) * 16))));
+        return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
     }
-    return pair_bf16(_mm512_fmadd_ps(q0, sv, mv), _mm512_fmadd_ps(q1, sv, mv));
+    // 8-bit: a small integer's float has a bf16's bits in its top half
+    const __m512i q0 = _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 2 * p * 16)))));
+    const __m512i q1 = _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + (2 * p + 1) * 16)))));
+    return _mm512_mask_blend_epi16(__mmask32(0xaaaaaaaau), _mm512_srli_epi32(q0, 16), q1);
 }
 
-inline __m512 group_mins(const QArgs &a, int64_t at) {
-    return a.mins ? load_scales(a.mins, at, a.half) : _mm512_setzero_ps();
+inline __m512 pair_of(const uint16_t *x) {
+    int32_t xp;
+    std::memcpy(&xp, x, 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(xp));
 }
 
 inline void store_bf16(uint16_t *y, __mmask16 mask, __m512 v) {
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// R rows (R <= 8) of bf16 inputs against T consecutive tiles from t0, the weights formed in registers.
+// R rows (R <= 8) of bf16 inputs against T consecutive tiles from t0, the codes formed in registers.
 template <int R, int T>
 void tiles_few_bf16(const QArgs &a, int64_t t0, const uint16_t *x, int64_t xs, uint16_t *y, int64_t ys) {
     const int64_t groups = a.K / a.G, half = a.G / 2;
+    const __m512i table = nibble_bf16_table();
     const uint8_t *c[T];
     for (int i = 0; i < T; ++i) c[i] = a.codes + (t0 + i) * tile_code_bytes(a);
     __m512 acc[R][T];
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < T; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        __m512 sv[T], mv[T];
-        for (int i = 0; i < T; ++i) {
-            const int64_t at = (t0 + i) * groups * 16 + g * 16;
-            sv[i] = load_scales(a.scales, at, a.half);
-            mv[i] = group_mins(a, at);
-        }
+        __m512 s[R][T];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < T; ++i) s[r][i] = _mm512_setzero_ps();
         for (int64_t p = g * half; p < (g + 1) * half; ++p) {
+            __m512 xv[R];
+            for (int r = 0; r < R; ++r) xv[r] = pair_of(x + r * xs + 2 * p);
 #pragma GCC unroll 8
             for (int i = 0; i < T; ++i) {
-                const __m512bh w = (__m512bh)form_pair_bf16(a, c[i], p, sv[i], mv[i]);
-                for (int r = 0; r < R; ++r) {
-                    int32_t xp;
-                    std::memcpy(&xp, x + r * xs + 2 * p, 4);
-                    acc[r][i] = _mm512_dpbf16_ps(acc[r][i], w, (__m512bh)_mm512_set1_epi32(xp));
-                }
+                const __m512bh w = (__m512bh)codes_pair_bf16(a, c[i], p, table);
+                for (int r = 0; r < R; ++r) s[r][i] = _mm512_dpbf16_ps(s[r][i], w, (__m512bh)xv[r]);
+            }
+        }
+        for (int i = 0; i < T; ++i) {
+            const int64_t at = (t0 + i) * groups * 16 + g * 16;
+            const __m512 sv = load_scales(a.scales, at, a.half);
+            for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(s[r][i], sv, acc[r][i]);
+            if (a.mins) {
+                const __m512 mv = load_scales(a.mins, at, a.half);
+                for (int r = 0; r < R; ++r)
+                    acc[r][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[r * groups + g]), acc[r][i]);
             }
         }
     }
@@ -379,57 +392,65 @@ void few_rows_bf16(const QArgs &a, int64_t tiles, const uint16_t *x, int64_t xs,
     }
 }
 
-// Tile t's bf16 weight pairs into w[p * 16 + j] (K / 2 pairs of 16 lanes).
+// Tile t's code pairs into w[p * 16 + j] (K / 2 pairs of 16 lanes).
 void form_tile_bf16(const QArgs &a, int64_t t, int32_t *w) {
     const uint8_t *c = a.codes + t * tile_code_bytes(a);
-    const int64_t groups = a.K / a.G, half = a.G / 2;
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t at = t * groups * 16 + g * 16;
-        const __m512 sv = load_scales(a.scales, at, a.half), mv = group_mins(a, at);
-        for (int64_t p = g * half; p < (g + 1) * half; ++p)
-            _mm512_storeu_si512(w + p * 16, form_pair_bf16(a, c, p, sv, mv));
-    }
+    const __m512i table = nibble_bf16_table();
+    for (int64_t p = 0; p < a.K / 2; ++p) _mm512_storeu_si512(w + p * 16, codes_pair_bf16(a, c, p, table));
 }
 
-// Rows [0, R) (R <= 8) against tiles t0 (pairs w0) and t0 + 1 (w1, null for a lone last tile).
+// Rows [0, R) (R <= 8) against tiles t0 (pairs w0) and t0 + 1 (w1, null for a lone last tile); the outputs wait in
+// the L1 cache between groups, as on the float32 path.
 template <int R>
 void rows_two_tiles_bf16(const QArgs &a, const int32_t *w0, const int32_t *w1, int64_t t0, const uint16_t *x,
-                         int64_t xs, uint16_t *y, int64_t ys) {
-    __m512 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-    const int64_t pairs = a.K / 2;
-    if (w1) {
-        for (int64_t p = 0; p < pairs; ++p) {
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 16), v1 = (__m512bh)_mm512_loadu_si512(w1 + p * 16);
-            for (int r = 0; r < R; ++r) {
-                int32_t xp;
-                std::memcpy(&xp, x + r * xs + 2 * p, 4);
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
-                a0[r] = _mm512_dpbf16_ps(a0[r], v0, xv);
-                a1[r] = _mm512_dpbf16_ps(a1[r], v1, xv);
+                         int64_t xs, const float *xsum, uint16_t *y, int64_t ys) {
+    const int64_t groups = a.K / a.G, half = a.G / 2, b0 = t0 * groups * 16, b1 = b0 + groups * 16;
+    alignas(64) float acc[R][2][16] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512 s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+        if (w1) {
+            for (int64_t p = g * half; p < (g + 1) * half; ++p) {
+                const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 16);
+                const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + p * 16);
+                for (int r = 0; r < R; ++r) {
+                    const __m512bh xv = (__m512bh)pair_of(x + r * xs + 2 * p);
+                    s0[r] = _mm512_dpbf16_ps(s0[r], v0, xv);
+                    s1[r] = _mm512_dpbf16_ps(s1[r], v1, xv);
+                }
+            }
+        } else {
+            for (int64_t p = g * half; p < (g + 1) * half; ++p) {
+                const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 16);
+                for (int r = 0; r < R; ++r) s0[r] = _mm512_dpbf16_ps(s0[r], v0, (__m512bh)pair_of(x + r * xs + 2 * p));
             }
         }
-    } else {
-        for (int64_t p = 0; p < pairs; ++p) {
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 16);
-            for (int r = 0; r < R; ++r) {
-                int32_t xp;
-                std::memcpy(&xp, x + r * xs + 2 * p, 4);
-                a0[r] = _mm512_dpbf16_ps(a0[r], v0, (__m512bh)_mm512_set1_epi32(xp));
+        const __m512 sv0 = load_scales(a.scales, b0 + g * 16, a.half);
+        const __m512 sv1 = w1 ? load_scales(a.scales, b1 + g * 16, a.half) : sv0;
+        const __m512 mv0 = a.mins ? load_scales(a.mins, b0 + g * 16, a.half) : sv0;
+        const __m512 mv1 = a.mins && w1 ? load_scales(a.mins, b1 + g * 16, a.half) : sv0;
+        for (int r = 0; r < R; ++r) {
+            __m512 a0 = _mm512_fmadd_ps(s0[r], sv0, _mm512_load_ps(acc[r][0]));
+            if (a.mins) a0 = _mm512_fmadd_ps(mv0, _mm512_set1_ps(xsum[r * groups + g]), a0);
+            _mm512_store_ps(acc[r][0], a0);
+            if (w1) {
+                __m512 a1 = _mm512_fmadd_ps(s1[r], sv1, _mm512_load_ps(acc[r][1]));
+                if (a.mins) a1 = _mm512_fmadd_ps(mv1, _mm512_set1_ps(xsum[r * groups + g]), a1);
+                _mm512_store_ps(acc[r][1], a1);
             }
         }
     }
     const __mmask16 mask0 = tail_mask(a.N - t0 * 16), mask1 = w1 ? tail_mask(a.N - t0 * 16 - 16) : 0;
     for (int r = 0; r < R; ++r) {
-        store_bf16(y + r * ys + t0 * 16, mask0, a0[r]);
-        if (w1) store_bf16(y + r * ys + t0 * 16 + 16, mask1, a1[r]);
+        store_bf16(y + r * ys + t0 * 16, mask0, _mm512_load_ps(acc[r][0]));
+        if (w1) store_bf16(y + r * ys + t0 * 16 + 16, mask1, _mm512_load_ps(acc[r][1]));
     }
 }
 
 void many_rows_bf16(const QArgs &a, int64_t tiles, const uint16_t *x, int64_t xs, uint16_t *y, int64_t ys,
                     int64_t M) {
     constexpr int64_t kRowChunk = 256;
-    const int64_t pairs = (tiles + 1) / 2, chunks = (M + kRowChunk - 1) / kRowChunk;
+    const int64_t pairs = (tiles + 1) / 2, chunks = (M + kRowChunk - 1) / kRowChunk, groups = a.K / a.G;
 #pragma omp parallel
     {
         std::vector<int32_t> buf(size_t(a.K) * 16);  // two tiles of K / 2 pairs of 16 lanes
@@ -442,7 +463,9 @@ void many_rows_bf16(const QArgs &a, int64_t tiles, const uint16_t *x, int64_t xs
                 form_tile_bf16(a, t0, w0);
                 if (two) form_tile_bf16(a, t0 + 1, w1);
                 int64_t r = r0;
-                auto block = [&](auto fn) { fn(a, w0, w1, t0, x + r * xs, xs, y + r * ys, ys); };
+                auto block = [&](auto fn) {
+                    fn(a, w0, w1, t0, x + r * xs, xs, a.xsum ? a.xsum + r * groups : nullptr, y + r * ys, ys);
+                };
                 for (; r + 8 <= r0 + rows; r += 8) block(rows_two_tiles_bf16<8>);
                 switch (r0 + rows - r) {
                     case 7: block(rows_two_tiles_bf16<7>); break;
@@ -521,8 +544,25 @@ int zs_qgemm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_st
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (g_qgemm_portable) return -2;
     if (M == 0) return 0;
-    const QArgs a{codes, scales, mins, N, K, G, bits, half != 0, nullptr};
-    const int64_t tiles = (N + 15) / 16;
+    QArgs a{codes, scales, mins, N, K, G, bits, half != 0, nullptr};
+    const int64_t groups = K / G, tiles = (N + 15) / 16;
+    std::vector<float> xsum;
+    if (mins) {  // (each row's sums in input order, as on the float32 path)
+        xsum.resize(size_t(M * groups));
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t g = 0; g < groups; ++g) {
+                float sum = 0.f;
+                for (int i = 0; i < G; ++i) {
+                    const uint32_t bits32 = uint32_t(x[r * x_stride + g * G + i]) << 16;
+                    float v;
+                    std::memcpy(&v, &bits32, 4);
+                    sum += v;
+                }
+                xsum[r * groups + g] = sum;
+            }
+        a.xsum = xsum.data();
+    }
     switch (M <= g_few_rows ? M : 0) {
         case 1: few_rows_bf16<1>(a, tiles, x, x_stride, y, y_stride); break;
         case 2: few_rows_bf16<2>(a, tiles, x, x_stride, y, y_stride); break;
