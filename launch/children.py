@@ -168,13 +168,22 @@ def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = 
           zygote: Zygote | None = None) -> Child:
     """Start ``python -m module`` for a slot, in its own session, dying with the supervisor: forked from
     ``zygote`` where it can, else a fresh interpreter."""
-    status_r, status_w = os.pipe()
-    control_r, control_w = os.pipe()
-    args = [*args, "--status-fd", str(status_w), "--control-fd", str(control_r), "--parent-pid", str(os.getpid())]
     environment = child_env(env)
-    proc = zygote.fork(args, (status_w, control_r, *pass_fds), environment) if zygote is not None else None
+
+    def command_line() -> tuple[int, int, int, int, list[str]]:
+        status_r, status_w = os.pipe()
+        control_r, control_w = os.pipe()
+        return status_r, status_w, control_r, control_w, [
+            *args, "--status-fd", str(status_w), "--control-fd", str(control_r), "--parent-pid", str(os.getpid())]
+
+    status_r, status_w, control_r, control_w, argv = command_line()
+    proc = zygote.fork(argv, (status_w, control_r, *pass_fds), environment) if zygote is not None else None
     if proc is None:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], pass_fds=(status_w, control_r, *pass_fds),
+        if zygote is not None:  # new pipes: a fork the zygote made after all, too late, finds these closed and exits
+            for fd in (status_r, status_w, control_r, control_w):
+                os.close(fd)
+            status_r, status_w, control_r, control_w, argv = command_line()
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv], pass_fds=(status_w, control_r, *pass_fds),
                                 start_new_session=True, preexec_fn=_child_setup, env=environment,
                                 stdin=subprocess.DEVNULL)
     os.close(status_w)
