@@ -214,6 +214,28 @@ void form_codes_avx512(const QArgs &a, int64_t t, float *q) {
     }
 }
 
+// The end of group g for R rows against two tiles (the second absent where !two), their outputs waiting in acc:
+// acc = fma(s, scale, acc), then, with mins, fma(min, the group's input sum, acc): the order every path keeps.
+template <int R>
+inline void end_group(const QArgs &a, const __m512 (&s0)[R], const __m512 (&s1)[R], bool two, int64_t b0,
+                      int64_t b1, int64_t g, const float *xsum, float (&acc)[R][2][16]) {
+    const int64_t groups = a.K / a.G;
+    const __m512 sv0 = load_scales(a.scales, b0 + g * 16, a.half);
+    const __m512 sv1 = two ? load_scales(a.scales, b1 + g * 16, a.half) : sv0;
+    const __m512 mv0 = a.mins ? load_scales(a.mins, b0 + g * 16, a.half) : sv0;
+    const __m512 mv1 = a.mins && two ? load_scales(a.mins, b1 + g * 16, a.half) : sv0;
+    for (int r = 0; r < R; ++r) {
+        __m512 a0 = _mm512_fmadd_ps(s0[r], sv0, _mm512_load_ps(acc[r][0]));
+        if (a.mins) a0 = _mm512_fmadd_ps(mv0, _mm512_set1_ps(xsum[r * groups + g]), a0);
+        _mm512_store_ps(acc[r][0], a0);
+        if (two) {
+            __m512 a1 = _mm512_fmadd_ps(s1[r], sv1, _mm512_load_ps(acc[r][1]));
+            if (a.mins) a1 = _mm512_fmadd_ps(mv1, _mm512_set1_ps(xsum[r * groups + g]), a1);
+            _mm512_store_ps(acc[r][1], a1);
+        }
+    }
+}
+
 // Rows [0, R) (R <= 8) of x against tiles t0 (codes q0) and t0 + 1 (q1, null for a lone last tile). The group sums
 // fill the registers (2R); the outputs wait in the L1 cache between groups.
 template <int R>
@@ -240,20 +262,7 @@ void rows_two_tiles(const QArgs &a, const float *q0, const float *q1, int64_t t0
                 for (int r = 0; r < R; ++r) s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * xs + k]), v0, s0[r]);
             }
         }
-        const __m512 sv0 = load_scales(a.scales, b0 + g * 16, a.half);
-        const __m512 sv1 = q1 ? load_scales(a.scales, b1 + g * 16, a.half) : sv0;
-        const __m512 mv0 = a.mins ? load_scales(a.mins, b0 + g * 16, a.half) : sv0;
-        const __m512 mv1 = a.mins && q1 ? load_scales(a.mins, b1 + g * 16, a.half) : sv0;
-        for (int r = 0; r < R; ++r) {
-            __m512 a0 = _mm512_fmadd_ps(s0[r], sv0, _mm512_load_ps(acc[r][0]));
-            if (a.mins) a0 = _mm512_fmadd_ps(mv0, _mm512_set1_ps(xsum[r * groups + g]), a0);
-            _mm512_store_ps(acc[r][0], a0);
-            if (q1) {
-                __m512 a1 = _mm512_fmadd_ps(s1[r], sv1, _mm512_load_ps(acc[r][1]));
-                if (a.mins) a1 = _mm512_fmadd_ps(mv1, _mm512_set1_ps(xsum[r * groups + g]), a1);
-                _mm512_store_ps(acc[r][1], a1);
-            }
-        }
+        end_group<R>(a, s0, s1, q1 != nullptr, b0, b1, g, xsum, acc);
     }
     const __mmask16 mask0 = tail_mask(a.N - t0 * 16), mask1 = q1 ? tail_mask(a.N - t0 * 16 - 16) : 0;
     for (int r = 0; r < R; ++r) {
@@ -425,20 +434,7 @@ void rows_two_tiles_bf16(const QArgs &a, const int32_t *w0, const int32_t *w1, i
                 for (int r = 0; r < R; ++r) s0[r] = _mm512_dpbf16_ps(s0[r], v0, (__m512bh)pair_of(x + r * xs + 2 * p));
             }
         }
-        const __m512 sv0 = load_scales(a.scales, b0 + g * 16, a.half);
-        const __m512 sv1 = w1 ? load_scales(a.scales, b1 + g * 16, a.half) : sv0;
-        const __m512 mv0 = a.mins ? load_scales(a.mins, b0 + g * 16, a.half) : sv0;
-        const __m512 mv1 = a.mins && w1 ? load_scales(a.mins, b1 + g * 16, a.half) : sv0;
-        for (int r = 0; r < R; ++r) {
-            __m512 a0 = _mm512_fmadd_ps(s0[r], sv0, _mm512_load_ps(acc[r][0]));
-            if (a.mins) a0 = _mm512_fmadd_ps(mv0, _mm512_set1_ps(xsum[r * groups + g]), a0);
-            _mm512_store_ps(acc[r][0], a0);
-            if (w1) {
-                __m512 a1 = _mm512_fmadd_ps(s1[r], sv1, _mm512_load_ps(acc[r][1]));
-                if (a.mins) a1 = _mm512_fmadd_ps(mv1, _mm512_set1_ps(xsum[r * groups + g]), a1);
-                _mm512_store_ps(acc[r][1], a1);
-            }
-        }
+        end_group<R>(a, s0, s1, w1 != nullptr, b0, b1, g, xsum, acc);
     }
     const __mmask16 mask0 = tail_mask(a.N - t0 * 16), mask1 = w1 ? tail_mask(a.N - t0 * 16 - 16) : 0;
     for (int r = 0; r < R; ++r) {
