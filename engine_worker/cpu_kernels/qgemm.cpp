@@ -129,6 +129,23 @@ inline __m512 load_scales(const void *p, int64_t i, bool half) {
                 : _mm512_loadu_ps(static_cast<const float *>(p) + i);
 }
 
+// The end of group g for R rows against the T tiles from t0, the outputs in registers (the few-row kernels): acc =
+// fma(s, scale, acc), then, with mins, fma(min, the group's input sum, acc), the order every path keeps.
+template <int R, int T>
+inline void end_group_few(const QArgs &a, int64_t t0, int64_t g, const __m512 (&s)[R][T], __m512 (&acc)[R][T]) {
+    const int64_t groups = a.K / a.G;
+    for (int i = 0; i < T; ++i) {
+        const int64_t at = (t0 + i) * groups * 16 + g * 16;
+        const __m512 sv = load_scales(a.scales, at, a.half);
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(s[r][i], sv, acc[r][i]);
+        if (a.mins) {
+            const __m512 mv = load_scales(a.mins, at, a.half);
+            for (int r = 0; r < R; ++r)
+                acc[r][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[r * groups + g]), acc[r][i]);
+        }
+    }
+}
+
 // R rows (R <= 8) against T consecutive tiles from t0: R x T chains, each tile's codes read once for all the rows.
 template <int R, int T>
 void tiles_few_avx512(const QArgs &a, int64_t t0, const float *x, int64_t xs, float *y, int64_t ys) {
@@ -167,16 +184,7 @@ void tiles_few_avx512(const QArgs &a, int64_t t0, const float *x, int64_t xs, fl
                 }
             }
         }
-        for (int i = 0; i < T; ++i) {
-            const int64_t at = (t0 + i) * groups * 16 + g * 16;
-            const __m512 sv = load_scales(a.scales, at, a.half);
-            for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(s[r][i], sv, acc[r][i]);
-            if (a.mins) {
-                const __m512 mv = load_scales(a.mins, at, a.half);
-                for (int r = 0; r < R; ++r)
-                    acc[r][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[r * groups + g]), acc[r][i]);
-            }
-        }
+        end_group_few<R, T>(a, t0, g, s, acc);
     }
     for (int i = 0; i < T; ++i) {
         const __mmask16 mask = tail_mask(a.N - (t0 + i) * 16);
@@ -371,16 +379,7 @@ void tiles_few_bf16(const QArgs &a, int64_t t0, const uint16_t *x, int64_t xs, u
                 for (int r = 0; r < R; ++r) s[r][i] = _mm512_dpbf16_ps(s[r][i], w, (__m512bh)xv[r]);
             }
         }
-        for (int i = 0; i < T; ++i) {
-            const int64_t at = (t0 + i) * groups * 16 + g * 16;
-            const __m512 sv = load_scales(a.scales, at, a.half);
-            for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(s[r][i], sv, acc[r][i]);
-            if (a.mins) {
-                const __m512 mv = load_scales(a.mins, at, a.half);
-                for (int r = 0; r < R; ++r)
-                    acc[r][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[r * groups + g]), acc[r][i]);
-            }
-        }
+        end_group_few<R, T>(a, t0, g, s, acc);
     }
     for (int i = 0; i < T; ++i) {
         const __mmask16 mask = tail_mask(a.N - (t0 + i) * 16);
