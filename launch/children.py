@@ -165,9 +165,9 @@ def start_zygote(module: str, extra_env: dict | None = None) -> Zygote:
 
 
 def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = (), env: dict | None = None,
-          zygote: Zygote | None = None) -> Child:
+          zygote: Zygote | None = None, wait: bool = True) -> Child:
     """Start ``python -m module`` for a slot, in its own session, dying with the supervisor: forked from
-    ``zygote`` where it can, else a fresh interpreter."""
+    ``zygote`` where it can (``wait``: for its imports, if it is still at them), else a fresh interpreter."""
     environment = child_env(env)
 
     def command_line() -> tuple[int, int, int, int, list[str]]:
@@ -177,7 +177,7 @@ def spawn(slot: Slot, module: str, args: list[str], pass_fds: tuple[int, ...] = 
             *args, "--status-fd", str(status_w), "--control-fd", str(control_r), "--parent-pid", str(os.getpid())]
 
     status_r, status_w, control_r, control_w, argv = command_line()
-    proc = zygote.fork(argv, (status_w, control_r, *pass_fds), environment) if zygote is not None else None
+    proc = zygote.fork(argv, (status_w, control_r, *pass_fds), environment, wait) if zygote is not None else None
     if proc is None:
         if zygote is not None:  # new pipes: a fork the zygote made after all, too late, finds these closed and exits
             for fd in (status_r, status_w, control_r, control_w):

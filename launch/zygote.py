@@ -15,9 +15,12 @@ for it too before its ``die_with_parent`` check.
 
 A fork carries over what a fresh process would not: the imported modules and what they read from the environment
 when imported. So a zygote serves one module with one environment, the one its children get, and a start that asks
-for another, or finds the zygote dead or silent, is a ``subprocess`` start as before: a zygote only ever costs the
-speed. The child's pipes come over the zygote's socket (``SCM_RIGHTS``) and take the numbers the command line names,
-and it runs in a session of its own, as ``spawn`` starts one. The descriptors the imports opened stay open: Python
+for another, or finds the zygote dead, silent or (once the server serves) still importing, is a ``subprocess``
+start as before: a zygote only ever costs the speed. The supervisor replaces one that died
+(``launch.supervisor.server``); the zygote says when its imports are done, and its title says so too.
+
+The child's pipes come over the zygote's socket (``SCM_RIGHTS``) and take the numbers the command line names, and
+it runs in a session of its own, as ``spawn`` starts one. The descriptors the imports opened stay open: Python
 objects own them (prometheus_client's files, which it reopens itself in a new pid), and closing them behind their
 backs once let a reused number close the event loop's epoll. The zygote keeps them above the supervisor's numbers
 (``RESERVED_FDS``); a start whose pipe numbers would meet one goes by ``subprocess``. ``ZSERVE_PRELOAD=0`` starts
@@ -130,7 +133,8 @@ class Zygote:
     """The supervisor's end of one zygote: ``fork`` starts a child of ``module`` from it, or returns None."""
 
     def __init__(self, module: str, env: dict[str, str], preexec_fn=None):
-        self.module, self.env, self.forked = module, env, 0
+        self.module, self.env, self.is_ready = module, env, False
+        self.started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
@@ -147,15 +151,33 @@ class Zygote:
     def alive(self) -> bool:
         return self.sock is not None and self.proc.poll() is None
 
-    def fork(self, args: list[str], fds: tuple[int, ...], env: dict[str, str]) -> ForkedChild | None:
+    def ready(self, timeout: float) -> bool:
+        """Whether the zygote has done its imports (it says so once), waiting up to ``timeout`` seconds (0: only
+        asking); a zygote that died or stays silent past a wait is closed."""
+        if self.is_ready or not self.alive:
+            return self.is_ready and self.alive
+        try:
+            self.sock.settimeout(max(0.0, timeout))  # (0: non-blocking)
+            said = orjson.loads(self.sock.recv(4096) or b"{}")
+        except BlockingIOError:  # only asking, and nothing said yet
+            return False
+        except (OSError, ValueError):  # silent past the wait (TimeoutError), or gone
+            said = {}
+        self.is_ready = said.get("ready") is True
+        if not self.is_ready:
+            self.close()
+        return self.is_ready
+
+    def fork(self, args: list[str], fds: tuple[int, ...], env: dict[str, str], wait: bool = True
+             ) -> ForkedChild | None:
         """Start ``python -m MODULE ARGS`` as a fork, with ``fds`` open under their own numbers; None where this
-        zygote cannot (dead, silent, another environment): the caller starts it with ``subprocess``."""
-        if env != self.env or len(fds) > MAX_FDS or not self.alive:
+        zygote cannot (dead, silent, another environment, or still importing and ``wait`` is false): the caller
+        starts it with ``subprocess``."""
+        if env != self.env or len(fds) > MAX_FDS or not self.ready(FIRST_FORK_TIMEOUT if wait else 0):
             return None
         try:
             socket.send_fds(self.sock, [orjson.dumps({"args": args, "fds": list(fds)})], list(fds))
-            ready = FIRST_FORK_TIMEOUT if not self.forked else FORK_TIMEOUT
-            self.sock.settimeout(ready)
+            self.sock.settimeout(FORK_TIMEOUT)
             reply = orjson.loads(self.sock.recv(4096) or b"{}")
         except (OSError, ValueError):
             reply = {}
@@ -165,7 +187,6 @@ class Zygote:
         if not isinstance(pid, int):
             self.close()  # dead or too slow: the rest of this server's starts go without it
             return None
-        self.forked += 1
         return ForkedChild(pid, [sys.executable, "-m", self.module, *args])
 
     def close(self) -> None:
@@ -257,7 +278,7 @@ def main(argv: list[str]) -> None:
     module, fd = argv[0], int(argv[1])
     supervisor = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_title(f"zserve: preload {module}")
+    set_title(f"zserve: preload {module} (importing)")
     sock = socket.socket(fileno=fd)
     # What the imports open (libraries' own descriptors, which a fork keeps) goes above the numbers the supervisor's
     # pipes take, so that a child's pipes can have their numbers without closing one of them.
@@ -273,6 +294,8 @@ def main(argv: list[str]) -> None:
     if torch is not None and torch.cuda.is_initialized():  # (a fork could not use CUDA: refuse, starts go on fresh)
         print(f"zserve zygote for {module}: CUDA was initialised by an import; not forking", file=sys.stderr)
         return
+    sock.send(orjson.dumps({"ready": True}))
+    set_title(f"zserve: preload {module}")
     while True:
         try:
             data, fds, _flags, _addr = socket.recv_fds(sock, 65536, MAX_FDS)

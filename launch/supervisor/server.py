@@ -69,6 +69,7 @@ from .commands import Commands
 from .publisher import ClusterPublisher
 
 log = logging.getLogger("zserve.launch")
+ZYGOTE_RETRY_S = 60.0
 
 EXIT_SUPERVISOR_FAILED = 70
 """launch's exit code when the supervisor itself failed (an unexpected exception, a bug: its traceback is in the
@@ -110,6 +111,7 @@ class Supervisor:
         self.sel = self.arbiter.sel
         self.listener: socket.socket | None = None
         self.zygotes: dict[str, zygote.Zygote] = {}  # each child module's (launch.zygote), started with the tiers
+        self._zygote_replaced: dict[str, float] = {}  # when each module's zygote was last replaced
         self.control: ControlServer | None = None
         self.control_path = self.pointer = self.url = ""
         self.started_at = time.time()
@@ -218,7 +220,8 @@ class Supervisor:
                 expert_share=group.share(index) if group else None,
                 keys_dir=c.keys_dir if c.bind is not None else None, loras=loras, weight_version=version,
                 kv_events=a.kv_events_endpoint(index))
-            return spawn(slot, "engine_worker", handoff.argv(engine), zygote=self.zygotes.get("engine_worker"))
+            return spawn(slot, "engine_worker", handoff.argv(engine), zygote=self._zygote("engine_worker"),
+                         wait=not self.serving)
         assert self.listener is not None
         fd = self.listener.fileno()
         gateway = handoff.gateway_launch(
@@ -228,7 +231,7 @@ class Supervisor:
             key_file=self.key_file if c.api_keys or c.admin_keys or c.tenants else None,
             quota_dir=self.quota_dir if c.tenants else None, keys_dir=c.keys_dir if c.remote_engines else None)
         child = spawn(slot, "gateway", handoff.argv(gateway), pass_fds=(fd,), env=self._gateway_env(),
-                      zygote=self.zygotes.get("gateway"))
+                      zygote=self._zygote("gateway"), wait=not self.serving)
         self.publisher.welcome(child)
         return child
 
@@ -241,9 +244,29 @@ class Supervisor:
         if not zygote.enabled() or not zygote.become_subreaper():
             return
         if self.arbiter.desired["gateway"]:
-            self.zygotes["gateway"] = start_zygote("gateway", self._gateway_env())
+            self._new_zygote("gateway")
         if not self.render_only and not self.publisher.remote:
-            self.zygotes["engine_worker"] = start_zygote("engine_worker")
+            self._new_zygote("engine_worker")
+
+    def _new_zygote(self, module: str) -> zygote.Zygote:
+        self.zygotes[module] = start_zygote(module, self._gateway_env() if module == "gateway" else None)
+        return self.zygotes[module]
+
+    def _zygote(self, module: str) -> zygote.Zygote | None:
+        """``module``'s zygote. One that died is replaced, unless it was itself a replacement started within
+        ZYGOTE_RETRY_S (a zygote that cannot live costs each start the fresh interpreter it would have had, never a
+        loop); while a new one imports, children start fresh rather than wait for it (after the server's start)."""
+        z = self.zygotes.get(module)
+        if z is None or z.alive:
+            return z
+        now = time.monotonic()
+        if now - self._zygote_replaced.get(module, -ZYGOTE_RETRY_S) < ZYGOTE_RETRY_S:
+            return None
+        self._zygote_replaced[module] = now
+        z.close()
+        log.warning("the zygote of the %s tier is gone (exit code %s); starting a new one", module,
+                    z.proc.returncode)
+        return self._new_zygote(module)
 
     def _on_event(self, child: Child, msg: ControlMessage) -> None:
         group = self.group_of(child)

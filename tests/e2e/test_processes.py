@@ -129,12 +129,24 @@ def test_children_are_forks_of_zygotes_that_imported_their_code_and_stay_the_sup
         assert "died (exit code -9)" in s.tail(1_000_000)
         completes()
 
-        zygote.kill()  # without its zygote, a tier's children start as fresh interpreters
+        zygote.kill()  # a tier's children start as fresh interpreters while its new zygote imports
         wait_until(lambda: zygote.status() == psutil.STATUS_ZOMBIE, 10, what="the zygote to die")
         engine.kill()
         engine = wait_until(lambda: replaced(engine), 60, what="engine 0 started again without a zygote")
         assert _mapped_at(engine.pid, "libtorch_cpu") != torch_at
         wait_until(lambda: ready_times(3), 60, what="engine 0 ready a third time")
+        completes()
+        assert "the zygote of the engine_worker tier is gone" in s.tail(1_000_000)
+
+        def new_zygote() -> psutil.Process | None:  # (titled so once its imports are done)
+            z = _titled(s).get("zserve: preload engine_worker")
+            return z if z is not None and z.pid != zygote.pid else None
+
+        zygote = wait_until(new_zygote, 60, what="a new zygote that has imported torch")
+        engine.kill()
+        engine = wait_until(lambda: replaced(engine), 60, what="engine 0 forked from the new zygote")
+        assert _mapped_at(engine.pid, "libtorch_cpu") == _mapped_at(zygote.pid, "libtorch_cpu") is not None
+        wait_until(lambda: ready_times(4), 60, what="engine 0 ready a fourth time")
         completes()
     finally:
         assert s.stop() == 0
