@@ -227,7 +227,7 @@ def wait_replaced(server: Server, victim: dict) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--count", "2", "--engines", "2", *TINY, "--max-num-seqs", "64", "--max-model-len", "4096",
+    s = Server("--count", "2", "--engines", "2", *TINY, "--max-num-seqs", "64", "--max-model-len", "8192",
                "--tool-call-parser", "hermes", "--migration-limit", "1", "--shutdown-timeout", "1",
                "--heartbeat-timeout", "4",
                log_name="migration")
@@ -265,13 +265,15 @@ def test_a_stream_moves_as_often_as_the_limit_allows_then_fails(server):
     (--migration-limit 1) and moves the streams that had not moved yet."""
     streams = [Stream() for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(stream, server.url, "tiny-random", "greedy", i, 3000, s)
+        # Long enough to outlast both losses (a stream alone on an engine runs fast); the clients leave at the end.
+        futures = [pool.submit(stream, server.url, "tiny-random", "greedy", i, 7000, s)
                    for i, s in enumerate(streams)]
         wait_until(lambda: all(s.error or s.chunks > 3 for s in streams), 60, what="the streams to flow")
         assert not any(s.error for s in streams), [s.error for s in streams]
         exhausted = metric(server.url, "zserve_migrations_exhausted_total")
         for loss in ("hang", "kill"):
-            victim = busiest_engine(server, 4)  # every stream is on it after the first loss
+            running = sum(s.finish is None and not s.error for s in streams)
+            victim = busiest_engine(server, running)  # every stream is on it after the first loss
             at = [s.chunks for s in streams]
             if loss == "hang":  # stopped: no heartbeat, so the supervisor kills it (--heartbeat-timeout 4)
                 os.kill(victim["pid"], signal.SIGSTOP)
