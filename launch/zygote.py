@@ -134,7 +134,6 @@ class Zygote:
 
     def __init__(self, module: str, env: dict[str, str], preexec_fn=None):
         self.module, self.env, self.is_ready = module, env, False
-        self.started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
