@@ -31,6 +31,7 @@ from protocol.messages import MODEL_TASKS
 from zserve.catalog import ModelSource
 from zserve.config import EngineConfig
 from zserve.curve import CurveKeys
+from zserve.heap import settle
 from zserve.launch_spec import ChildPipes, EngineLaunch, parse_child_argv
 from zserve.proc import (
     StatusPipe,
@@ -216,6 +217,7 @@ class Engine:
                          name="heartbeat").start()
         server.report_loras()  # before Ready: gateways route an adapter's requests only to engines that have it
         status.send(server.ops.condition())  # (its weight version; the supervisor puts it to sleep with its model)
+        settle()  # the model and everything built for it live as long as the engine: out of the cycle collector's way
         status.send(Ready(index=launch.rank, endpoint=launch.endpoint, device=hello.device, dtype=hello.dtype))
         if not self.expert_parallel and self.grammars is not None:
             self.grammars.prepare()

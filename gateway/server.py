@@ -34,6 +34,7 @@ from protocol.control import (
     Ready,
 )
 from zserve.curve import CurveKeys
+from zserve.heap import settle
 from zserve.launch_spec import ChildPipes, parse_child_argv
 from zserve.proc import (
     StatusPipe,
@@ -193,6 +194,7 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
     site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)  # aiohttp listens again on the inherited socket
     await site.start()
     log.info("gateway %d serving on %s", a.index, sock.getsockname())
+    settle()  # what it has built lives as long as it does: out of the cycle collector's way
     status.send(Ready(index=a.index))
 
     stop = asyncio.Event()

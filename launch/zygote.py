@@ -43,6 +43,8 @@ import traceback
 
 import orjson
 
+from zserve.heap import settle
+
 ENTRY = {"engine_worker": "engine_worker.engine", "gateway": "gateway.server"}
 """Each module the supervisor starts children of, and the module whose ``main(argv)`` runs them."""
 PR_SET_CHILD_SUBREAPER = 36
@@ -293,6 +295,7 @@ def main(argv: list[str]) -> None:
     if torch is not None and torch.cuda.is_initialized():  # (a fork could not use CUDA: refuse, starts go on fresh)
         print(f"zserve zygote for {module}: CUDA was initialised by an import; not forking", file=sys.stderr)
         return
+    settle()  # the imported code, shared with every child: no collection there writes to those pages
     sock.send(orjson.dumps({"ready": True}))
     set_title(f"zserve: preload {module}")
     while True:

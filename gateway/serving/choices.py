@@ -113,6 +113,7 @@ class ChoiceRun:
         self._left = len(choices)
         self._sinks = [_ChoiceSink(self, f"{request_id}-{c.index}", c, TextPipeline(state, c.prompt_ids, c.sampling,
                                                                                      opts)) for c in choices]
+        self._timers = [s.pipe.timer for s in self._sinks]
 
     def start(self) -> None:
         """Send every choice to an engine (``NoEngineAvailable`` if one cannot go: nothing is left running)."""
@@ -128,7 +129,7 @@ class ChoiceRun:
     @property
     def engines_used(self) -> str:
         """The ranks of the engines the choices went to, as placed (the X-Zserve-Engine header)."""
-        return ",".join(dict.fromkeys(s.pipe.timer.engine for s in self._sinks if s.pipe.timer.engine is not None))
+        return ",".join(dict.fromkeys(t.engine for t in self._timers if t.engine is not None))
 
     async def wait(self) -> None:
         try:
@@ -142,6 +143,10 @@ class ChoiceRun:
                 s.live = False
                 self.engines.cancel(s.rid)
             s.pipe.close()
+        # The sinks point back at the run: dropping them here leaves no reference cycle, so the request's objects
+        # are freed the moment it ends rather than by the cycle collector, whose passes cost a busy gateway a
+        # fifth of its CPU.
+        self._sinks = []
         if self.done.done() and not self.done.cancelled():
             self.done.exception()  # seen: a failure after the consumer left is not an unretrieved one
 
