@@ -28,8 +28,26 @@ _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 
 CRASH_LOOP_FAILURES = 5
 CRASH_LOOP_WINDOW = 60.0
-BACKOFF_BASE = 0.5
+BACKOFF_BASE = 0.5  # seconds before the first restart, unless ZSERVE_RESTART_BACKOFF says otherwise
 BACKOFF_MAX = 30.0
+RESTART_BACKOFF_ENV = "ZSERVE_RESTART_BACKOFF"
+
+
+def restart_backoff() -> float:
+    """Seconds before the first restart of a child that exited unexpectedly: ``ZSERVE_RESTART_BACKOFF`` or
+    ``BACKOFF_BASE``. Each failure within ``CRASH_LOOP_WINDOW`` doubles it, up to ``BACKOFF_MAX``. ValueError for a
+    value that is not a number of seconds in (0, BACKOFF_MAX] (``launch`` refuses to start with one)."""
+    raw = os.environ.get(RESTART_BACKOFF_ENV, "").strip()
+    if not raw:
+        return BACKOFF_BASE
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= BACKOFF_MAX:
+        raise ValueError(f"{RESTART_BACKOFF_ENV}={raw!r}: give the seconds before a first restart, more than 0 and "
+                         f"at most {BACKOFF_MAX:g}")
+    return value
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -57,7 +75,7 @@ class Slot:
         while self.failures and now - self.failures[0] > CRASH_LOOP_WINDOW:
             self.failures.popleft()
         self.last_exit = why
-        delay = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (len(self.failures) - 1))
+        delay = min(BACKOFF_MAX, restart_backoff() * 2 ** (len(self.failures) - 1))
         self.next_start = now + delay
         return delay
 

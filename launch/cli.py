@@ -53,6 +53,7 @@ from zserve.config import (
 from zserve.proc import SECRET_OPTIONS, redact_option, set_title, setup_logging
 from zserve.tenants import BURST_SECONDS
 
+from .children import restart_backoff
 from .sockets import ListenError
 from .supervisor import EXIT_SUPERVISOR_FAILED, ServeConfig, StartupError, Supervisor
 
@@ -462,6 +463,10 @@ def serve(*, count: int, engines: int, models: tuple[str, ...], served_model_nam
     api_keys = _keys(api_keys, api_key_file)
     if tenants is not None:
         _check_tenants(tenants)
+    try:
+        restart_backoff()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     os.environ["ZSERVE_LOG_LEVEL"] = log_level.upper()
     setup_logging("launch")
     set_title("zserve: supervisor")

@@ -61,6 +61,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "`0` (or `false`, `no`, `off`): the supervisor starts each engine and gateway as a fresh interpreter "
            "instead of forking it from a zygote that has imported the tier's code (docs/operations.md).",
            ("launch/zygote.py",)),
+    EnvVar("ZSERVE_RESTART_BACKOFF", "`0.5`",
+           "Seconds before the supervisor restarts a child that exited unexpectedly; each further failure within "
+           "a minute doubles it, up to 30 s (five failures in a minute: crash-looping). More than 0, at most 30.",
+           ("launch/children.py",)),
     EnvVar("ZSERVE_WEIGHT_CACHE", "`1`",
            "`0` (or `false`, `no`, `off`): GGUF weights are converted at every start instead of once into the "
            "cache directory.",

@@ -183,7 +183,8 @@ def test_a_crash_looping_model_is_marked_failed_and_the_other_model_serves_on(sc
     """Every engine of model A dies the moment it appears: A is marked failed (503 ``model_failed`` naming the
     exits, /health ``degraded``), model B serves on and the supervisor keeps running."""
     s = Server("--model", B, "--model", str(scripted_model), "--count", "1", "--dtype", "float32",
-               "--max-model-len", "1024", log_name="model-failed")
+               "--max-model-len", "1024", log_name="model-failed",
+               env={"ZSERVE_RESTART_BACKOFF": "0.1"})  # (five failures in 1.5 s of back-off, not 7.5 s)
     try:
         a = model_a(s)
         killed: set[int] = set()

@@ -98,7 +98,8 @@ def _titled(server: Server) -> dict[str, psutil.Process]:
 
 
 def test_children_are_forks_of_zygotes_that_imported_their_code_and_stay_the_supervisors_own():
-    s = Server("--count", "2", "--model", "tiny-random", log_name="zygote")
+    s = Server("--count", "2", "--model", "tiny-random", log_name="zygote",
+               env={"ZSERVE_RESTART_BACKOFF": "0.1"})  # (four restarts: the back-off is not what this tests)
     try:
         kids = _titled(s)
         for title in ("zserve: engine 0", "zserve: gateway 0", "zserve: gateway 1", "zserve: preload gateway",

@@ -70,7 +70,12 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_host(keys):
-    port, kv = free_ports(8), free_ports(8)  # (the other engine hosts here take the default KV event ports)
+    # (the other engine hosts here take the default KV event ports). An engine host's ports run 65 from --bind's
+    # (its registry, 64 engine ranks) and 128 from --kv-events-port (two per rank): ranges launch refuses to overlap.
+    port = free_ports(8)
+    kv = free_ports(8)
+    while kv < port + 65 and port < kv + 128:
+        kv = free_ports(8)
     s = Server(command=[*LAUNCH, "engine", *MODEL, "--count", "2", "--bind", f"tcp://127.0.0.1:{port}",
                         "--kv-events-port", str(kv), "--keys", str(keys), "--heartbeat-timeout", "10",
                         "--enable-lora"], log_name="engine-host")

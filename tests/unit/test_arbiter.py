@@ -139,3 +139,34 @@ def test_an_engine_hosts_engines_publish_kv_events_on_ports_no_engine_ever_takes
     assert len(ports) == 256 and not ports & ({int(e.rsplit(":", 1)[1]) for e in engines} | {7100})
     arbiter.cfg.kv_events_port = 9000
     assert arbiter.kv_events_endpoint(1) == "tcp://0.0.0.0:9002"
+
+
+@pytest.mark.parametrize("value, first", [(None, 0.5), ("0.1", 0.1), ("30", 30.0)])
+def test_the_restart_back_off_starts_at_its_setting_and_doubles_up_to_its_cap(monkeypatch, value, first):
+    from launch.children import BACKOFF_MAX, Slot
+
+    if value is None:
+        monkeypatch.delenv("ZSERVE_RESTART_BACKOFF", raising=False)
+    else:
+        monkeypatch.setenv("ZSERVE_RESTART_BACKOFF", value)
+    slot = Slot("engine", 0)
+    delays = [slot.record_failure(100.0 + i, "exit code -9") for i in range(CRASH_LOOP_FAILURES)]
+    assert delays == [min(BACKOFF_MAX, first * 2 ** i) for i in range(CRASH_LOOP_FAILURES)]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "31", "fast"])
+def test_a_restart_back_off_that_is_no_number_of_seconds_is_refused(monkeypatch, value):
+    from launch.children import restart_backoff
+
+    monkeypatch.setenv("ZSERVE_RESTART_BACKOFF", value)
+    with pytest.raises(ValueError, match="ZSERVE_RESTART_BACKOFF.*at most 30"):
+        restart_backoff()
+
+
+def test_launch_refuses_a_bad_restart_back_off_before_anything_starts():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "launch", "api-server", "--model", "tiny-random", "--port", "0"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "ZSERVE_RESTART_BACKOFF": "0"})
+    assert r.returncode == 2 and "ZSERVE_RESTART_BACKOFF='0'" in r.stderr and "at most 30" in r.stderr, r.stderr

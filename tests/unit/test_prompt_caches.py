@@ -52,10 +52,21 @@ def random_text(rng: random.Random, specials: list[str], max_parts: int = 24) ->
     return "".join(parts)
 
 
+_TOKENIZER_CACHE: list[str] = []  # the session's tokenizer cache directory (set by ``tokenizer_cache``)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _TOKENIZER_CACHE[:] = [str(tmp_path_factory.getbasetemp() / "tokenizer-cache")]
+
+
 def load(name: str) -> Tokenizer:
+    """A new tokenizer (its caches empty), built from the session's tokenizer cache as a gateway builds one: reading
+    the GGUF's vocabulary takes seconds, once."""
     try:
         if name == "smollm2":
-            return Tokenizer.from_gguf(catalog.resolve(catalog.TINY_RANDOM).tokenizer_path)
+            return Tokenizer.from_gguf(catalog.resolve(catalog.TINY_RANDOM).tokenizer_path,
+                                       cache_dir=_TOKENIZER_CACHE[0])
         return Tokenizer.from_dir(catalog.minilm_model_dir())
     except ModelNotFound as e:
         pytest.skip(str(e))
