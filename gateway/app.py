@@ -13,6 +13,7 @@ from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, m
 from .routers import (
     anthropic,
     cohere,
+    console,
     control,
     core,
     derender,
@@ -37,7 +38,8 @@ log = logging.getLogger("zserve.gateway")
 # error shape (``serving.admission.admit``) rather than a bare 404.
 ROUTE_FAMILIES = {"core": core, "control": control, "operations": operations, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
-                  "sagemaker": sagemaker, "docs": docs, "derender": derender, "cohere": cohere, "info": info}
+                  "sagemaker": sagemaker, "docs": docs, "derender": derender, "cohere": cohere, "info": info,
+                  "console": console}
 
 MAX_BODY_BYTES = 32 << 20
 

@@ -31,11 +31,12 @@ from aiohttp import web
 
 from zserve.tenants import DEFAULT, Tenant, Tenants
 
+from .console import PATHS as CONSOLE_PATHS
 from .errors import APIError
 
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/ready", "/readyz"})
 # The API's description and its pages carry no data, and a browser cannot send a key when it opens a page.
-DOCS_PATHS = frozenset({"/openapi.json", "/docs", "/redoc"})
+DOCS_PATHS = frozenset({"/openapi.json", "/docs", "/redoc"})  # (and the web console's page and files)
 API_KEY_ENV, ADMIN_KEY_ENV = "ZSERVE_API_KEY", "ZSERVE_ADMIN_KEY"
 SECRET_ENV = (API_KEY_ENV, ADMIN_KEY_ENV)
 """Where keys may come from in the environment; the supervisor's children never inherit these."""
@@ -126,7 +127,7 @@ def authorize(request: web.Request, keys: Keys, metrics_auth: bool) -> Tenant | 
     if not keys.enabled:
         return DEFAULT
     if request.method == "OPTIONS" or request.path in PUBLIC_PATHS or request.path in DOCS_PATHS \
-            or request.path.startswith("/docs/assets/"):
+            or request.path.startswith("/docs/assets/") or request.path in CONSOLE_PATHS:
         return None
     if request.path == "/metrics" and not metrics_auth:
         return None

@@ -1,0 +1,314 @@
+// zserve's web console: the cluster's processes and a chat playground, through the same public API as any client.
+// Keys typed here live in this tab's sessionStorage only. All URLs are relative, so the page works behind a proxy
+// that adds a path prefix.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const STORE = window.sessionStorage;
+const POLL_MS = 2000;
+
+// -- keys ---------------------------------------------------------------------------------------------------------
+for (const id of ["api-key", "admin-key"]) {
+  $(id).value = STORE.getItem(id) || "";
+  $(id).addEventListener("input", () => { STORE.setItem(id, $(id).value); refreshCluster(); });
+}
+$("keys").addEventListener("submit", (e) => e.preventDefault());
+
+function headers(admin) {
+  const key = (admin && $("admin-key").value) || $("api-key").value;
+  const h = {"Content-Type": "application/json"};
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+// The API's own error message (OpenAI's shape: {"error": {"message"}}), else the status line.
+async function apiError(r) {
+  let message = `${r.status} ${r.statusText}`;
+  try {
+    const body = await r.json();
+    if (body && body.error) message = `${r.status}: ${body.error.message || body.error}`;
+  } catch (_) { /* not JSON */ }
+  return message;
+}
+
+async function getJSON(path, admin) {
+  const r = await fetch(path, {headers: headers(admin)});
+  if (!r.ok) throw new Error(await apiError(r));
+  return r.json();
+}
+
+function show(el, message) {
+  el.textContent = message || "";
+  el.hidden = !message;
+}
+
+// -- tabs -----------------------------------------------------------------------------------------------------------
+const tabs = [$("tab-cluster"), $("tab-playground")];
+function select(tab) {
+  for (const t of tabs) {
+    const on = t === tab;
+    t.setAttribute("aria-selected", String(on));
+    t.tabIndex = on ? 0 : -1;
+    $(t.getAttribute("aria-controls")).hidden = !on;
+  }
+  STORE.setItem("tab", tab.id);
+  if (tab.id === "tab-playground") loadModels();
+  else refreshCluster();
+}
+tabs.forEach((t, i) => {
+  t.addEventListener("click", () => select(t));
+  t.addEventListener("keydown", (e) => {  // arrow keys move between tabs, as the ARIA tabs pattern does
+    if (e.key !== "ArrowRight" && e.key !== "ArrowLeft") return;
+    const next = tabs[(i + (e.key === "ArrowRight" ? 1 : tabs.length - 1)) % tabs.length];
+    next.focus();
+    select(next);
+  });
+});
+
+// -- cluster ------------------------------------------------------------------------------------------------------
+function cell(text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text === undefined || text === null ? "–" : String(text);
+  if (cls) td.className = cls;
+  return td;
+}
+
+function duration(s) {
+  if (s === undefined || s === null) return "–";
+  if (s < 120) return `${Math.round(s)}s`;
+  if (s < 7200) return `${Math.round(s / 60)}m`;
+  return `${(s / 3600).toFixed(1)}h`;
+}
+
+function load(p) {
+  if (p.endpoint) return `at ${p.endpoint}`;
+  if (p.tier !== "engine") return `in flight ${p.in_flight ?? "–"}`;
+  const kv = p.kv_used === undefined || p.kv_used === null ? "–" : `${Math.round(p.kv_used * 100)}%`;
+  let text = `running ${p.running ?? "–"} · waiting ${p.waiting ?? "–"} · KV ${kv}`;
+  if (p.loras && p.loras.length) text += ` · adapters ${p.loras.join(", ")}`;
+  if (p.sleeping) text += ` · asleep (level ${p.sleeping})`;
+  return text;
+}
+
+function card(label, value, wide) {
+  const div = document.createElement("div");
+  div.className = wide ? "card wide" : "card";
+  const b = document.createElement("b");
+  b.textContent = value;
+  const span = document.createElement("span");
+  span.textContent = label;
+  div.append(b, span);
+  return div;
+}
+
+let clusterTimer = null;
+async function refreshCluster() {
+  clearTimeout(clusterTimer);
+  clusterTimer = setTimeout(refreshCluster, POLL_MS);
+  if ($("view-cluster").hidden) return;
+  let info, status;
+  try {
+    [info, status] = await Promise.all([getJSON("server_info", true), getJSON("status", false)]);
+  } catch (e) {
+    show($("cluster-error"), e.message);
+    return;
+  }
+  show($("cluster-error"), info.supervisor_error || "");
+  const sup = info.supervisor || {};
+  const procs = info.processes || [];
+  const summary = $("summary");
+  summary.replaceChildren(
+    card("version", info.version),
+    card("models", info.models.map((m) => m.id).join(", "), true),
+    card("gateways", `${procs.filter((p) => p.tier === "gateway" && p.state === "ready").length}`
+      + ` / ${sup.desired ? sup.desired.gateway : "–"}`),
+    card("engines", `${procs.filter((p) => p.tier === "engine" && p.state === "ready").length}`
+      + ` / ${sup.desired ? sup.desired.engine : "–"}`),
+    card("in flight here", String(status.in_flight)),
+    card("state", status.paused ? "paused" : (status.draining ? "draining" : "serving")),
+  );
+  const rows = procs.map((p) => {
+    const tr = document.createElement("tr");
+    tr.dataset.tier = p.tier;
+    tr.dataset.index = p.index;
+    const state = p.crash_looping ? `crash-looping (${p.last_exit || "?"})` : p.state;
+    tr.append(cell(p.tier), cell(p.index), cell(p.model || ""), cell(p.pid || "–"),
+      cell(state, "state-" + (p.crash_looping ? "failed" : p.state)), cell(p.restarts), cell(duration(p.uptime_s)),
+      cell(load(p)));
+    return tr;
+  });
+  $("processes").tBodies[0].replaceChildren(...rows);
+  const holds = status.holds || [];
+  $("holds").replaceChildren(...(holds.length ? holds : [null]).map((h) => {
+    const li = document.createElement("li");
+    if (!h) { li.className = "muted"; li.textContent = "none"; return li; }
+    li.textContent = `${h.model || "every model"}: ${h.reason}${h.detail ? " — " + h.detail : ""}`;
+    return li;
+  }));
+  $("updated").textContent = "Last update " + new Date().toLocaleTimeString() + ".";
+}
+
+// -- playground -----------------------------------------------------------------------------------------------------
+let conversation = [];
+let controller = null;
+
+async function loadModels() {
+  const select = $("model");
+  try {
+    const body = await getJSON("v1/models", false);
+    const chosen = select.value || STORE.getItem("model");
+    select.replaceChildren(...body.data.map((m) => {
+      const o = document.createElement("option");
+      o.value = o.textContent = m.id;
+      return o;
+    }));
+    if (chosen && body.data.some((m) => m.id === chosen)) select.value = chosen;
+    show($("chat-error"), "");
+  } catch (e) {
+    show($("chat-error"), e.message);
+  }
+}
+$("model").addEventListener("change", () => STORE.setItem("model", $("model").value));
+
+function bubble(role, text) {
+  const div = document.createElement("div");
+  div.className = "msg " + role;
+  const who = document.createElement("span");
+  who.className = "who";
+  who.textContent = role;
+  const body = document.createElement("div");
+  body.className = "body";
+  body.textContent = text;
+  div.append(who, body);
+  $("transcript").append(div);
+  div.scrollIntoView({block: "end"});
+  return body;
+}
+
+function requestBody() {
+  const body = {
+    model: $("model").value,
+    messages: [...($("system").value.trim() ? [{role: "system", content: $("system").value}] : []), ...conversation],
+    temperature: Number($("temperature").value),
+    max_tokens: Number($("max-tokens").value),
+    stream: true,
+    stream_options: {include_usage: true},
+  };
+  const schema = $("schema").value.trim();
+  if (schema) {
+    let parsed;
+    try { parsed = JSON.parse(schema); } catch (e) { throw new Error("the JSON schema is not JSON: " + e.message); }
+    body.response_format = {type: "json_schema", json_schema: {name: "console", schema: parsed, strict: true}};
+  }
+  return body;
+}
+
+// Server-sent events as the OpenAI API streams them: "data: {json}" lines, then "data: [DONE]".
+async function* events(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, {stream: true});
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        yield JSON.parse(data);
+      }
+    }
+  }
+}
+
+async function send() {
+  const text = $("message").value;
+  if (!text.trim() || controller) return;
+  let body;
+  conversation.push({role: "user", content: text});
+  try {
+    body = requestBody();
+  } catch (e) {
+    conversation.pop();
+    show($("chat-error"), e.message);
+    return;
+  }
+  show($("chat-error"), "");
+  $("message").value = "";
+  bubble("user", text);
+  const reasoning = bubble("reasoning", "");
+  reasoning.parentElement.hidden = true;
+  const answer = bubble("assistant", "");
+  const calls = bubble("tool-calls", "");
+  calls.parentElement.hidden = true;
+  const toolCalls = [];
+  controller = new AbortController();
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  const start = performance.now();
+  let first = null;
+  let usage = null;
+  let content = "";
+  try {
+    const r = await fetch("v1/chat/completions", {method: "POST", headers: headers(false),
+      body: JSON.stringify(body), signal: controller.signal});
+    if (!r.ok) throw new Error(await apiError(r));
+    for await (const chunk of events(r)) {
+      if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
+      if (chunk.usage) usage = chunk.usage;
+      for (const choice of chunk.choices || []) {
+        const d = choice.delta || {};
+        if (first === null && (d.content || d.reasoning_content || d.tool_calls)) first = performance.now();
+        if (d.reasoning_content) {
+          reasoning.parentElement.hidden = false;
+          reasoning.textContent += d.reasoning_content;
+        }
+        if (d.content) {
+          content += d.content;
+          answer.textContent = content;
+        }
+        for (const t of d.tool_calls || []) {  // pieces of calls, by index: name first, arguments in parts
+          const call = toolCalls[t.index] || (toolCalls[t.index] = {name: "", arguments: ""});
+          if (t.function && t.function.name) call.name = t.function.name;
+          if (t.function && t.function.arguments) call.arguments += t.function.arguments;
+          calls.parentElement.hidden = false;
+          calls.textContent = toolCalls.map((c) => `${c.name}(${c.arguments})`).join("\n");
+        }
+        answer.parentElement.scrollIntoView({block: "end"});
+      }
+    }
+    conversation.push({role: "assistant", content});
+  } catch (e) {
+    conversation.pop();
+    answer.parentElement.remove();
+    if (e.name !== "AbortError") show($("chat-error"), e.message);
+  } finally {
+    const end = performance.now();
+    if (usage) {
+      const decode = first !== null && usage.completion_tokens > 1 ? (usage.completion_tokens - 1) / ((end - first) / 1000) : null;
+      $("stats").textContent = `${usage.completion_tokens} tokens · first after ${first === null ? "–" : Math.round(first - start) + " ms"}`
+        + ` · ${decode === null ? "–" : decode.toFixed(1)} tokens/s · prompt ${usage.prompt_tokens} tokens`;
+    }
+    controller = null;
+    $("send").disabled = false;
+    $("stop").disabled = true;
+  }
+}
+
+$("chat-form").addEventListener("submit", (e) => { e.preventDefault(); send(); });
+$("message").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
+});
+$("stop").addEventListener("click", () => controller && controller.abort());
+$("clear").addEventListener("click", () => {
+  conversation = [];
+  $("transcript").replaceChildren();
+  $("stats").textContent = "";
+});
+
+select($(STORE.getItem("tab") || "tab-cluster") || tabs[0]);

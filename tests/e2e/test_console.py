@@ -1,0 +1,139 @@
+"""The web console (``/ui``) in a real browser: Playwright driving Debian's headless Chromium (``.ci/run`` installs
+it; Playwright's own browser download is not used) against a server of 2 gateways and 2 engines with API and admin
+keys. Every test fails on any console error of the page."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.helpers import LAUNCH, ROOT, TINY, Server, wait_until
+
+API_KEY, ADMIN_KEY = "sk-console-test", "admin-console-test"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--count", "2", "--engines", "2", *TINY, "--max-model-len", "2048", "--api-key", API_KEY,
+               "--admin-key", ADMIN_KEY, env={"ZSERVE_RESTART_BACKOFF": "0.1"}, log_name="console")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it: apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+@pytest.fixture()
+def page(browser, server, request):
+    """A fresh tab on /ui, its keys already typed (``request.param``: the keys, default both right); fails the test
+    on any console error or uncaught exception, but the ones a test names in ``page.expected_errors``."""
+    keys = getattr(request, "param", {"api-key": API_KEY, "admin-key": ADMIN_KEY})
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    tab = context.new_page()
+    tab.add_init_script(f"for (const [k, v] of Object.entries({json.dumps(keys)})) sessionStorage.setItem(k, v);")
+    errors: list[str] = []
+    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.expected_errors = []  # type: ignore[attr-defined]
+    tab.goto(server.url + "/ui")
+    yield tab
+    context.close()
+    unexpected = [e for e in errors if not any(x in e for x in tab.expected_errors)]  # type: ignore[attr-defined]
+    assert not unexpected, unexpected
+
+
+def rows(page) -> dict[tuple[str, str], dict]:
+    """The processes table: (tier, index) -> its cells by column."""
+    out = {}
+    for tr in page.locator("#processes tbody tr").all():
+        cells = tr.locator("td").all_inner_texts()
+        out[(cells[0], cells[1])] = dict(zip(["tier", "index", "model", "pid", "state", "restarts", "uptime", "load"],
+                                             cells))
+    return out
+
+
+def test_the_page_and_its_files_need_no_key_and_nothing_else_is_served_there(server):
+    for path, kind in [("/ui", "text/html"), ("/ui/console.js", "text/javascript"), ("/ui/console.css", "text/css")]:
+        r = httpx.get(server.url + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind), (path, r.status_code)
+    assert httpx.get(server.url + "/ui/__init__.py").status_code == 401  # any other path there takes a key
+    assert httpx.get(server.url + "/ui/__init__.py", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+    assert httpx.get(server.url + "/server_info").status_code == 401  # the data stays behind the keys
+
+
+def test_the_cluster_view_lists_every_process_follows_a_killed_engine_and_a_scale_up(page, server):
+    wait_until(lambda: {("gateway", "0"), ("gateway", "1"), ("engine", "0"), ("engine", "1")} <= set(rows(page))
+               and all(r["state"] == "ready" for r in rows(page).values()), 30, 0.2, "every process, ready, listed")
+    engine = rows(page)[("engine", "1")]
+    assert engine["model"] == "tiny-random" and "running" in engine["load"] and engine["restarts"] == "0"
+    assert page.locator("#summary").inner_text().count("2 / 2") == 2  # gateways and engines: ready of desired
+
+    os.kill(int(engine["pid"]), signal.SIGKILL)
+    wait_until(lambda: (r := rows(page).get(("engine", "1"))) is not None and r["restarts"] == "1"
+               and r["state"] == "ready" and r["pid"] != engine["pid"], 60, 0.2, "engine 1 back, restarted once")
+
+    scaled = subprocess.run([*LAUNCH, "scale", "engine", "3", "--port", str(server.port), "--timeout", "120"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert scaled.returncode == 0, scaled.stderr
+    wait_until(lambda: rows(page).get(("engine", "2"), {}).get("state") == "ready", 30, 0.2, "engine 2 listed, ready")
+    subprocess.run([*LAUNCH, "scale", "engine", "2", "--port", str(server.port), "--timeout", "120"], cwd=ROOT,
+                   capture_output=True, timeout=150, check=True)
+
+
+def chat(page, message: str, **settings: str) -> None:
+    page.click("#tab-playground")
+    wait_until(lambda: page.locator("#model option").count() > 0, 10, 0.1, "the models listed")
+    for field, value in settings.items():
+        page.fill(f"#{field}", value)
+    page.fill("#message", message)
+    page.press("#message", "Enter")
+
+
+def test_a_chat_streams_into_the_page_with_its_speed(page):
+    chat(page, "Hello there", **{"max-tokens": "24", "temperature": "1"})
+    wait_until(lambda: "tokens/s" in page.locator("#stats").inner_text(), 30, 0.1, "the stream to end")
+    answer = page.locator(".msg.assistant .body").last.inner_text()
+    stats = page.locator("#stats").inner_text()
+    assert answer and stats.split(" tokens")[0].isdigit() and int(stats.split(" tokens")[0]) >= 1, (answer, stats)
+    assert page.locator(".msg.user .body").last.inner_text() == "Hello there"
+    # The conversation goes on: the second turn carries the first.
+    chat(page, "And then?", **{"max-tokens": "4"})
+    wait_until(lambda: page.locator(".msg.assistant").count() == 2 and not page.is_disabled("#send"), 30, 0.1,
+               "the second answer")
+
+
+def test_the_json_schema_box_returns_json_that_the_schema_accepts(page):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+              "required": ["answer", "sure"], "additionalProperties": False}
+    chat(page, "Is Paris in France?", **{"max-tokens": "64", "temperature": "0", "schema": json.dumps(schema)})
+    wait_until(lambda: "tokens/s" in page.locator("#stats").inner_text() or page.locator("#chat-error").is_visible(),
+               30, 0.1, "the answer")
+    assert not page.locator("#chat-error").is_visible(), page.locator("#chat-error").inner_text()
+    jsonschema.validate(json.loads(page.locator(".msg.assistant .body").last.inner_text()), schema)
+
+
+@pytest.mark.parametrize("page", [{"api-key": "sk-wrong", "admin-key": "admin-wrong"}], indirect=True)
+def test_a_wrong_key_shows_the_servers_401_message(page):
+    page.expected_errors.append("status of 401")  # the browser's own line for each refused fetch
+    wait_until(lambda: page.locator("#cluster-error").is_visible(), 10, 0.1, "the cluster view's error")
+    assert "401" in page.locator("#cluster-error").inner_text() and "key" in page.locator("#cluster-error").inner_text()
+    page.click("#tab-playground")
+    wait_until(lambda: page.locator("#chat-error").is_visible(), 10, 0.1, "the playground's error")
+    assert "401: the API key is not valid" in page.locator("#chat-error").inner_text()
