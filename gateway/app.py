@@ -28,6 +28,7 @@ from .routers import (
     sagemaker,
 )
 from .security import CorsPolicy, Keys
+from .series import SERIES, Series
 from .state import STATE, GatewayState
 
 log = logging.getLogger("zserve.gateway")
@@ -61,6 +62,9 @@ def build_app(state: GatewayState, families: list[str] | None = None, plugins: S
     app.cleanup_ctx.append(flush_periodically)  # request metrics are buffered: write them out
     app.on_response_prepare.append(response_headers)
     chosen = {name: ROUTE_FAMILIES[name].routes for name in families or list(ROUTE_FAMILIES)}
+    if "console" in chosen:  # the console's charts: sampled from the first time a console asks
+        app[SERIES] = Series(state)
+        app.on_cleanup.append(lambda app: app[SERIES].close())
     # Every gateway mounts the same routes: only gateway 0 says so at warning level.
     app.add_routes(mount_routes(chosen, plugins, warn=log.warning if state.index == 0 else log.debug))
     if context is not None:

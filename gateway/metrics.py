@@ -164,17 +164,22 @@ class EngineCollector:
         yield from engine_families(reporting)
 
 
+def gateways_registry() -> CollectorRegistry:
+    """Every gateway's request metrics, read afresh at each ``collect()`` (prometheus_client's multiprocess
+    directory, which the supervisor owns), or this process's alone when it runs without a supervisor."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    gateways = CollectorRegistry()
+    multiprocess.MultiProcessCollector(gateways)
+    return gateways
+
+
 def render(app: web.Application) -> bytes:
     """All gateways' request metrics (or this process's, when run without a supervisor) + engines'."""
     RECORDER.flush()
     engines = CollectorRegistry()
     engines.register(EngineCollector(app))
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        gateways = CollectorRegistry()
-        multiprocess.MultiProcessCollector(gateways)
-    else:
-        gateways = REGISTRY
-    return generate_latest(gateways) + generate_latest(engines)
+    return generate_latest(gateways_registry()) + generate_latest(engines)
 
 
 async def flush_periodically(app: web.Application) -> AsyncIterator[None]:

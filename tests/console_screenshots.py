@@ -16,6 +16,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import httpx  # noqa: E402
+
 from tests.helpers import Server, wait_until  # noqa: E402
 
 OUT = ROOT / "docs" / "images"
@@ -27,6 +32,17 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     server = Server("--count", "2", "--engines", "2", "--model", "SmolLM2-135M-Instruct", "--model", "tiny-random",
                     "--max-model-len", "2048", log_name="screenshots")
+    stop = threading.Event()
+
+    def load(model: str, tokens: int) -> None:  # traffic for the charts: streamed and sampled, as clients send
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                client.post(server.url + "/v1/chat/completions", json={
+                    "model": model, "max_tokens": tokens, "temperature": 1.0,
+                    "messages": [{"role": "user", "content": "Tell me about the rivers of France."}]})
+
+    threads = [threading.Thread(target=load, args=(m, n), daemon=True)
+               for m, n in [("SmolLM2-135M-Instruct", 48)] * 3 + [("tiny-random", 32)] * 2]
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=shutil.which("chromium"), headless=True,
@@ -40,6 +56,11 @@ def main() -> None:
                 wait_until(lambda pg=page: pg.locator("#processes tbody tr").count() >= 6, 60, 0.2, "the processes")
                 if scheme == "light":
                     print(f"first load: {sum(received)} bytes in {len(received)} responses")
+                    for t in threads:
+                        t.start()
+                    time.sleep(40)  # the charts fill
+                else:
+                    time.sleep(3)
                 page.screenshot(path=str(OUT / f"console-cluster-{scheme}.png"), full_page=True)
                 page.click("#tab-playground")
                 wait_until(lambda pg=page: pg.locator("#model option").count() > 0, 10, 0.1, "the models")
@@ -58,6 +79,7 @@ def main() -> None:
             phone.screenshot(path=str(OUT / "console-phone.png"))
             browser.close()
     finally:
+        stop.set()
         server.stop()
 
 

@@ -53,7 +53,7 @@ function select(tab) {
   }
   STORE.setItem("tab", tab.id);
   if (tab.id === "tab-playground") loadModels();
-  else refreshCluster();
+  else { refreshCluster(); refreshLoad(); }
 }
 tabs.forEach((t, i) => {
   t.addEventListener("click", () => select(t));
@@ -87,6 +87,7 @@ function load(p) {
   let text = `running ${p.running ?? "–"} · waiting ${p.waiting ?? "–"} · KV ${kv}`;
   if (p.loras && p.loras.length) text += ` · adapters ${p.loras.join(", ")}`;
   if (p.sleeping) text += ` · asleep (level ${p.sleeping})`;
+  if (p.weight_version && p.weight_version !== "default") text += ` · weights ${p.weight_version}`;
   return text;
 }
 
@@ -114,6 +115,7 @@ async function refreshCluster() {
     return;
   }
   show($("cluster-error"), info.supervisor_error || "");
+  lastServerInfo = info;
   const sup = info.supervisor || {};
   const procs = info.processes || [];
   const summary = $("summary");
@@ -146,6 +148,111 @@ async function refreshCluster() {
     return li;
   }));
   $("updated").textContent = "Last update " + new Date().toLocaleTimeString() + ".";
+}
+
+// -- load: the charts and the models table, from /ui/api/series ------------------------------------------------------
+const SERIES_MS = 1000;
+const WINDOW_S = 300;
+const COLORS = ["#2f6fdf", "#d9822b", "#1f9d55", "#b3261e", "#8e44ad", "#607d8b"];
+let samples = [];
+let lastServerInfo = null;
+
+// One line chart: ``lines`` is [{name, values: [[t, v], ...]}]; y from 0 to the largest value, x the last WINDOW_S.
+function chart(id, lines, format) {
+  const fig = $(id);
+  const svg = fig.querySelector("svg");
+  const w = svg.clientWidth || 320, h = svg.clientHeight || 110, left = 40, bottom = 4, top = 6;
+  const now = Date.now() / 1000;
+  let max = 0;
+  for (const l of lines) for (const [, v] of l.values) if (v !== null && v > max) max = v;
+  max = max > 0 ? max * 1.1 : 1;
+  const x = (t) => left + (w - left - 2) * (1 - (now - t) / WINDOW_S);
+  const y = (v) => top + (h - top - bottom) * (1 - v / max);
+  const ns = "http://www.w3.org/2000/svg";
+  const parts = [];
+  for (const frac of [0, 0.5, 1]) {
+    const gy = y(max * frac);
+    const line = document.createElementNS(ns, "line");
+    Object.entries({x1: left, x2: w, y1: gy, y2: gy, class: "grid"}).forEach(([k, v]) => line.setAttribute(k, v));
+    const label = document.createElementNS(ns, "text");
+    Object.entries({x: left - 4, y: gy + 3, "text-anchor": "end"}).forEach(([k, v]) => label.setAttribute(k, v));
+    label.textContent = format(max * frac);
+    parts.push(line, label);
+  }
+  lines.forEach((l, i) => {
+    const points = l.values.filter(([t, v]) => v !== null && now - t <= WINDOW_S).map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`);
+    if (!points.length) return;
+    const pl = document.createElementNS(ns, "polyline");
+    pl.setAttribute("points", points.join(" "));
+    pl.setAttribute("stroke", COLORS[i % COLORS.length]);
+    const title = document.createElementNS(ns, "title");
+    title.textContent = l.name;
+    pl.append(title);
+    parts.push(pl);
+  });
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  svg.replaceChildren(...parts);
+  // The latest value of each line, in its color, beside the caption.
+  let legend = fig.querySelector(".now");
+  if (!legend) {
+    legend = document.createElement("span");
+    legend.className = "now";
+    fig.querySelector("figcaption").append(legend);
+  }
+  legend.replaceChildren(...lines.map((l, i) => {
+    const span = document.createElement("span");
+    const last = l.values.length ? l.values[l.values.length - 1][1] : null;
+    span.style.color = COLORS[i % COLORS.length];
+    span.textContent = ` ${l.name} ${last === null || last === undefined ? "–" : format(last)}`;
+    return span;
+  }));
+}
+
+const number = (v) => (v >= 100 ? v.toFixed(0) : v >= 10 ? v.toFixed(1) : v.toFixed(2));
+const ms = (v) => number(v * 1000);
+
+function drawLoad() {
+  const pick = (key) => samples.map((p) => [p.t, p[key] === undefined ? null : p[key]]);
+  chart("chart-requests", [{name: "req/s", values: pick("requests_per_s")}], number);
+  chart("chart-tokens", [{name: "tok/s", values: pick("tokens_per_s")}], number);
+  chart("chart-ttft", [{name: "p50", values: pick("ttft_p50")}, {name: "p99", values: pick("ttft_p99")}], ms);
+  chart("chart-itl", [{name: "p50", values: pick("itl_p50")}, {name: "p99", values: pick("itl_p99")}], ms);
+  chart("chart-queue", [{name: "running", values: pick("running")}, {name: "waiting", values: pick("waiting")}],
+    (v) => v.toFixed(0));
+  const codes = [...new Set(samples.flatMap((p) => Object.keys(p.errors_per_s || {})))].sort();
+  chart("chart-errors", (codes.length ? codes : ["none"]).map((c) => ({name: c,
+    values: samples.map((p) => [p.t, (p.errors_per_s || {})[c] || 0])})), number);
+  const latest = samples.length ? samples[samples.length - 1].models : {};
+  const adapters = {};
+  for (const m of (lastServerInfo && lastServerInfo.models) || []) adapters[m.id] = m.loras || [];
+  const names = [...new Set([...Object.keys(adapters), ...Object.keys(latest)])];
+  $("models").tBodies[0].replaceChildren(...names.map((name) => {
+    const m = latest[name] || {};
+    const tr = document.createElement("tr");
+    tr.dataset.model = name;
+    const pct = (v) => (v === null || v === undefined ? "–" : `${Math.round(v * 100)}%`);
+    tr.append(cell(name), cell(m.engines), cell(m.running), cell(m.waiting), cell(pct(m.kv_used)),
+      cell(m.tokens_per_s === undefined ? "–" : number(m.tokens_per_s)), cell(pct(m.prefix_hit_rate)),
+      cell((adapters[name] || []).join(", ") || "–"));
+    return tr;
+  }));
+}
+
+let seriesTimer = null;
+async function refreshLoad() {
+  clearTimeout(seriesTimer);
+  seriesTimer = setTimeout(refreshLoad, SERIES_MS);
+  if ($("view-cluster").hidden) return;
+  const since = samples.length ? samples[samples.length - 1].t : 0;
+  let body;
+  try {
+    body = await getJSON(`ui/api/series?since=${since}`, false);
+  } catch (e) {
+    show($("cluster-error"), e.message);
+    return;
+  }
+  samples = samples.concat(body.samples).filter((p) => Date.now() / 1000 - p.t <= WINDOW_S);
+  drawLoad();
 }
 
 // -- playground -----------------------------------------------------------------------------------------------------

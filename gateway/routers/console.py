@@ -9,11 +9,15 @@ proxy that adds a path prefix."""
 
 from __future__ import annotations
 
+import math
+
 from aiohttp import web
 
 from ..console import ASSETS, DIRECTORY, PAGE
-from ..errors import APIError
-from ..openapi import response
+from ..errors import APIError, bad_request
+from ..openapi import JSON, response
+from ..series import SERIES
+from ..serving.shapes import json_body
 
 routes = web.RouteTableDef()
 # The page and its files change with the package: a browser asks again (a 304 when unchanged: aiohttp's ETag).
@@ -36,3 +40,24 @@ async def console_asset(request: web.Request) -> web.StreamResponse:
     if name not in ASSETS:
         raise APIError(404, f"no console file {name!r}")
     return web.FileResponse(DIRECTORY / name, headers={"Content-Type": ASSETS[name], "Cache-Control": CACHE})
+
+
+@routes.get("/ui/api/series")
+@response(200, JSON)
+async def console_series(request: web.Request) -> web.Response:
+    """The cluster's load second by second for the console's charts (``gateway.series``): ``samples`` taken after
+    ``since`` (seconds since the epoch; default: every sample kept, the last five minutes), oldest first. The first
+    call starts the sampling, so its answer may hold no sample yet. Each sample: ``t``, ``requests_per_s``,
+    ``errors_per_s`` by status code, ``tokens_per_s``, ``ttft_p50``/``ttft_p99`` and ``itl_p50``/``itl_p99`` in
+    seconds (null in a second without one), ``running``, ``waiting`` and per model its ``engines``, ``running``,
+    ``waiting``, ``kv_used``, ``tokens_per_s`` and ``prefix_hit_rate``."""
+    series = request.app[SERIES]
+    series.start()
+    raw = request.query.get("since", "0")
+    try:
+        since = float(raw)
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):
+        raise bad_request(f"since must be seconds since the epoch, not {raw!r}", param="since")
+    return json_body({"interval": series.interval, "keep": series.samples.maxlen, "samples": series.since(since)})

@@ -97,6 +97,31 @@ def test_the_cluster_view_lists_every_process_follows_a_killed_engine_and_a_scal
                    capture_output=True, timeout=150, check=True)
 
 
+def test_the_load_charts_and_the_models_table_show_what_the_server_serves(page, server):
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        def served() -> bool:
+            r = client.post(server.url + "/v1/chat/completions", json={
+                "model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
+            assert r.status_code == 200, r.text
+            legend = page.locator("#chart-tokens .now").inner_text() if page.locator("#chart-tokens .now").count() \
+                else ""
+            return page.locator("#chart-tokens polyline").count() == 1 and legend.strip().startswith("tok/s") \
+                and float(legend.split()[-1]) > 0
+
+        wait_until(served, 30, 0.2, "generated tokens/s in the chart")
+    row = page.locator('#models tbody tr[data-model="tiny-random"] td').all_inner_texts()
+    assert row[0] == "tiny-random" and row[1] == "2", row
+    for chart in ("requests", "ttft", "itl", "queue", "errors"):
+        assert page.locator(f"#chart-{chart} svg line").count() == 3, chart  # its grid drawn, the axis labelled
+    # Any gateway answers the same numbers; one that no console asked before starts sampling at this request.
+    def sampled() -> dict | None:
+        got = httpx.get(server.url + "/ui/api/series", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        return got if got["samples"] else None
+
+    series = wait_until(sampled, 10, 0.5, "samples from the gateway this connection reached")
+    assert series["interval"] == 1.0 and series["samples"][-1]["models"]["tiny-random"]["engines"] == 2
+
+
 def chat(page, message: str, **settings: str) -> None:
     page.click("#tab-playground")
     wait_until(lambda: page.locator("#model option").count() > 0, 10, 0.1, "the models listed")
