@@ -112,10 +112,12 @@ async function refreshCluster() {
     [info, status] = await Promise.all([getJSON("server_info", true), getJSON("status", false)]);
   } catch (e) {
     show($("cluster-error"), e.message);
+    $("actions").hidden = true;
     return;
   }
   show($("cluster-error"), info.supervisor_error || "");
   lastServerInfo = info;
+  showActions(info);
   const sup = info.supervisor || {};
   const procs = info.processes || [];
   const summary = $("summary");
@@ -149,6 +151,96 @@ async function refreshCluster() {
   }));
   $("updated").textContent = "Last update " + new Date().toLocaleTimeString() + ".";
 }
+
+// -- admin actions: scale a tier, pause and resume admission ----------------------------------------------------------
+let pending = null;  // the scale under way: {tier, model, count, since}
+
+function fillSelect(select, options) {  // [value, label] pairs; the choice is kept when it is still offered
+  const chosen = select.value;
+  if ([...select.options].map((o) => o.value).join() === options.map(([v]) => v).join()) return;
+  select.replaceChildren(...options.map(([value, label]) => {
+    const o = document.createElement("option");
+    o.value = value;
+    o.textContent = label;
+    return o;
+  }));
+  if (options.some(([v]) => v === chosen)) select.value = chosen;
+}
+
+function showActions(info) {
+  // Shown with an admin key typed, or when the server answered /server_info with no key at all (it has none).
+  const open = !$("admin-key").value && !$("api-key").value;
+  $("actions").hidden = !($("admin-key").value || open);
+  const models = info.models.map((m) => m.id);
+  fillSelect($("scale-tier"), [["gateway", "gateways"], ...models.map((m) => [`engine:${m}`, `engines of ${m}`])]);
+  fillSelect($("pause-model"), [["", "every model"], ...models.map((m) => [m, m])]);
+  const procs = info.processes || [];
+  if (!$("scale-count").value) {
+    $("scale-count").value = procs.filter((p) => p.tier === "gateway").length || 1;
+  }
+  if (pending) {
+    const mine = procs.filter((p) => p.tier === pending.tier && (pending.tier === "gateway" || p.model === pending.model));
+    const ready = mine.filter((p) => p.state === "ready").length;
+    const what = pending.tier === "gateway" ? "gateways" : `engines of ${pending.model}`;
+    const seconds = ((Date.now() - pending.since) / 1000).toFixed(0);
+    if (ready === pending.count && mine.length === pending.count) {
+      status(`${what}: ${pending.count} ready, done in ${seconds} s`);
+      pending = null;
+    } else {
+      status(`scaling ${what} to ${pending.count}: ${ready} ready of ${mine.length} (${seconds} s)`);
+    }
+  }
+}
+
+function status(message, error) {
+  const el = $("action-status");
+  el.textContent = message;
+  el.classList.toggle("error", Boolean(error));
+}
+
+async function post(path, body) {
+  const r = await fetch(path, {method: "POST", headers: headers(true), body: JSON.stringify(body)});
+  if (!r.ok) throw new Error(await apiError(r));
+  return r.json();
+}
+
+$("scale-tier").addEventListener("change", () => {
+  const [tier, model] = $("scale-tier").value.split(/:(.*)/s);
+  const procs = (lastServerInfo && lastServerInfo.processes) || [];
+  $("scale-count").value = procs.filter((p) => p.tier === tier && (tier === "gateway" || p.model === model)).length || 1;
+});
+
+$("scale-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const [tier, model] = $("scale-tier").value.split(/:(.*)/s);
+  const count = Number($("scale-count").value);
+  const what = tier === "gateway" ? "the gateways" : `the engines of ${model}`;
+  if (!window.confirm(`Scale ${what} to ${count}?`)) return;
+  try {
+    await post("scale", tier === "gateway" ? {tier, count} : {tier, count, model});
+    pending = {tier, model, count, since: Date.now()};
+    status(`scaling ${what} to ${count}…`);
+    refreshCluster();
+  } catch (err) {
+    status(err.message, true);
+  }
+});
+
+async function admission(pause) {
+  const model = $("pause-model").value;
+  const what = model || "every model";
+  if (!window.confirm(`${pause ? "Pause" : "Resume"} admission of ${what}?`)) return;
+  try {
+    const r = await post(pause ? "pause" : "resume", model ? {model} : {});
+    const late = r.unacknowledged && r.unacknowledged.length ? ` (not yet applied by ${r.unacknowledged.join(", ")})` : "";
+    status(`${pause ? "paused" : "resumed"}: ${what}, on every gateway${late}`);
+    refreshCluster();
+  } catch (err) {
+    status(err.message, true);
+  }
+}
+$("pause-form").addEventListener("submit", (e) => { e.preventDefault(); admission(true); });
+$("resume").addEventListener("click", () => admission(false));
 
 // -- load: the charts and the models table, from /ui/api/series ------------------------------------------------------
 const SERIES_MS = 1000;

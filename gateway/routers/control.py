@@ -12,7 +12,7 @@ adapters are admin routes: once keys are configured they take the admin key (``g
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 import orjson
 from aiohttp import web
@@ -32,6 +32,8 @@ from protocol.control import (
     PauseCommand,
     PauseReply,
     ResumeCommand,
+    ScaleCommand,
+    ScaleReply,
 )
 from protocol.messages import MAX_LORA_NAME_LEN, valid_lora_name
 
@@ -123,6 +125,35 @@ async def scale_elastic_ep(request: web.Request) -> web.Response:
                                f"new_data_parallel_size {req.new_data_parallel_size} was asked)", code=reply.outcome)
     return web.json_response({"message": reply.message, "new_data_parallel_size": reply.size,
                               "pause_s": reply.pause_s, "gateway": request.app[STATE].index})
+
+
+class ScaleRequest(RequestBody):
+    """The body of ``/scale``: a tier and its new size, as ``launch scale`` takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: Literal["api-server", "gateway", "engine"]
+    count: Annotated[int, Field(ge=1, le=MAX_SCALE, strict=True)]
+    model: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # an engine tier's, with several models
+
+
+@routes.post("/scale")
+@admin_route
+@request_body(ScaleRequest)
+async def scale(request: web.Request) -> web.Response:
+    """Scale the gateway tier (``api-server`` or ``gateway``) or one model's engine tier to ``count`` processes while
+    serving, as ``launch scale`` does. Answered once the supervisor has taken the new size; the processes start or
+    drain after that (``/server_info``, ``launch status`` and the console show them). An expert-parallel model's tier
+    is resized as one group and answered when the resize is over."""
+    state = request.app[STATE]
+    req: ScaleRequest = parse(ScaleRequest, await request.read())
+    tier = "api-server" if req.tier == "gateway" else req.tier
+    if req.model is not None and tier != "engine":
+        raise APIError(400, "model chooses an engine tier; gateways serve every model", param="model")
+    model = None if req.model is None else state.for_model(req.model).model.model_id  # the supervisor's name
+    reply = await forward(state, ScaleCommand(tier, req.count, model), ScaleReply,
+                          timeout=DEFAULT_DRAIN_TIMEOUT + RESIZE_MARGIN, refused=400)
+    return web.json_response({"tier": reply.tier, "desired": reply.desired, "model": reply.model})
 
 
 @routes.post("/is_scaling_elastic_ep")

@@ -8,13 +8,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.helpers import LAUNCH, ROOT, TINY, Server, wait_until
+from tests.helpers import TINY, Server, wait_until
 
 API_KEY, ADMIN_KEY = "sk-console-test", "admin-console-test"
 
@@ -78,7 +77,23 @@ def test_the_page_and_its_files_need_no_key_and_nothing_else_is_served_there(ser
     assert httpx.get(server.url + "/server_info").status_code == 401  # the data stays behind the keys
 
 
-def test_the_cluster_view_lists_every_process_follows_a_killed_engine_and_a_scale_up(page, server):
+@pytest.mark.parametrize("body, status, says", [
+    ({"tier": "engine", "count": 0, "model": "tiny-random"}, 400, "count"),
+    ({"tier": "gateway", "count": 2, "model": "tiny-random"}, 400, "model chooses an engine tier"),
+    ({"tier": "workers", "count": 2}, 400, "tier"),
+    ({"tier": "engine", "count": "3"}, 400, "count"),
+    ({"tier": "engine", "count": 2, "model": "nope"}, 404, "nope"),
+])
+def test_a_bad_scale_is_refused_in_openais_shape(server, body, status, says):
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.post(server.url + "/scale", json=body, headers=admin, timeout=30)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/scale", json={"tier": "gateway", "count": 2}, timeout=30,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+
+
+def test_the_cluster_view_lists_every_process_and_follows_a_killed_engine(page, server):
     wait_until(lambda: {("gateway", "0"), ("gateway", "1"), ("engine", "0"), ("engine", "1")} <= set(rows(page))
                and all(r["state"] == "ready" for r in rows(page).values()), 30, 0.2, "every process, ready, listed")
     engine = rows(page)[("engine", "1")]
@@ -89,12 +104,36 @@ def test_the_cluster_view_lists_every_process_follows_a_killed_engine_and_a_scal
     wait_until(lambda: (r := rows(page).get(("engine", "1"))) is not None and r["restarts"] == "1"
                and r["state"] == "ready" and r["pid"] != engine["pid"], 60, 0.2, "engine 1 back, restarted once")
 
-    scaled = subprocess.run([*LAUNCH, "scale", "engine", "3", "--port", str(server.port), "--timeout", "120"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=150)
-    assert scaled.returncode == 0, scaled.stderr
-    wait_until(lambda: rows(page).get(("engine", "2"), {}).get("state") == "ready", 30, 0.2, "engine 2 listed, ready")
-    subprocess.run([*LAUNCH, "scale", "engine", "2", "--port", str(server.port), "--timeout", "120"], cwd=ROOT,
-                   capture_output=True, timeout=150, check=True)
+
+def test_admin_actions_ask_first_then_scale_pause_and_resume_with_their_progress(page, server):
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss() if "to 4" in d.message else d.accept()))
+    wait_until(lambda: page.locator("#actions").is_visible() and page.locator("#scale-tier option").count() == 2,
+               30, 0.1, "the actions, with the admin key")
+
+    def scale(count: int) -> None:
+        page.select_option("#scale-tier", "engine:tiny-random")
+        page.fill("#scale-count", str(count))
+        page.click("#scale")
+
+    scale(4)  # dismissed: nothing happens
+    assert dialogs == ["Scale the engines of tiny-random to 4?"] and "scaling" not in page.inner_text("#action-status")
+    scale(3)
+    wait_until(lambda: "3 ready, done" in page.inner_text("#action-status"), 60, 0.2, "the scale-up's progress to end")
+    assert rows(page)[("engine", "2")]["state"] == "ready"
+    scale(2)
+    wait_until(lambda: "2 ready, done" in page.inner_text("#action-status"), 60, 0.2, "the scale-down to end")
+    wait_until(lambda: ("engine", "2") not in rows(page), 30, 0.2, "engine 2 gone from the table")
+
+    page.click("#pause")  # every model
+    wait_until(lambda: "paused: every model" in page.inner_text("#action-status"), 30, 0.1, "the pause")
+    assert httpx.get(server.url + "/is_paused", headers={"Authorization": f"Bearer {API_KEY}"}).json()["is_paused"]
+    wait_until(lambda: "paused" in page.inner_text("#summary") and "none" not in page.inner_text("#holds"), 10, 0.1,
+               "the pause in the summary and the holds")
+    page.click("#resume")
+    wait_until(lambda: "resumed: every model" in page.inner_text("#action-status"), 30, 0.1, "the resume")
+    assert not httpx.get(server.url + "/is_paused", headers={"Authorization": f"Bearer {API_KEY}"}).json()["is_paused"]
+    assert dialogs[-2:] == ["Pause admission of every model?", "Resume admission of every model?"]
 
 
 def test_the_load_charts_and_the_models_table_show_what_the_server_serves(page, server):
@@ -159,6 +198,7 @@ def test_a_wrong_key_shows_the_servers_401_message(page):
     page.expected_errors.append("status of 401")  # the browser's own line for each refused fetch
     wait_until(lambda: page.locator("#cluster-error").is_visible(), 10, 0.1, "the cluster view's error")
     assert "401" in page.locator("#cluster-error").inner_text() and "key" in page.locator("#cluster-error").inner_text()
+    assert not page.locator("#actions").is_visible()
     page.click("#tab-playground")
     wait_until(lambda: page.locator("#chat-error").is_visible(), 10, 0.1, "the playground's error")
     assert "401: the API key is not valid" in page.locator("#chat-error").inner_text()
