@@ -130,6 +130,9 @@ async function refreshCluster() {
       + ` / ${sup.desired ? sup.desired.engine : "–"}`),
     card("in flight here", String(status.in_flight)),
     card("state", status.paused ? "paused" : (status.draining ? "draining" : "serving")),
+    // An expert-parallel model's group: its members, generation and the phase of a resize under way.
+    ...Object.entries(sup.expert_parallel || {}).map(([model, g]) => card(`expert parallel ${model}`,
+      `${g.size} members · gen ${g.generation} · ${g.phase || "serving"}`, true)),
   );
   const rows = procs.map((p) => {
     const tr = document.createElement("tr");
@@ -351,23 +354,103 @@ async function refreshLoad() {
 let conversation = [];
 let controller = null;
 
+// Each mode's models: chat with those that generate (an adapter's entry generates as its base does), embeddings and
+// rerank with those that embed or score.
+const MODES = {chat: ["chat-form", "model", (t) => t.includes("generate")],
+               embed: ["embed-form", "embed-model", (t) => t.includes("embed")],
+               rerank: ["rerank-form", "rerank-model", (t) => t.includes("embed") || t.includes("score")]};
+
 async function loadModels() {
-  const select = $("model");
   try {
     const body = await getJSON("v1/models", false);
-    const chosen = select.value || STORE.getItem("model");
-    select.replaceChildren(...body.data.map((m) => {
-      const o = document.createElement("option");
-      o.value = o.textContent = m.id;
-      return o;
-    }));
-    if (chosen && body.data.some((m) => m.id === chosen)) select.value = chosen;
+    for (const [, select, fits] of Object.values(MODES)) {
+      const chosen = $(select).value || STORE.getItem(select);
+      fillSelect($(select), body.data.filter((m) => fits(m.tasks || ["generate"])).map((m) => [m.id, m.id]));
+      if (chosen && [...$(select).options].some((o) => o.value === chosen)) $(select).value = chosen;
+    }
     show($("chat-error"), "");
   } catch (e) {
     show($("chat-error"), e.message);
   }
 }
-$("model").addEventListener("change", () => STORE.setItem("model", $("model").value));
+for (const [, select] of Object.values(MODES)) {
+  $(select).addEventListener("change", () => STORE.setItem(select, $(select).value));
+}
+
+function setMode(mode) {
+  for (const [name, [form]] of Object.entries(MODES)) $(form).hidden = name !== mode;
+  STORE.setItem("mode", mode);
+  show($("chat-error"), "");
+}
+document.querySelectorAll('input[name="mode"]').forEach((r) => {
+  r.addEventListener("change", () => r.checked && setMode(r.value));
+  if (r.value === (STORE.getItem("mode") || "chat")) { r.checked = true; setMode(r.value); }
+});
+
+const lines = (id) => $(id).value.split("\n").map((l) => l.trim()).filter(Boolean);
+
+$("embed-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const texts = lines("embed-texts");
+  if (!texts.length) return;
+  const start = performance.now();
+  try {
+    const r = await fetch("v1/embeddings", {method: "POST", headers: headers(false),
+      body: JSON.stringify({model: $("embed-model").value, input: texts})});
+    if (!r.ok) throw new Error(await apiError(r));
+    const body = await r.json();
+    const vectors = body.data.sort((a, b) => a.index - b.index).map((d) => d.embedding);
+    const norm = (v) => Math.sqrt(v.reduce((a, x) => a + x * x, 0)) || 1;
+    const cos = (a, b) => a.reduce((acc, x, i) => acc + x * b[i], 0) / (norm(a) * norm(b));
+    $("embed-stats").textContent = `${vectors.length} vectors of ${vectors[0].length} dimensions · `
+      + `${body.usage ? body.usage.prompt_tokens : "–"} tokens · ${Math.round(performance.now() - start)} ms · `
+      + "cosine similarity of each pair:";
+    const head = document.createElement("tr");
+    head.append(document.createElement("th"), ...texts.map((_, j) => {
+      const th = document.createElement("th");
+      th.scope = "col";
+      th.textContent = `#${j + 1}`;
+      return th;
+    }));
+    $("similarity").replaceChildren(head, ...texts.map((t, i) => {
+      const tr = document.createElement("tr");
+      const th = document.createElement("th");
+      th.scope = "row";
+      th.textContent = `#${i + 1} ${t}`;
+      th.title = t;
+      tr.append(th, ...vectors.map((v) => cell(cos(vectors[i], v).toFixed(3))));
+      return tr;
+    }));
+    show($("chat-error"), "");
+  } catch (err) {
+    show($("chat-error"), err.message);
+  }
+});
+
+$("rerank-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const documents = lines("rerank-docs");
+  if (!documents.length || !$("rerank-query").value.trim()) return;
+  try {
+    const r = await fetch("rerank", {method: "POST", headers: headers(false),
+      body: JSON.stringify({model: $("rerank-model").value, query: $("rerank-query").value, documents})});
+    if (!r.ok) throw new Error(await apiError(r));
+    const results = (await r.json()).results.sort((a, b) => b.relevance_score - a.relevance_score);
+    const top = Math.max(...results.map((x) => x.relevance_score), 1e-9);
+    $("ranking").replaceChildren(...results.map((x) => {
+      const li = document.createElement("li");
+      li.textContent = `${documents[x.index]} — ${x.relevance_score.toFixed(3)}`;
+      const bar = document.createElement("span");
+      bar.className = "bar";
+      bar.style.width = `${Math.max(0, x.relevance_score / top) * 100}%`;
+      li.append(bar);
+      return li;
+    }));
+    show($("chat-error"), "");
+  } catch (err) {
+    show($("chat-error"), err.message);
+  }
+});
 
 function bubble(role, text) {
   const div = document.createElement("div");

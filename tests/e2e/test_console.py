@@ -202,3 +202,20 @@ def test_a_wrong_key_shows_the_servers_401_message(page):
     page.click("#tab-playground")
     wait_until(lambda: page.locator("#chat-error").is_visible(), 10, 0.1, "the playground's error")
     assert "401: the API key is not valid" in page.locator("#chat-error").inner_text()
+
+
+def test_the_embeddings_and_rerank_try_outs_answer_in_the_page(page):
+    page.click("#tab-playground")
+    page.check('input[name="mode"][value="embed"]')
+    assert page.locator("#embed-form").is_visible() and not page.locator("#chat-form").is_visible()
+    wait_until(lambda: page.locator("#embed-model option").count() > 0, 10, 0.1, "the models that embed")
+    page.click("#embed")
+    wait_until(lambda: page.locator("#similarity tr").count() == 4, 30, 0.1, "the similarity table")
+    cells = page.locator("#similarity tr").nth(2).locator("td").all_inner_texts()
+    assert len(cells) == 3 and cells[1] == "1.000", cells  # a text is itself
+    assert "3 vectors of" in page.inner_text("#embed-stats")
+    page.check('input[name="mode"][value="rerank"]')
+    page.click("#rerank")
+    wait_until(lambda: page.locator("#ranking li").count() == 3, 30, 0.1, "the ranking")
+    scores = [float(t.rsplit("— ", 1)[1].split()[0]) for t in page.locator("#ranking li").all_inner_texts()]
+    assert scores == sorted(scores, reverse=True)
