@@ -181,6 +181,7 @@ function showActions(info) {
   if (!$("scale-count").value) {
     $("scale-count").value = procs.filter((p) => p.tier === "gateway").length || 1;
   }
+  reloadProgress(procs);
   if (pending) {
     const mine = procs.filter((p) => p.tier === pending.tier && (pending.tier === "gateway" || p.model === pending.model));
     const ready = mine.filter((p) => p.state === "ready").length;
@@ -228,6 +229,37 @@ $("scale-form").addEventListener("submit", async (e) => {
     status(err.message, true);
   }
 });
+
+let reloading = null;  // the rolling restart under way: {pids: {tier/index: pid}, since}
+
+$("reload-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  if (!window.confirm("Replace every process, one at a time (a rolling restart)?")) return;
+  const procs = (lastServerInfo && lastServerInfo.processes) || [];
+  try {
+    const r = await fetch("reload", {method: "POST", headers: headers(true), body: "{}"});
+    if (!r.ok) throw new Error(await apiError(r));
+    reloading = {pids: Object.fromEntries(procs.map((p) => [`${p.tier}/${p.index}`, p.pid])), since: Date.now()};
+    status("rolling restart: started");
+  } catch (err) {
+    status(err.message, true);
+  }
+});
+
+// A rolling restart's progress: how many of the processes it found are running again as new ones.
+function reloadProgress(procs) {
+  if (!reloading) return;
+  const keys = Object.keys(reloading.pids);
+  const now = Object.fromEntries(procs.map((p) => [`${p.tier}/${p.index}`, p]));
+  const done = keys.filter((k) => now[k] && now[k].pid !== reloading.pids[k] && now[k].state === "ready").length;
+  const seconds = ((Date.now() - reloading.since) / 1000).toFixed(0);
+  if (done === keys.length) {
+    status(`rolling restart: ${done} processes replaced, done in ${seconds} s`);
+    reloading = null;
+  } else {
+    status(`rolling restart: ${done} of ${keys.length} processes replaced (${seconds} s)`);
+  }
+}
 
 async function admission(pause) {
   const model = $("pause-model").value;
@@ -472,10 +504,15 @@ function requestBody() {
     model: $("model").value,
     messages: [...($("system").value.trim() ? [{role: "system", content: $("system").value}] : []), ...conversation],
     temperature: Number($("temperature").value),
+    top_p: Number($("top-p").value),
     max_tokens: Number($("max-tokens").value),
     stream: true,
     stream_options: {include_usage: true},
   };
+  const tools = $("tools").value.trim();
+  if (tools) {
+    try { body.tools = JSON.parse(tools); } catch (e) { throw new Error("the tools are not JSON: " + e.message); }
+  }
   const schema = $("schema").value.trim();
   if (schema) {
     let parsed;

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 from pydantic import AfterValidator, ConfigDict, Field
 
+from protocol import ProtocolError
 from protocol.cluster import ELASTIC_PHASES
 from protocol.control import (
     DEFAULT_DRAIN_TIMEOUT,
@@ -26,20 +27,24 @@ from protocol.control import (
     MAX_SCALE,
     ElasticScaleCommand,
     ElasticScaleReply,
+    ErrorReply,
     LoraLoadCommand,
     LoraReply,
     LoraUnloadCommand,
     PauseCommand,
     PauseReply,
+    ReloadCommand,
+    ReloadReply,
     ResumeCommand,
     ScaleCommand,
     ScaleReply,
 )
 from protocol.messages import MAX_LORA_NAME_LEN, valid_lora_name
+from zserve import control
 
 from ..errors import APIError
 from ..openai_schemas import RequestBody, parse
-from ..openapi import request_body
+from ..openapi import JSON, request_body, response
 from ..security import admin_route
 from ..serving.supervisor import forward
 from ..state import STATE, GatewayState
@@ -154,6 +159,37 @@ async def scale(request: web.Request) -> web.Response:
     reply = await forward(state, ScaleCommand(tier, req.count, model), ScaleReply,
                           timeout=DEFAULT_DRAIN_TIMEOUT + RESIZE_MARGIN, refused=400)
     return web.json_response({"tier": reply.tier, "desired": reply.desired, "model": reply.model})
+
+
+RELOAD_ANSWER_WAIT = 2.0  # seconds /reload waits for the supervisor's answer before answering 202 (it goes on)
+
+
+@routes.post("/reload")
+@admin_route
+@response(200, JSON, description="the rolling restart was over within RELOAD_ANSWER_WAIT")
+@response(202, JSON, description="the rolling restart goes on")
+async def reload(request: web.Request) -> web.Response:
+    """Replace every process one at a time, as ``launch reload`` (or SIGHUP) does: the tenants file is read again
+    first (a malformed one refuses the reload: 400), then each engine and gateway is replaced while the others
+    serve. A rolling restart outlasts this request (the gateway answering it is one of the processes replaced), so
+    the answer is a 202 once the supervisor has started it (``{"reloading": true}``); follow it in ``/server_info``
+    (each process's pid and uptime) or the console."""
+    state = request.app[STATE]
+    if not state.control_socket:
+        raise APIError(503, "this gateway runs without a supervisor; cluster control is unavailable")
+    try:
+        reply = await control.request_async(state.control_socket, ReloadCommand(), timeout=RELOAD_ANSWER_WAIT)
+    except TimeoutError:
+        return web.json_response({"reloading": True}, status=202)
+    except (OSError, ConnectionError) as e:
+        raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
+    except ProtocolError as e:
+        raise APIError(500, f"the supervisor's reply was malformed: {e}") from None
+    if isinstance(reply, ErrorReply):
+        raise APIError(400, reply.error)
+    if not isinstance(reply, ReloadReply):
+        raise APIError(500, f"the supervisor answered {reply.TYPE} to reload")
+    return web.json_response({"reloading": False, "replaced": reply.replaced, "seconds": reply.seconds})
 
 
 @routes.post("/is_scaling_elastic_ep")

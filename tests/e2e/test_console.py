@@ -219,3 +219,20 @@ def test_the_embeddings_and_rerank_try_outs_answer_in_the_page(page):
     wait_until(lambda: page.locator("#ranking li").count() == 3, 30, 0.1, "the ranking")
     scores = [float(t.rsplit("— ", 1)[1].split()[0]) for t in page.locator("#ranking li").all_inner_texts()]
     assert scores == sorted(scores, reverse=True)
+
+
+def test_a_rolling_restart_from_the_page_replaces_every_process_and_says_so(page, server):
+    """Last in this file: every process is new afterwards."""
+    # The gateway a fetch was on can be the one replaced: the browser logs the dropped connection (the page retries).
+    page.expected_errors.append("net::ERR_")
+    r = httpx.post(server.url + "/reload", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+    page.on("dialog", lambda d: d.accept())
+    wait_until(lambda: page.locator("#actions").is_visible() and len(rows(page)) == 4, 30, 0.1, "the actions")
+    before = {k: r["pid"] for k, r in rows(page).items()}
+    page.click("#reload")
+    wait_until(lambda: "processes replaced, done" in page.inner_text("#action-status"), 180, 0.2,
+               "the rolling restart to end")
+    assert "4 processes replaced" in page.inner_text("#action-status")
+    after = {k: r["pid"] for k, r in rows(page).items()}
+    assert set(after) == set(before) and not set(after.values()) & set(before.values()), (before, after)
