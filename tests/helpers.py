@@ -199,13 +199,7 @@ def hosts_sharing(state_url: str, *args: str, log_name: str, count: int = 2):
 
 
 def status(server: Server) -> dict:
-    """The supervisor's status as ``launch status --json`` prints it: through a gateway's ``/server_info`` (the same
-    status, less the options) when one answers without a key, so that a test polling it starts no process per poll;
-    else ``launch status --json`` itself."""
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        r = httpx.get(server.url + "/server_info", timeout=10)
-        if r.status_code == 200 and (info := r.json()).get("supervisor") is not None:
-            return {**info["supervisor"], "processes": info["processes"]}
+    """``launch status --json`` of ``server``."""
     out = subprocess.run([*LAUNCH, "status", "--port", str(server.port), "--json"], cwd=ROOT, capture_output=True,
                          timeout=30, check=True)
     return orjson.loads(out.stdout)
