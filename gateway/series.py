@@ -123,7 +123,7 @@ class Series:
         for ep, e in self.state.engines.engines.items():
             st = e.stats
             if st is not None and e.hello is not None:
-                out[ep] = {"model": e.model or (e.hello.model_id if e.hello else ""), "running": st.running,
+                out[ep] = {"model": e.model or e.hello.model_id, "running": st.running,
                            "waiting": st.waiting, "kv_used": st.kv_used, "generated": st.generated_tokens,
                            "hits": st.prefix_cache_hits, "queries": st.prefix_cache_queries}
         return out

@@ -18,7 +18,6 @@ import orjson
 from aiohttp import web
 from pydantic import AfterValidator, ConfigDict, Field
 
-from protocol import ProtocolError
 from protocol.cluster import ELASTIC_PHASES
 from protocol.control import (
     DEFAULT_DRAIN_TIMEOUT,
@@ -27,7 +26,6 @@ from protocol.control import (
     MAX_SCALE,
     ElasticScaleCommand,
     ElasticScaleReply,
-    ErrorReply,
     LoraLoadCommand,
     LoraReply,
     LoraUnloadCommand,
@@ -40,7 +38,6 @@ from protocol.control import (
     ScaleReply,
 )
 from protocol.messages import MAX_LORA_NAME_LEN, valid_lora_name
-from zserve import control
 
 from ..errors import APIError
 from ..openai_schemas import RequestBody, parse
@@ -174,21 +171,10 @@ async def reload(request: web.Request) -> web.Response:
     serve. A rolling restart outlasts this request (the gateway answering it is one of the processes replaced), so
     the answer is a 202 once the supervisor has started it (``{"reloading": true}``); follow it in ``/server_info``
     (each process's pid and uptime) or the console."""
-    state = request.app[STATE]
-    if not state.control_socket:
-        raise APIError(503, "this gateway runs without a supervisor; cluster control is unavailable")
-    try:
-        reply = await control.request_async(state.control_socket, ReloadCommand(), timeout=RELOAD_ANSWER_WAIT)
-    except TimeoutError:
+    reply = await forward(request.app[STATE], ReloadCommand(), ReloadReply, timeout=RELOAD_ANSWER_WAIT, refused=400,
+                          goes_on=True)
+    if reply is None:
         return web.json_response({"reloading": True}, status=202)
-    except (OSError, ConnectionError) as e:
-        raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
-    except ProtocolError as e:
-        raise APIError(500, f"the supervisor's reply was malformed: {e}") from None
-    if isinstance(reply, ErrorReply):
-        raise APIError(400, reply.error)
-    if not isinstance(reply, ReloadReply):
-        raise APIError(500, f"the supervisor answered {reply.TYPE} to reload")
     return web.json_response({"reloading": False, "replaced": reply.replaced, "seconds": reply.seconds})
 
 

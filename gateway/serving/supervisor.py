@@ -18,14 +18,19 @@ CONTROL_TIMEOUT = 10.0  # seconds the supervisor has to answer pause and resume 
 
 
 async def forward(state: GatewayState, cmd: ControlMessage, answer: type[R], timeout: float = CONTROL_TIMEOUT,
-                   refused: int = 500) -> R:
+                   refused: int = 500, goes_on: bool = False) -> R | None:
     """Send ``cmd`` to the supervisor and return its ``answer``. ``refused`` is the status of an ``ErrorReply``
-    (a request the supervisor cannot carry out); no supervisor, or none answering, is a 503."""
+    (a request the supervisor cannot carry out); no supervisor, or none answering, is a 503. With ``goes_on``, a
+    command that outlasts ``timeout`` (the supervisor carries it on alone: a rolling restart) returns None."""
     if not state.control_socket:
         raise APIError(503, "this gateway runs without a supervisor; cluster control is unavailable")
     try:
         reply = await control.request_async(state.control_socket, cmd, timeout=timeout)
-    except (OSError, ConnectionError, TimeoutError) as e:
+    except TimeoutError as e:
+        if goes_on:
+            return None
+        raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
+    except (OSError, ConnectionError) as e:
         raise APIError(503, f"the supervisor did not answer: {e}", headers={"Retry-After": "1"}) from None
     except ProtocolError as e:
         raise APIError(500, f"the supervisor's reply was malformed: {e}") from None
