@@ -50,6 +50,10 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .server import EngineServer
 
+# Windows a speech engine decodes in one step at most: on a CPU a batch of 8 already gives most of what batching
+# gives (tests/bench/bench_speech.py), and a bigger step delays every window in it.
+SPEECH_MAX_BATCH = 16
+
 log = logging.getLogger("zserve.engine")
 
 
@@ -78,6 +82,11 @@ class Engine:
         if device.type == "cpu":
             configure_cpu_threads(cfg.threads)
         started = time.monotonic()
+        if source.weights == "ct2-whisper":
+            with boot_phase(status, f"engine {launch.rank}"):
+                engine = cls.speech(source, device, cfg, rank=launch.rank)
+            engine.started = started
+            return engine
         if source.weights == "hf":
             from .pooling import is_pooling_model
 
@@ -180,6 +189,28 @@ class Engine:
             labels=tuple(runner.labels or ()),
             matryoshka=embeds and bool(model_config.get("matryoshka_dimensions")
                                        or model_config.get("is_matryoshka")))
+        return cls(runner, scheduler, hello)
+
+    @classmethod
+    def speech(cls, source: ModelSource, device: torch.device, config: EngineConfig | None = None, *,
+               rank: int = 0) -> Engine:
+        """An engine for a Whisper model (transcribe, and translate into English when it is multilingual): no KV
+        cache of its own (CTranslate2 keeps the decoder's), batches of 30 s windows of up to
+        ``min(--max-num-seqs, SPEECH_MAX_BATCH)`` recordings a step."""
+        from .speech import MAX_LENGTH, WhisperRunner
+        from .speech_scheduler import SpeechScheduler
+
+        cfg = config or EngineConfig()
+        threads = torch.get_num_threads() if device.type == "cpu" else 1
+        runner = WhisperRunner(source.path, device, threads)
+        scheduler = SpeechScheduler(runner, min(cfg.max_num_seqs, SPEECH_MAX_BATCH))
+        log.info("engine %d: Whisper (%s, %s) on CTranslate2 %s, %s; up to %d windows a step", rank,
+                 "multilingual" if runner.multilingual else "English only", ", ".join(runner.tasks),
+                 runner.compute_type, str(device), scheduler.max_batch)
+        hello = EngineHello(
+            rank=rank, model_id=source.model_id, max_num_seqs=scheduler.max_batch, max_model_len=MAX_LENGTH,
+            vocab_size=runner.vocab_size, eos_token_ids=(runner.special.eot,), pid=os.getpid(), device=str(device),
+            dtype=runner.compute_type, tasks=runner.tasks)
         return cls(runner, scheduler, hello)
 
     # -- serving -------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ from protocol import (
     ProtocolError,
     RequestOutput,
     StepOutputs,
+    TranscribeOutput,
+    TranscribeOutputs,
+    TranscribeRequest,
     decode,
     encode,
 )
@@ -148,6 +151,8 @@ class EngineServer:
             self.add(client, msg)
         elif isinstance(msg, PoolRequest):
             self.add_pool(client, msg)
+        elif isinstance(msg, TranscribeRequest):
+            self.add_transcribe(client, msg)
         elif isinstance(msg, AbortRequest):
             aborted = [rid for rid in msg.request_ids if self.scheduler.abort(rid) is not None]
             owners = {rid: self.requests.pop(rid, None) for rid in aborted}
@@ -164,7 +169,7 @@ class EngineServer:
     def on_wake(self, msg: GroupWake) -> None:
         log.warning("engine %d is in no expert-parallel group; ignored a wake-up", self.rank)
 
-    def _refused(self, client: bytes, msg: AddRequest | PoolRequest) -> bool:
+    def _refused(self, client: bytes, msg: AddRequest | PoolRequest | TranscribeRequest) -> bool:
         """Hand a request back (the gateway tries another engine) while draining or with a full queue."""
         trace = f" (X-Request-Id {msg.trace_id})" if msg.trace_id else ""
         if self.draining:
@@ -177,6 +182,8 @@ class EngineServer:
             if getattr(msg, "output_token_ids", ()):
                 log.info("request %s%s moved here: %d prompt tokens, %d generated elsewhere", msg.request_id, trace,
                          len(msg.prompt_token_ids), len(msg.output_token_ids))  # type: ignore[union-attr]
+            elif isinstance(msg, TranscribeRequest):
+                log.debug("request %s%s: %.1f s of audio to %s", msg.request_id, trace, msg.seconds, msg.task)
             else:
                 log.debug("request %s%s: %d prompt tokens", msg.request_id, trace, len(msg.prompt_token_ids))
             return False
@@ -216,6 +223,18 @@ class EngineServer:
         if err is not None:
             n = len(msg.prompt_token_ids)
             self.send(client, PoolOutputs(self.rank, (PoolOutput(msg.request_id, (), n, err[:4000]),)))
+
+    def add_transcribe(self, client: bytes, msg: TranscribeRequest) -> None:
+        if self._refused(client, msg):
+            return
+        add = getattr(self.scheduler, "add_transcribe", None)
+        err = ("this model does not transcribe speech (it serves: " + ", ".join(self.hello.tasks) + ")" if add is None
+               else add(msg))
+        if err is None:
+            self.requests[msg.request_id] = client
+        else:
+            self.send(client, TranscribeOutputs(self.rank, (TranscribeOutput(msg.request_id, done=True,
+                                                                              error=err[:4000]),)))
 
     def _check_ids(self, ids: tuple[int, ...]) -> str | None:
         vocab = self.hello.vocab_size
@@ -307,16 +326,20 @@ class EngineServer:
         self.publish_kv()
         per_client: dict[bytes, list] = {}
         for out in outs:
-            done = isinstance(out, PoolOutput) or out.finish_reason is not None
+            done = out.done if type(out) is TranscribeOutput else isinstance(out, PoolOutput) or \
+                out.finish_reason is not None
             client = self.requests.pop(out.request_id, None) if done else self.requests.get(out.request_id)
             if client is not None:
                 per_client.setdefault(client, []).append(out)
         for client, mine in per_client.items():
             pooled = tuple(o for o in mine if isinstance(o, PoolOutput))
+            heard = tuple(o for o in mine if isinstance(o, TranscribeOutput))
             if pooled:
                 self.send(client, PoolOutputs(self.rank, pooled))
-            if len(pooled) < len(mine):
-                self.send(client, StepOutputs(self.rank, tuple(o for o in mine if not isinstance(o, PoolOutput))))
+            if heard:
+                self.send(client, TranscribeOutputs(self.rank, heard))
+            if len(pooled) + len(heard) < len(mine):
+                self.send(client, StepOutputs(self.rank, tuple(o for o in mine if type(o) is RequestOutput)))
 
     def publish_kv(self) -> None:
         """Send the KV events of what just happened (blocks stored, evicted, forgotten) as one batch."""

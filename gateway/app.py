@@ -55,7 +55,9 @@ def build_app(state: GatewayState, families: list[str] | None = None, plugins: S
     One middleware (gateway/admission.py): request id and CORS preflights, then metrics and errors (in the
     family's shape) around keys, the concurrency limit and the body's read deadline — so a refusal is counted,
     shaped, and carries the request id, and no stranger's body is read."""
-    app = web.Application(middlewares=[gateway_middleware], client_max_size=MAX_BODY_BYTES)
+    # (an audio upload may be larger than any JSON body: --max-audio-mb, and the multipart form around it)
+    largest = max(MAX_BODY_BYTES, int(state.max_audio_mb * (1 << 20)) + (1 << 20))
+    app = web.Application(middlewares=[gateway_middleware], client_max_size=largest)
     app[STATE] = state
     app[GUARD] = guard or Guard(Keys(), metrics_auth=False, max_concurrent=None)
     app[CORS] = cors or CorsPolicy()

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import orjson
 
+from protocol.codec import MAX_FRAME_BYTES
 from protocol.messages import valid_lora_name
+from protocol.speech import SAMPLE_RATE
 from zserve.catalog import ModelSource
 from zserve.config import EngineConfig, config_from_json
 from zserve.launch_spec import (
@@ -32,6 +34,12 @@ from .text.reasoning import REASONING_PARSERS
 from .text.tool_parsers import TOOL_PARSERS
 
 BODY_TIMEOUT_S = 10.0  # default --body-timeout (gateway.body_timeout)
+MAX_AUDIO_MB = 1024.0  # --max-audio-mb at most
+MAX_AUDIO_SECONDS = MAX_FRAME_BYTES // (2 * SAMPLE_RATE)  # --max-audio-seconds at most: 16-bit samples in one frame
+
+
+def is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ class GatewayConfig:
     allow_credentials: bool = False
     # Route families (gateway.families) and endpoint plugins (gateway.plugins) not mounted: they answer 404.
     disabled_families: tuple[str, ...] = ()
+    # Speech to text (/v1/audio/*): the largest upload (OpenAI's limit) and the longest recording it may hold (the
+    # decoded audio travels to the engine in one frame: MAX_AUDIO_SECONDS at most).
+    max_audio_mb: float = 25.0
+    max_audio_seconds: float = 1800.0
 
     def __post_init__(self) -> None:
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -86,6 +98,10 @@ class GatewayConfig:
         if not (isinstance(self.body_timeout, (int, float)) and not isinstance(self.body_timeout, bool)
                 and 0.1 <= self.body_timeout <= 3600):
             raise ValueError("body_timeout must be a number of seconds in 0.1..3600")
+        if not (is_number(self.max_audio_mb) and 0.01 <= self.max_audio_mb <= MAX_AUDIO_MB):
+            raise ValueError(f"max_audio_mb must be a number of megabytes in 0.01..{MAX_AUDIO_MB}")
+        if not (is_number(self.max_audio_seconds) and 1 <= self.max_audio_seconds <= MAX_AUDIO_SECONDS):
+            raise ValueError(f"max_audio_seconds must be a number of seconds in 1..{MAX_AUDIO_SECONDS}")
         if not (isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
                 and 1 <= self.stream_interval <= 1024):
             raise ValueError("stream_interval must be an integer in 1..1024")

@@ -64,6 +64,9 @@ from protocol import (
     SamplingParams,
     StepOutputs,
     TopLogprobs,
+    TranscribeOutput,
+    TranscribeOutputs,
+    TranscribeRequest,
     decode,
     encode,
 )
@@ -573,7 +576,7 @@ class EngineClient:
             log.warning("dropped a bad frame from engine %s: %s", eng.endpoint, e)
             return
         kind = type(msg)
-        if kind is StepOutputs or kind is PoolOutputs:
+        if kind is StepOutputs or kind is PoolOutputs or kind is TranscribeOutputs:
             streams = self._streams
             for out in msg.outputs:  # type: ignore[union-attr]
                 st = streams.get(out.request_id)
@@ -629,7 +632,7 @@ class EngineClient:
                     log.info("request %s finished on %s after %d migration(s)%s", st.request_id, _engine(st.engine),
                          st.migrations, _trace(st))
                 self._forget(st)  # finished by the engine: nothing to abort
-        else:
+        elif type(out) is not TranscribeOutput or out.done:  # (a transcription's windows come one by one)
             self._forget(st)
         try:
             st.sink.output(out)
@@ -900,6 +903,26 @@ class EngineClient:
             if not finished:
                 self.cancel(request_id)
 
+    async def transcribe(self, req: TranscribeRequest, model: str | None = None) -> AsyncIterator[TranscribeOutput]:
+        """Run one recording through a speech engine: its windows' outputs as the engine decodes them, until the one
+        that is ``done`` (a failure is raised). Like ``pool``, a request an engine refuses or loses before its first
+        window goes to another engine; leaving early aborts it in the engine."""
+        inbox = _Inbox()
+        self._submit(req.request_id, encode(req), inbox, model, None, SERVED.get())
+        finished = False
+        try:
+            while not finished:
+                out = await inbox.get()
+                if not isinstance(out, TranscribeOutput):
+                    raise EngineRequestError("the engine answered a transcription with something else")
+                finished = out.done
+                if out.error is not None:
+                    raise EngineRequestError(out.error)
+                yield out
+        finally:
+            if not finished:
+                self.cancel(req.request_id)
+
     async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
                    normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0,
                    model: str | None = None) -> PoolOutput:
@@ -1048,6 +1071,9 @@ class ModelEngines:
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  coalesce: bool = True) -> AsyncIterator[RequestOutput]:
         return self.client.generate(request_id, prompt_token_ids, sampling, self.model, coalesce, self.lora)
+
+    def transcribe(self, req: TranscribeRequest) -> AsyncIterator[TranscribeOutput]:
+        return self.client.transcribe(req, self.model)
 
     async def pool(self, request_id: str, prompt_token_ids: list[int], task: str = "embed",
                    normalize: bool | None = None, dimensions: int | None = None, pair_start: int = 0) -> PoolOutput:

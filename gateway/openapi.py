@@ -26,6 +26,7 @@ SSE = "text/event-stream"
 REF_TEMPLATE = "#/components/schemas/{model}"
 
 _BODY_ATTR = "__zserve_request_body__"
+_BODY_MEDIA_ATTR = "__zserve_request_media__"
 _QUERY_ATTR = "__zserve_query__"
 _RESPONSES_ATTR = "__zserve_responses__"
 _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -33,10 +34,12 @@ _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 Schema = type[BaseModel] | dict[str, Any]
 
 
-def request_body(schema: Schema) -> Callable:
-    """Decorator: the handler's JSON body is ``schema`` (the model it parses with, or a JSON schema)."""
+def request_body(schema: Schema, media_type: str = JSON) -> Callable:
+    """Decorator: the handler's body is ``schema`` (the model it parses with, or a JSON schema), JSON unless
+    ``media_type`` says otherwise (``multipart/form-data``: an upload)."""
     def mark(handler):
         setattr(handler, _BODY_ATTR, schema)
+        setattr(handler, _BODY_MEDIA_ATTR, media_type)
         return handler
     return mark
 
@@ -136,7 +139,8 @@ def openapi_document(app: web.Application, *, title: str, version: str) -> dict[
             op["parameters"] = parameters
         body = getattr(handler, _BODY_ATTR, None)
         if body is not None:
-            op["requestBody"] = {"required": True, "content": {JSON: {"schema": ref(body)}}}
+            op["requestBody"] = {"required": True,
+                                 "content": {getattr(handler, _BODY_MEDIA_ATTR, JSON): {"schema": ref(body)}}}
         error_model = _ERROR_MODELS.get(shape_of(handler))  # None: a shape nobody described (a plugin's own)
         error = {"description": "an error, in this route's error shape",
                  "content": {JSON: {"schema": ref(error_model)} if error_model else {}}}

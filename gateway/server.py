@@ -123,7 +123,8 @@ async def serve(a: GatewayLaunch, pipes: ChildPipes) -> int:
                                               a.responses_db or os.path.join(a.cache_dir or ".", "responses.db"),
                                               ttl_s=cfg.responses_ttl, max_items=cfg.responses_max_items),
                          render_only=cfg.render_only, default_max_model_len=cfg.max_model_len,
-                         stream_interval=cfg.stream_interval, scaling_wait=cfg.scaling_wait)
+                         stream_interval=cfg.stream_interval, scaling_wait=cfg.scaling_wait,
+                         max_audio_mb=cfg.max_audio_mb, max_audio_seconds=cfg.max_audio_seconds)
     engines.hold = state.wait_for
     engines.migration_limit, engines.migration_max_len = cfg.migration_limit, cfg.migration_max_len
     engines.migration_wait, engines.on_migration = cfg.scaling_wait, RECORDER.migration

@@ -77,6 +77,8 @@ class GatewayState:
     default_max_model_len: int | None = None
     stream_interval: int = 1  # --stream-interval: output tokens per stream chunk after the first
     scaling_wait: float = 30.0  # --scaling-wait: seconds a request is held (a resize, a rolling restart of its model)
+    max_audio_mb: float = 25.0  # --max-audio-mb: the largest upload to /v1/audio/*
+    max_audio_seconds: float = 1800.0  # --max-audio-seconds: the longest recording
     # Set, and replaced by a fresh one, at each new cluster state: held requests wait on it and look again.
     _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 

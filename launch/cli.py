@@ -21,7 +21,7 @@ from typing import NoReturn, TypeVar
 
 import click
 
-from gateway.config import GatewayConfig
+from gateway.config import MAX_AUDIO_MB, MAX_AUDIO_SECONDS, GatewayConfig
 from gateway.routing import ROUTING_POLICIES
 from gateway.security import ADMIN_KEY_ENV, API_KEY_ENV
 from gateway.text.reasoning import REASONING_PARSERS
@@ -159,6 +159,11 @@ server_options = _options(
     click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=_GATEWAY.body_timeout, show_default=True,
                  help="Seconds a request's body may take to arrive after its headers, plus its length at 1 MiB/s; "
                       "a client that trickles it (slowloris) gets a 408 and its connection closed."),
+    click.option("--max-audio-mb", type=click.FloatRange(0.01, MAX_AUDIO_MB), default=_GATEWAY.max_audio_mb,
+                 show_default=True, help="Speech to text: the largest audio upload in MB (larger: 413)."),
+    click.option("--max-audio-seconds", type=click.FloatRange(1, MAX_AUDIO_SECONDS),
+                 default=_GATEWAY.max_audio_seconds, show_default=True,
+                 help="Speech to text: the longest recording a request may hold, in seconds (longer: 400)."),
     click.option("--stream-interval", type=int, default=_GATEWAY.stream_interval, show_default=True,
                  help="Output tokens per stream chunk after the first (which goes at once; the last goes at the "
                       "finish): above 1, fewer and larger chunks for less gateway CPU per token, as vLLM's option."),

@@ -20,11 +20,13 @@ from .messages import (
     StepOutputs,
     TopLogprobs,
 )
+from .speech import TranscribeOutput, TranscribeOutputs, TranscribeRequest, TranscriptSegment
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "AbortRequest", "AddRequest", "ClientHello", "EngineHello",
     "EngineStats", "ErrorMessage",
     "GroupWake", "Message", "PoolOutput", "PoolOutputs", "PoolRequest",
     "ProtocolError", "RequestOutput", "SamplingParams",
-    "StepOutputs", "TopLogprobs", "decode", "encode",
+    "StepOutputs", "TopLogprobs", "TranscribeOutput", "TranscribeOutputs", "TranscribeRequest", "TranscriptSegment",
+    "decode", "encode",
 ]

@@ -36,12 +36,13 @@ from .messages import (
     StepOutputs,
     TopLogprobs,
 )
+from .speech import TranscribeOutput, TranscribeOutputs, TranscribeRequest, TranscriptSegment
 
 MAX_FRAME_BYTES = 64 << 20  # one binary frame (16M int32 tokens)
 MAX_HEADER_BYTES = 4 << 20
 MAX_FRAMES = 8
 
-_BY_TYPE: dict[str, type[Message]] = {m.TYPE: m for m in ALL_MESSAGES}
+_BY_TYPE: dict[str, type[Message]] = {m.TYPE: m for m in (*ALL_MESSAGES, TranscribeRequest, TranscribeOutputs)}
 _LITTLE = sys.byteorder == "little"
 # one output's header
 _OUTPUT_KEYS = {"rid", "n", "finish", "np", "err", "ec", "lp", "k", "nc", "plp", "pk", "pr", "qt"}
@@ -97,6 +98,20 @@ def encode(msg: Message) -> list[bytes]:
             items.append(item)
         return [_header(msg, {"rank": msg.rank, "items": items}),
                 _pack("f", [x for o in msg.outputs for x in o.data])]
+    if isinstance(msg, TranscribeRequest):
+        head = {"request_id": msg.request_id, "n_prompt": len(msg.prompt_token_ids), "task": msg.task,
+                "language": msg.language, "temperature": msg.temperature, "timestamps": msg.timestamps,
+                "words": msg.words, "trace_id": msg.trace_id}
+        return [_header(msg, head), _pack("i", msg.prompt_token_ids), msg.audio]
+    if isinstance(msg, TranscribeOutputs):
+        items = []
+        for o in msg.outputs:
+            item: dict = {"rid": o.request_id, "segments": [s.to_wire() for s in o.segments], "lang": o.language,
+                          "dur": o.duration, "done": o.done}
+            if o.error is not None:
+                item["err"] = o.error
+            items.append(item)
+        return [_header(msg, {"rank": msg.rank, "items": items})]
     head = {f.name: getattr(msg, f.name) for f in fields(msg)}  # type: ignore[arg-type]
     return [_header(msg, head)]
 
@@ -185,6 +200,10 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
             return _decode_pool(head, frames)
         if cls is PoolOutputs:
             return _decode_pooled(head, frames)
+        if cls is TranscribeRequest:
+            return _decode_transcribe(head, frames)
+        if cls is TranscribeOutputs:
+            return _decode_transcribed(head, frames)
         if len(frames) != 1:
             raise ProtocolError(f"{cls.TYPE} takes exactly one frame")
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
@@ -239,6 +258,34 @@ def _decode_pooled(head: dict, frames: Sequence[bytes | memoryview]) -> PoolOutp
     if at != len(data):
         raise ProtocolError("the data frame holds more values than the items claim")
     return PoolOutputs(head["rank"], tuple(outs))
+
+
+_TRANSCRIBE_KEYS = {"request_id", "n_prompt", "task", "language", "temperature", "timestamps", "words", "trace_id"}
+
+
+def _decode_transcribe(head: dict, frames: Sequence[bytes | memoryview]) -> TranscribeRequest:
+    if set(head) != _TRANSCRIBE_KEYS:
+        raise ProtocolError(f"transcribe needs exactly {', '.join(sorted(_TRANSCRIBE_KEYS))}")
+    if len(frames) != 3:
+        raise ProtocolError("transcribe takes a header, a prompt frame and an audio frame")
+    prompt = _prompt_frame(head, frames[:2], "transcribe")
+    return TranscribeRequest(head["request_id"], bytes(frames[2]), head["task"], head["language"], prompt,
+                             head["temperature"], head["timestamps"], head["words"], head["trace_id"])
+
+
+def _decode_transcribed(head: dict, frames: Sequence[bytes | memoryview]) -> TranscribeOutputs:
+    if set(head) != {"rank", "items"} or not isinstance(head["items"], list):
+        raise ProtocolError("transcribed needs exactly rank and a list of items")
+    if len(frames) != 1:
+        raise ProtocolError("transcribed takes exactly one frame")
+    outs = []
+    for item in head["items"]:
+        if not isinstance(item, dict) or not {"rid", "segments", "lang", "dur", "done"} <= set(item) <= {
+                "rid", "segments", "lang", "dur", "done", "err"} or not isinstance(item["segments"], list):
+            raise ProtocolError("malformed transcribed item")
+        outs.append(TranscribeOutput(item["rid"], tuple(TranscriptSegment.from_wire(s) for s in item["segments"]),
+                                     item["lang"], item["dur"], item["done"], item.get("err")))
+    return TranscribeOutputs(head["rank"], tuple(outs))
 
 
 def _decode_add(head: dict, frames: Sequence[bytes | memoryview]) -> AddRequest:

