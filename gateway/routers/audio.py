@@ -1,5 +1,4 @@
-"""OpenAI's speech-to-text routes: ``/v1/audio/transcriptions`` and ``/v1/audio/translations`` (part of the openai
-family).
+"""OpenAI's speech-to-text routes, the audio family: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``.
 
 A multipart upload, as OpenAI takes it: ``file`` (any container FFmpeg reads: wav, mp3, flac, ogg, m4a, webm...),
 ``model``, ``language`` (transcriptions), ``prompt``, ``temperature``, ``response_format`` (``json``, ``text``,
@@ -20,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from aiohttp import BodyPartReader, MultipartReader, StreamReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import MultiDict
 
 from protocol import TranscribeRequest, TranscriptSegment
@@ -111,7 +111,7 @@ async def read_form(request: web.Request) -> MultiDict:
                 fields.add(part.name or "", _Upload(part.filename, bytes(data)))
             else:
                 fields.add(part.name or "", data.decode(part.get_charset("utf-8"), errors="replace"))
-    except (ValueError, LookupError, AssertionError) as e:  # (aiohttp: a malformed multipart body)
+    except (ValueError, LookupError, AssertionError, HttpProcessingError) as e:  # (aiohttp: a malformed body)
         raise bad_request(f"the multipart body cannot be read: {e}") from None
     return fields
 

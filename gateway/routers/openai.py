@@ -1,5 +1,4 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (and, from ``routers.audio``,
-/v1/audio/transcriptions and /v1/audio/translations).
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
 Each handler validates its body and turns it into a ``Plan`` — prompt ids and SamplingParams for
 every choice (``serving.plans``), which is what the render routes show (``routers.render``) — then runs
@@ -22,7 +21,6 @@ from ..serving.shapes import json_body
 from ..serving.tools import NO_TOOLS
 from ..state import STATE, ModelState
 from ..tenancy import SERVED
-from . import audio
 
 routes = web.RouteTableDef()
 
@@ -86,6 +84,3 @@ async def chat_completions_batch(request: web.Request) -> web.Response:
     return await respond(request, first.state, request_id=first.request_id, model=first.model, choices=choices,
                          opts=first.opts, prompt_tokens=sum(p.prompt_tokens for p in plans), stream=False,
                          shape=shape)
-
-
-routes = [*routes, *audio.routes]  # type: ignore[assignment]  # the family's routes: these and speech to text

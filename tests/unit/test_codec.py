@@ -21,6 +21,10 @@ from protocol import (
     SamplingParams,
     StepOutputs,
     TopLogprobs,
+    TranscribeOutput,
+    TranscribeOutputs,
+    TranscribeRequest,
+    TranscriptSegment,
     decode,
     encode,
 )
@@ -340,3 +344,42 @@ def test_sampling_params_fast_check_accepts_and_refuses_exactly_what_the_full_ch
     monkeypatch.setattr(SamplingParams, "_plain_and_valid", lambda self: False)
     assert fast == [verdict(kw) for kw in cases]
     assert None in fast and any(v is not None for v in fast)
+
+
+def test_speech_messages_round_trip_with_the_audio_in_a_binary_frame():
+    pcm = bytes(range(256)) * 10
+    req = TranscribeRequest("tr-1", pcm, "translate", "fr", (50360, 7), 0.2, True, True, "client-9")
+    frames = encode(req)
+    assert len(frames) == 3 and frames[2] == pcm and b"audio" not in frames[0]
+    assert decode(frames) == req
+    seg = TranscriptSegment(500, 5.0, 8.5, (14, 15), 0.2, -0.31, 1.4, 0.02, (5.0, 6.1, 8.5))
+    out = TranscribeOutputs(3, (TranscribeOutput("tr-1", (seg,), "fr", 40.0, False),
+                                TranscribeOutput("tr-2", (), "", 1.0, True, "engine error: boom")))
+    assert decode(encode(out)) == out
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda h, f: (h, f[:2]), "a header, a prompt frame and an audio frame"),
+    (lambda h, f: ({**h, "extra": 1}, f), "transcribe needs exactly"),
+    (lambda h, f: ({**h, "task": "sing"}, f), "task must be one of"),
+    (lambda h, f: ({**h, "language": "en us"}, f), "language must be a short code"),
+    (lambda h, f: ({**h, "temperature": 9}, f), "temperature must be in"),
+    (lambda h, f: (h, [f[0], f[1], b"odd"]), "16-bit PCM"),
+])
+def test_malformed_transcribe_frames_are_rejected(change, words):
+    frames = encode(TranscribeRequest("tr-1", b"\0\0" * 8, prompt_token_ids=(1, 2)))
+    head = orjson.loads(frames[0])
+    head, frames = change(head, frames)
+    with pytest.raises(ProtocolError, match=words):
+        decode([orjson.dumps(head), *frames[1:]])
+
+
+def test_transcribed_segments_are_checked():
+    good = TranscriptSegment(0, 0.0, 1.0, (5,), word_times=(0.0, 1.0)).to_wire()
+    for bad, words in (({**good, "start": 2.0}, "out of order"), ({**good, "wt": [0.0]}, "one time per token"),
+                       ({**good, "tokens": [-1]}, "token ids"), ({k: v for k, v in good.items() if k != "lp"},
+                                                                  "malformed transcript segment")):
+        head = {"v": PROTOCOL_VERSION, "t": "transcribed", "rank": 0,
+                "items": [{"rid": "a", "segments": [bad], "lang": "en", "dur": 1.0, "done": True}]}
+        with pytest.raises(ProtocolError, match=words):
+            decode([orjson.dumps(head)])
