@@ -138,10 +138,11 @@ class WhisperRunner:
         self.tasks = ("transcribe", "translate") if self.multilingual and self.special.translate is not None \
             else ("transcribe",)
         self.filters = mel_filters(self.model.n_mels)
-        self.vocab_size = Tokenizer.from_dir(self.model_dir).vocab_size
+        tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.vocab_size = tokenizer.vocab_size
         # The bytes of each token, for the compression ratio of a window's text (a repetition loop compresses well)
         # without turning tokens into text here.
-        self._token_bytes = Tokenizer.from_dir(self.model_dir).id_to_bytes
+        self._token_bytes = tokenizer.id_to_bytes
         cfg = orjson.loads((self.model_dir / "config.json").read_bytes())
         self.suppress_ids = list(cfg.get("suppress_ids") or [-1])
 

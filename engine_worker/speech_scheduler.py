@@ -61,12 +61,11 @@ class _Job:
     context: list[int]  # the text so far (after the client's prompt): the next window's previous text
     seek: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    output_ids: tuple = ()  # (what a drain's hand-back counts: a recording's windows are no generated tokens)
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
-
-    output_ids: tuple = ()  # (what a drain's hand-back reports: nothing is generated as tokens here)
 
 
 @dataclass
