@@ -126,6 +126,21 @@ def transcode(src: Path, dst: Path, kind: str, stereo: bool = True) -> Path:
     return dst
 
 
+def flac_claiming(path: Path, seconds: int) -> bytes:
+    """A flac file's bytes with its header (STREAMINFO's total samples) claiming ``seconds`` of audio, as a long
+    recording's would: the file stays small."""
+    import av
+
+    data = bytearray(path.read_bytes())
+    assert data[:4] == b"fLaC"
+    with av.open(str(path)) as c:
+        rate = c.streams.audio[0].rate
+    at = 8 + 10  # after the block sizes and frame sizes: rate (20 bits), channels (3), bits (5), total samples (36)
+    bits = int.from_bytes(data[at:at + 8], "big")
+    data[at:at + 8] = ((bits & ~((1 << 36) - 1)) | (seconds * rate)).to_bytes(8, "big")
+    return bytes(data)
+
+
 def duration(path: Path) -> float:
     import av
 

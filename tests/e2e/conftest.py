@@ -33,17 +33,18 @@ def tiny_server():
 @pytest.fixture(scope="session")
 def rag_server():
     """A chat model, an embedding model and a speech model behind one endpoint, as `make run` serves them
-    (tiny-random in SmolLM2's place: the same tokenizer and template, random weights): the pooling, multi-model
-    and documentation tests."""
-    from zserve.catalog import DEFAULT_EMBEDDING_MODEL, DEFAULT_SPEECH_MODEL, ModelNotFound, resolve
+    (tiny-random in SmolLM2's place: the same tokenizer and template, random weights), and the English-only speech
+    model beside them: the pooling, multi-model, speech-to-text and documentation tests."""
+    from zserve.catalog import DEFAULT_EMBEDDING_MODEL, DEFAULT_SPEECH_MODEL, WHISPER_TINY_EN, ModelNotFound, resolve
 
     try:
-        resolve(DEFAULT_EMBEDDING_MODEL)
-        resolve(DEFAULT_SPEECH_MODEL)
+        for model in (DEFAULT_EMBEDDING_MODEL, DEFAULT_SPEECH_MODEL, WHISPER_TINY_EN):
+            resolve(model)
     except ModelNotFound as e:
         pytest.skip(str(e))
     s = Server("--count", "2", "--model", "tiny-random", "--model", DEFAULT_EMBEDDING_MODEL, "--model",
-               DEFAULT_SPEECH_MODEL, "--dtype", "float32", "--max-num-seqs", "16", log_name="rag")
+               DEFAULT_SPEECH_MODEL, "--model", WHISPER_TINY_EN, "--dtype", "float32", "--max-num-seqs", "16",
+               log_name="rag")
     yield s
     s.stop()
 

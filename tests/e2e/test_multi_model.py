@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import LAUNCH, ROOT, Server, procs, status, wait_until
 
-CHAT, EMBED, SPEECH = "tiny-random", "all-MiniLM-L6-v2", "whisper-base"
+CHAT, EMBED, SPEECH, SPEECH_EN = "tiny-random", "all-MiniLM-L6-v2", "whisper-base", "whisper-tiny.en"
 TEXTS = [f"sentence number {i} about {topic}" for i, topic in enumerate(["cats", "stocks", "rain", "chess"] * 4)]
 
 
@@ -51,19 +51,21 @@ def chat(client: openai.OpenAI, i: int) -> int:
 
 def test_models_lists_every_model_with_its_tasks_and_health_counts_each_tier(rag_server, client):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {CHAT, EMBED, SPEECH}
+    assert set(cards) == {CHAT, EMBED, SPEECH, SPEECH_EN}
     assert cards[CHAT].tasks == ["embed", "generate"] and cards[EMBED].tasks == ["embed"]  # type: ignore[attr-defined]
     assert cards[SPEECH].tasks == ["transcribe", "translate"]  # type: ignore[attr-defined]
+    assert cards[SPEECH_EN].tasks == ["transcribe"]  # type: ignore[attr-defined]
     assert cards[EMBED].max_model_len == 256  # type: ignore[attr-defined]  # MiniLM's own context
     assert client.models.retrieve(EMBED).root == EMBED  # type: ignore[attr-defined]
     health = httpx.get(rag_server.url + "/health").json()
     assert health["status"] == "ok" and health["models"] == {
         CHAT: {"engines_ready": 1, "engines_desired": 1}, EMBED: {"engines_ready": 1, "engines_desired": 1},
-        SPEECH: {"engines_ready": 1, "engines_desired": 1}}
+        SPEECH: {"engines_ready": 1, "engines_desired": 1}, SPEECH_EN: {"engines_ready": 1, "engines_desired": 1}}
     st = status(rag_server)
-    assert st["models"] == {CHAT: 1, EMBED: 1, SPEECH: 1} and st["desired"] == {"gateway": 2, "engine": 3}
-    assert sorted((p["index"], p["model"]) for p in procs(rag_server, "engine")) == [(0, CHAT), (64, EMBED),
-                                                                                     (128, SPEECH)]
+    assert st["models"] == {CHAT: 1, EMBED: 1, SPEECH: 1, SPEECH_EN: 1}
+    assert st["desired"] == {"gateway": 2, "engine": 4}
+    assert sorted((p["index"], p["model"]) for p in procs(rag_server, "engine")) == [
+        (0, CHAT), (64, EMBED), (128, SPEECH), (192, SPEECH_EN)]
 
 
 def test_chat_and_embeddings_interleaved_under_concurrency_each_reach_their_model(rag_server, client):
@@ -125,7 +127,7 @@ def test_each_models_engines_scale_on_their_own(rag_server, client):
     assert [p["index"] for p in engines_of(rag_server, CHAT)] == [0]
     text = subprocess.run([*LAUNCH, "status", "--port", str(rag_server.port)], cwd=ROOT, capture_output=True,
                           text=True, timeout=30, check=True).stdout
-    assert f"1 engine for {CHAT}, 2 engines for {EMBED}, 1 engine for {SPEECH}" in text
+    assert f"1 engine for {CHAT}, 2 engines for {EMBED}, 1 engine for {SPEECH}, 1 engine for {SPEECH_EN}" in text
     want = client.embeddings.create(model=EMBED, input=TEXTS).data  # spread over both MiniLM engines
     with ThreadPoolExecutor(8) as ex:
         got = list(ex.map(lambda t: client.embeddings.create(model=EMBED, input=t).data[0].embedding, TEXTS))
@@ -133,7 +135,7 @@ def test_each_models_engines_scale_on_their_own(rag_server, client):
     out = scale(rag_server, "engine", "1", "--model", EMBED)
     assert out.returncode == 0, out.stderr
     assert [p["index"] for p in engines_of(rag_server, EMBED)] == [64]
-    assert status(rag_server)["models"] == {CHAT: 1, EMBED: 1, SPEECH: 1}
+    assert status(rag_server)["models"] == {CHAT: 1, EMBED: 1, SPEECH: 1, SPEECH_EN: 1}
 
 
 def test_killing_the_embedding_engine_leaves_chat_serving_and_it_is_replaced(rag_server, client):
