@@ -87,6 +87,9 @@ DISCONNECT_GRACE = 0.2  # seconds; well inside the 1 s in which a dead engine's 
 # Seconds a migrating engine's requests wait for its connection to drop (what it wrote last is read by then) once the
 # supervisor says it is gone; an engine host cut off never drops it and its requests move after this.
 SETTLE_WAIT = 0.5
+# An engine's hello is asked for again this often while it does not come (``EngineClient._greet``), and a greeting
+# that could not be sent is tried again after GREET_RETRY.
+GREET_INTERVAL, GREET_RETRY = 1.0, 0.05
 # Seconds a request waits for an engine the supervisor reports ready that has not yet greeted this gateway: a
 # replacement (rolling restart, restart after a crash) is ready before the gateway's socket reconnects to it
 # (ZeroMQ retries up to RECONNECT_IVL_MAX, a second, apart), and the moment a hold on its model is released a
@@ -158,6 +161,7 @@ class EngineConnection:
     # Set when the socket's monitor saw the connection drop: ZeroMQ's I/O thread has queued everything the engine
     # sent before it went (cleared on each new handshake).
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    greeted: float = 0.0  # (event-loop time) when this gateway last sent it ClientHello
 
     def serves(self, model: str | None, lora: str | None = None) -> bool:
         """Whether a request of ``model`` (through LoRA adapter ``lora``) may go here: an adapter's requests go only
@@ -526,10 +530,7 @@ class EngineClient:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 eng.disconnected.clear()
-                try:
-                    self._send_now(eng, encode(ClientHello(self.client_id)))
-                except zmq.ZMQError as e:  # dropped again already: the next handshake says hello
-                    log.debug("could not greet engine %s: %s", eng.endpoint, e)
+                self._greet(eng, force=True)
             elif event == zmq.EVENT_DISCONNECTED:
                 eng.disconnected.set()
                 was = eng.rank
@@ -540,6 +541,22 @@ class EngineClient:
                 self._update_ready()
                 eng.tasks = [t for t in eng.tasks if not t.done()]
                 eng.tasks.append(asyncio.get_running_loop().create_task(self._lost(eng, was)))
+
+    def _greet(self, eng: EngineConnection, force: bool = False) -> None:
+        """Send ``ClientHello`` (the engine answers with its ``EngineHello``, which makes it routable here): at each
+        handshake (``force``), else at most every ``GREET_INTERVAL`` while no hello came. A greeting that cannot go
+        at once is tried again shortly while the connection stands, and an engine that sends stats to a gateway
+        that has no hello from it is greeted again: without its hello, a gateway never routes to an engine that is
+        up."""
+        loop = asyncio.get_running_loop()
+        if eng.closed or eng.hello is not None or (not force and loop.time() - eng.greeted < GREET_INTERVAL):
+            return
+        eng.greeted = loop.time()
+        try:
+            self._send_now(eng, encode(ClientHello(self.client_id)))
+        except zmq.ZMQError as e:
+            log.debug("could not greet engine %s yet (%s); trying again", eng.endpoint, e)
+            loop.call_later(GREET_RETRY, lambda: None if eng.disconnected.is_set() else self._greet(eng, True))
 
     async def _lost(self, eng: EngineConnection, was: int | None) -> None:
         await self._settle(eng)
@@ -586,6 +603,8 @@ class EngineClient:
         elif kind is EngineStats:
             eng.stats = msg  # type: ignore[assignment]
             eng.sent_since_stats = 0
+            if eng.hello is None:  # it knows this gateway, which has no hello from it: one greeting was lost
+                self._greet(eng)
         elif kind is EngineHello:
             eng.hello = msg  # type: ignore[assignment]
             eng.known_rank = msg.rank  # type: ignore[union-attr]
