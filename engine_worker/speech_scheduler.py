@@ -235,8 +235,9 @@ class SpeechScheduler:
         pieces: list[tuple[float, float, list[int]]] = []  # (start, end, text tokens) within the window
         advance = w.size
         tokens, ts = res.tokens, special.timestamp_begin
+        consumed = tokens  # what the next window goes on from: the tokens its segments came from, timestamps too
         if silent:
-            tokens = []
+            tokens = consumed = []
         elif job.req.timestamps:
             ends_single = len(tokens) >= 2 and tokens[-2] < ts <= tokens[-1]
             cuts = [i for i in range(1, len(tokens)) if tokens[i] >= ts and tokens[i - 1] >= ts]
@@ -250,6 +251,7 @@ class SpeechScheduler:
                                    (part[-1] - ts) * TIME_PRECISION if part[-1] >= ts else w.size / FRAMES_PER_SECOND,
                                    [t for t in part if t < special.eot]))
                     last = cut
+                consumed = tokens[:last]
                 if not ends_single:
                     advance = (tokens[last - 1] - ts) * FRAMES_PER_TOKEN
                     if advance <= 0:
@@ -288,7 +290,9 @@ class SpeechScheduler:
         if w.temperature > 0.5:  # a window that needed a high temperature is no context to go on from
             job.context = []
         else:
-            job.context += [t for p in pieces for t in p[2]]
+            # With its timestamp tokens, as Whisper's context is: given text alone, the model goes on writing text
+            # alone, without the timestamps that cut the next window at a sentence's end.
+            job.context += [t for t in consumed if t < special.eot or t >= ts]
             job.context = job.context[-MAX_PROMPT_TOKENS:]
         return self._output(job, segments, done=job.seek >= job.frames)
 

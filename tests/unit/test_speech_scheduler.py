@@ -83,8 +83,8 @@ def test_the_next_window_starts_at_the_last_timestamp_and_goes_on_from_the_text(
     first, second = outs[0].segments, outs[1].segments
     assert [(s.start, s.end, s.token_ids) for s in first] == [(0.0, 1.0, (11, 12)), (2.0, 5.0, (13,))]
     assert [(s.seek, s.start, s.end, s.token_ids) for s in second] == [(500, 5.0, 8.0, (14,))]
-    prompt2 = runner.calls[1][0][0]
-    assert prompt2 == [SPECIAL.sot_prev, 11, 12, 13, SPECIAL.sot]
+    prompt2 = runner.calls[1][0][0]  # the first window's segments, with their timestamps, as Whisper's context
+    assert prompt2 == [SPECIAL.sot_prev, ts(0), 11, 12, ts(1), ts(2), 13, ts(5), SPECIAL.sot]
 
 
 def test_a_window_ending_in_one_timestamp_moves_a_whole_window():
@@ -134,6 +134,20 @@ def test_windows_of_several_recordings_share_a_call_with_aligned_prompts():
     assert sorted(len(p) for p in calls) == [1, 2]  # with context (a, b) and without (c)
     with_context = next(p for p in calls if len(p) == 2)
     assert with_context == [[SPECIAL.sot_prev, 3, 4, SPECIAL.sot], [SPECIAL.sot_prev, 9, 8, SPECIAL.sot]]
+
+
+def test_the_context_keeps_the_timestamps_and_only_what_the_segments_came_from():
+    # window 1 ends in a sentence cut by the window's edge (after the last pair of timestamps): read again next time
+    def script(prompt, temperature):
+        return [ts(0), 11, ts(2), ts(2), 12, 13] if SPECIAL.sot_prev not in prompt else [ts(0), 14, ts(1)]
+
+    runner = ScriptedRunner(script)
+    sched = SpeechScheduler(runner, 4)
+    sched.add_transcribe(TranscribeRequest("r", speech(31)))
+    outs = run(sched)["r"]
+    assert [s.token_ids for o in outs for s in o.segments] == [(11,), (14,)]
+    assert outs[1].segments[0].start == 2.0  # the unfinished sentence is read again from 2 s
+    assert runner.calls[1][0][0] == [SPECIAL.sot_prev, ts(0), 11, ts(2), SPECIAL.sot]
 
 
 def test_refusals():
