@@ -92,7 +92,9 @@ class SpeechScheduler:
         self.audio_seconds = 0.0  # of recordings read so far
         self.windows = 0
         self._recent: deque[tuple[float, float, float]] = deque()  # (end, audio s, busy s) of recent steps
-        self._step_audio = 0.0  # seconds of audio the current step reads
+        # Seconds of the recordings the current step moved past (a window read again from its last timestamp counts
+        # once): summed over a request, its duration.
+        self._step_audio = 0.0
 
     # -- admission ------------------------------------------------------------------------------
     def add_transcribe(self, req: TranscribeRequest) -> str | None:
@@ -192,7 +194,6 @@ class SpeechScheduler:
                     w.attempt += 1
                     retry.append(w)
             pending = retry
-        self._step_audio += sum(w.size for w in windows) / FRAMES_PER_SECOND
         self.windows += len(windows)
         return [self._finish(encoded, w) for w in windows]
 
@@ -287,6 +288,7 @@ class SpeechScheduler:
                                               round(res.avg_logprob, 6), round(w.ratio, 6),
                                               round(res.no_speech_prob, 6), word_times))
         job.seek += advance
+        self._step_audio += advance / FRAMES_PER_SECOND
         if w.temperature > 0.5:  # a window that needed a high temperature is no context to go on from
             job.context = []
         else:

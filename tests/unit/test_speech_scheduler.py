@@ -147,6 +147,7 @@ def test_the_context_keeps_the_timestamps_and_only_what_the_segments_came_from()
     outs = run(sched)["r"]
     assert [s.token_ids for o in outs for s in o.segments] == [(11,), (14,)]
     assert outs[1].segments[0].start == 2.0  # the unfinished sentence is read again from 2 s
+    assert sched.stats_fields()["audio_seconds"] == 31.0  # (the recording's length, though 2 s were read twice)
     assert runner.calls[1][0][0] == [SPECIAL.sot_prev, ts(0), 11, ts(2), SPECIAL.sot]
 
 
