@@ -108,8 +108,10 @@ def test_the_sdk_streams_through_nginx_until_zserve_stops(zserve_behind_nginx):
     client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=2)  # warm: template, kernels
 
     # A stream: each event is its own chunk, and the first one arrives long before the last is written (a proxy
-    # that held the events back would deliver them together, at the end or a buffer at a time).
-    max_tokens = 96
+    # that held the events back would deliver them together, at the end or a buffer at a time). Long enough that
+    # the decoding, not the first token's latency, is most of it: tiny-random wrote 96 tokens in 60 ms after a
+    # first token at 106 ms once, and the check failed on a stream that was not held back.
+    max_tokens = 512
     start = time.monotonic()
     arrived: list[float] = []
     finish = None
