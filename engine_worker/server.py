@@ -324,22 +324,24 @@ class EngineServer:
         if getattr(self.scheduler, "lora_closing", None):
             self.scheduler.drop_closed_loras()
         self.publish_kv()
-        per_client: dict[bytes, list] = {}
+        # Each client's outputs, by message: generated tokens, pooled vectors, transcribed windows.
+        per_client: dict[bytes, tuple[list, list, list]] = {}
         for out in outs:
-            done = out.done if type(out) is TranscribeOutput else isinstance(out, PoolOutput) or \
-                out.finish_reason is not None
+            kind = type(out)
+            done = out.done if kind is TranscribeOutput else kind is PoolOutput or out.finish_reason is not None
             client = self.requests.pop(out.request_id, None) if done else self.requests.get(out.request_id)
             if client is not None:
-                per_client.setdefault(client, []).append(out)
-        for client, mine in per_client.items():
-            pooled = tuple(o for o in mine if isinstance(o, PoolOutput))
-            heard = tuple(o for o in mine if isinstance(o, TranscribeOutput))
+                mine = per_client.get(client)
+                if mine is None:
+                    mine = per_client[client] = ([], [], [])
+                mine[1 if kind is PoolOutput else 2 if kind is TranscribeOutput else 0].append(out)
+        for client, (generated, pooled, heard) in per_client.items():
             if pooled:
-                self.send(client, PoolOutputs(self.rank, pooled))
+                self.send(client, PoolOutputs(self.rank, tuple(pooled)))
             if heard:
-                self.send(client, TranscribeOutputs(self.rank, heard))
-            if len(pooled) + len(heard) < len(mine):
-                self.send(client, StepOutputs(self.rank, tuple(o for o in mine if type(o) is RequestOutput)))
+                self.send(client, TranscribeOutputs(self.rank, tuple(heard)))
+            if generated:
+                self.send(client, StepOutputs(self.rank, tuple(generated)))
 
     def publish_kv(self) -> None:
         """Send the KV events of what just happened (blocks stored, evicted, forgotten) as one batch."""

@@ -56,13 +56,13 @@ def mel_filters(n_mels: int) -> torch.Tensor:
     return torch.from_numpy(bank.astype(np.float32))
 
 
-def log_mel(pcm: bytes, filters: torch.Tensor) -> torch.Tensor:
-    """The log-mel spectrogram of 16 kHz 16-bit PCM followed by 30 s of silence (so that the last window is whole),
-    ``[n_mels, frames]``, scaled as Whisper's encoder expects (log10, floored 8 below the peak, then (x+4)/4).
+def log_mel(pcm: torch.Tensor, filters: torch.Tensor) -> torch.Tensor:
+    """The log-mel spectrogram of 16 kHz 16-bit samples followed by 30 s of silence (so that the last window is
+    whole), ``[n_mels, frames]``, scaled as Whisper's encoder expects (log10, floored 8 below the peak, then
+    (x+4)/4).
 
     The peak is the whole recording's, as Whisper computes it once per file."""
-    samples = torch.frombuffer(bytearray(pcm), dtype=torch.int16).to(torch.float32) / 32768.0
-    samples = torch.nn.functional.pad(samples, (0, SAMPLE_RATE * 30))
+    samples = torch.nn.functional.pad(pcm.to(torch.float32) / 32768.0, (0, SAMPLE_RATE * 30))
     spec = torch.stft(samples, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)
     power = spec[..., :-1].abs() ** 2
     mel = torch.clamp(filters @ power, min=1e-10).log10()
@@ -149,7 +149,8 @@ class WhisperRunner:
     def token_bytes(self, ids: list[int]) -> bytes:
         return b"".join(self._token_bytes(t) for t in ids)
 
-    def features(self, pcm: bytes) -> torch.Tensor:
+    def features(self, pcm: torch.Tensor) -> torch.Tensor:
+        """The log-mel spectrogram of a recording's int16 samples."""
         return log_mel(pcm, self.filters)
 
     def _storage(self, windows: list[torch.Tensor]):

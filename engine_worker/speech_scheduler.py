@@ -113,10 +113,12 @@ class SpeechScheduler:
             return f"request id {req.request_id!r} is already queued on this engine"
         if any(t >= self.runner.vocab_size for t in req.prompt_token_ids):
             return f"a prompt token id is outside the vocabulary ({self.runner.vocab_size})"
-        mel = self.runner.features(req.audio)
-        frames = len(req.audio) // 2 // HOP
+        # (one copy of the audio, which the message's bytes are not: frombuffer needs a writable buffer)
+        samples = torch.frombuffer(bytearray(req.audio), dtype=torch.int16) if req.audio else \
+            torch.zeros(0, dtype=torch.int16)
+        mel = self.runner.features(samples)
+        frames = len(samples) // HOP
         prompt = [t for t in req.prompt_token_ids if t < special.eot]
-        samples = torch.frombuffer(bytearray(req.audio), dtype=torch.int16) if req.audio else torch.zeros(0)
         self.waiting.append(_Job(req, mel, samples, frames, language, prompt))
         return None
 
@@ -202,14 +204,17 @@ class SpeechScheduler:
         window = job.samples[job.seek * HOP: (job.seek + WINDOW_FRAMES) * HOP]
         return not len(window) or int(window.to(torch.int32).abs().max()) < SILENCE_PEAK
 
+    def _start(self, job: _Job) -> list[int]:
+        """The start-of-transcript sequence of ``job``'s windows: with a multilingual model, its language and task."""
+        special = self.runner.special
+        if not self.runner.multilingual:
+            return [special.sot]
+        task = special.translate if job.req.task == "translate" else special.transcribe
+        return [special.sot, special.languages[job.language or "en"], task]  # type: ignore[list-item]
+
     def _prompt(self, w: _Window, context: list[int]) -> list[int]:
-        special, req = self.runner.special, w.job.req
-        start = [special.sot]
-        if self.runner.multilingual:
-            task = special.translate if req.task == "translate" else special.transcribe
-            start += [special.languages[w.job.language or "en"], task]  # type: ignore[list-item]
-        if not req.timestamps:
-            start.append(special.no_timestamps)
+        special = self.runner.special
+        start = self._start(w.job) + ([] if w.job.req.timestamps else [special.no_timestamps])
         return ([special.sot_prev, *context] if context else []) + start
 
     def _decode(self, encoded, windows: list[_Window]) -> None:
@@ -267,12 +272,8 @@ class SpeechScheduler:
         pieces = [p for p in pieces if p[2]]
         times = None
         if job.req.words and pieces:
-            start = [special.sot]
-            if self.runner.multilingual:
-                task = special.translate if job.req.task == "translate" else special.transcribe
-                start += [special.languages[job.language or "en"], task]  # type: ignore[list-item]
             text = [t for p in pieces for t in p[2]]
-            times = self.runner.token_times(self.runner.select(encoded, [w.row]), start, text, w.size)
+            times = self.runner.token_times(self.runner.select(encoded, [w.row]), self._start(job), text, w.size)
         duration = job.frames / FRAMES_PER_SECOND
         segments, at = [], 0
         for begin, end, text in pieces:

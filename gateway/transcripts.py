@@ -2,8 +2,9 @@
 
 The engine sends token ids, never text (``protocol.speech``): this module turns a request's ``TranscriptSegment``s
 into each ``response_format`` OpenAI has (``json``, ``text``, ``srt``, ``vtt``, ``verbose_json`` with segments and
-words) and into the text deltas of a streamed transcript. Everything here is pure: a ``tokenizers.Tokenizer`` loaded
-from the model's Whisper ``tokenizer.json`` (byte-level BPE) and the segments in, a str or a JSON-ready dict out.
+words) and into the text deltas of a streamed transcript. Everything here is pure: the model's tokenizer
+(``zserve.tokenizer.Tokenizer``, from its Whisper ``tokenizer.json``: byte-level BPE) and the segments in, a str or a
+JSON-ready dict out.
 
 Text follows Whisper's own: a segment's text is the decode of its tokens and keeps the leading space Whisper writes
 (as OpenAI's ``segments[].text`` does); the transcript is the segments' texts joined and stripped.
@@ -26,9 +27,8 @@ import codecs
 import math
 from collections.abc import Iterable, Sequence
 
-from tokenizers import Tokenizer
-
 from protocol.speech import TranscriptSegment
+from zserve.tokenizer import Tokenizer
 
 # Whisper's languages (its tokenizer's language tokens, in their order) with the English names OpenAI's
 # verbose_json gives, in lower case.
@@ -59,21 +59,6 @@ _CLOSING = frozenset(".,!?:;…)]}»”’、。，！？：；）」』】〕�
 _OPENING = frozenset("([{«“‘¿¡「『【〔〈《（")
 _SPACES = frozenset(b" \t\n\r")
 _UTF8 = codecs.getincrementaldecoder("utf-8")
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE piece writes for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return {chr(c): b for b, c in chars.items()}
-
-
-_BYTE_DECODER = _byte_decoder()
 
 
 def language_name(code: str) -> str:
@@ -146,12 +131,11 @@ def words(tokenizer: Tokenizer, segments: Iterable[TranscriptSegment], language:
     ``language`` (a code) picks character splitting for languages written without spaces. Segments without
     ``word_times`` give no words."""
     spaceless = (language or "").lower() in SPACELESS_LANGUAGES
-    specials = _special_ids(tokenizer)
     found: list[tuple[str, float, float]] = []
     for seg in segments:
         if not seg.word_times or not seg.token_ids:
             continue
-        pieces = [_piece_bytes(tokenizer, t, specials) for t in seg.token_ids]
+        pieces = [_piece_bytes(tokenizer, t) for t in seg.token_ids]
         for lo, hi in _word_spans(pieces, spaceless):
             text = tokenizer.decode(list(seg.token_ids[lo:hi])).strip()
             if text:
@@ -186,21 +170,9 @@ class StreamText:
         return self._text
 
 
-def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    return frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
-
-
-def _piece_bytes(tokenizer: Tokenizer, token_id: int, specials: frozenset[int]) -> bytes:
+def _piece_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     """The bytes a token writes (nothing for a special token, which decodes to nothing)."""
-    if token_id in specials:
-        return b""
-    piece = tokenizer.id_to_token(token_id)
-    if piece is None:
-        return b""
-    try:
-        return bytes(_BYTE_DECODER[c] for c in piece)
-    except KeyError:  # not a byte-level piece (an added token): its decode is its bytes
-        return tokenizer.decode([token_id]).encode()
+    return b"" if token_id in tokenizer.all_special_ids else tokenizer.id_to_bytes(token_id)
 
 
 def _word_spans(pieces: list[bytes], spaceless: bool) -> list[tuple[int, int]]:

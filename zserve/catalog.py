@@ -180,9 +180,10 @@ def _joined_model(data: Path, parts: list[Path]) -> Path:
     that two processes starting together never read half a file) under the cache, else the temporary directory."""
     from .paths import user_cache_dir  # (torch-free, like this module)
 
-    stamp = "-".join(f"{p.stat().st_size}.{int(p.stat().st_mtime)}" for p in parts)
+    stats = [p.stat() for p in parts]
+    stamp = "-".join(f"{st.st_size}.{int(st.st_mtime)}" for st in stats)
     root = Path(user_cache_dir() or tempfile.gettempdir()) / "models" / f"whisper-base-{stamp}"
-    if (root / "model.bin").is_file() and (root / "model.bin").stat().st_size == sum(p.stat().st_size for p in parts):
+    if (root / "model.bin").is_file() and (root / "model.bin").stat().st_size == sum(st.st_size for st in stats):
         return root
     root.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "tokenizer.json", "vocabulary.txt"):

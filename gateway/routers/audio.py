@@ -220,7 +220,7 @@ def _check_language(view: ModelState, code: str) -> None:
 
 def _answer(view: ModelState, form: _Form, task: str, language: str, seconds: float,
             segments: list[TranscriptSegment]) -> web.Response:
-    tok = view.tokenizer.backend
+    tok = view.tokenizer
     if form.format == "json":
         return json_body(as_json(full_text(tok, segments), usage(seconds)))
     if form.format == "verbose_json":
@@ -234,7 +234,7 @@ def _answer(view: ModelState, form: _Form, task: str, language: str, seconds: fl
 async def _stream(request: web.Request, view: ModelState, outputs, seconds: float) -> web.StreamResponse:
     """The text as it is decoded, as OpenAI streams a transcription: deltas, then the whole text with the usage. An
     engine failure after the first event ends the stream with an ``error`` event (the status line is sent)."""
-    tok = view.tokenizer.backend
+    tok = view.tokenizer
     text = StreamText(tok)
     first = None
     try:  # the first window before any byte: a refusal or failure there is a plain error response

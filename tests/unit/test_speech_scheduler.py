@@ -32,8 +32,8 @@ class ScriptedRunner:
         self.logprob = logprob
         self.calls: list[tuple[list[list[int]], float]] = []
 
-    def features(self, pcm: bytes) -> torch.Tensor:
-        return torch.zeros(80, len(pcm) // 2 // 160 + 3000)
+    def features(self, pcm: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(80, len(pcm) // 160 + 3000)
 
     def encode(self, windows):
         return list(range(len(windows)))
