@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import orjson
 import psutil
 import pytest
 
@@ -363,6 +364,13 @@ def test_launch_status_prints_every_process(tiny_server):
     lines = [ln for ln in out.splitlines() if ln.startswith(("engine", "gateway"))]
     assert len(lines) == 3 and all(" ready " in ln for ln in lines)
     assert "running" in out and "in-flight" in out
+    # --json prints the reply the tests' status() helper reads in process
+    shown = orjson.loads(subprocess.run([*LAUNCH, "status", "--port", str(tiny_server.port), "--json"], cwd=ROOT,
+                                        capture_output=True, timeout=30, check=True).stdout)
+    asked = status(tiny_server)
+    assert [(p["tier"], p["pid"], p["state"]) for p in shown["processes"]] == \
+        [(p["tier"], p["pid"], p["state"]) for p in asked["processes"]]
+    assert shown["desired"] == asked["desired"] and shown["models"] == asked["models"]
 
 
 def test_second_sigint_stops_at_once_without_draining():
