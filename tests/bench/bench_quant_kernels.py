@@ -14,7 +14,9 @@ measures the CPU's caches, not the memory traffic that bounds a decode step. The
   ``--group`` columns (the layout Q4_0, Q4_1 and Q4_K's 32-wide sub-blocks map onto exactly);
 - ``int8``: ``torch._weight_int8pack_mm`` on 8-bit weights with one scale per output row;
 - ``qgemm``: zserve's own kernel (``engine_worker/cpu_kernels/qgemm.cpp``, what ``--quantization auto`` runs) on the
-  same 4-bit codes, scales and zeros, with float32 activations.
+  same 4-bit codes, scales and zeros (a group minimum, as Q4_1 and Q4_K have), with float32 activations;
+- ``qgemm bf16``: the same kernel with bf16 activations (``--dtype auto`` on a CPU with native bf16), against the
+  bf16 baseline on the dequantized weight: the prompt matmuls that ``bench_llamacpp.py``'s concurrency rows time.
 
 Each kernel's error against the dequantized weight is printed too (relative Frobenius norm), so a fast kernel that
 computes something else shows. Weights are random: the time depends on the shapes only.
@@ -80,8 +82,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads, int4 groups of {args.group}; µs per matmul")
     print("| shape | batch | bf16 (oneDNN) | int4 | int4 / bf16 speed | int8 | int8 / bf16 speed | qgemm "
-          "| qgemm speed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| qgemm speed | qgemm bf16 | qgemm bf16 speed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     errors = []
     for name, (n, k) in SHAPES.items():
         copies = 1 if name.startswith("lm_head") else args.layers
@@ -103,8 +105,9 @@ def main() -> None:
             t_4 = timed(reps, torch.ops.aten._weight_int4pack_mm_for_cpu, x, i4)
             t_8 = timed(reps, torch.ops.aten._weight_int8pack_mm, x, i8)
             t_q = timed(reps, lambda x, w: w.matmul(x), x.float(), qg)
+            t_qb = timed(reps, lambda x, w: w.matmul(x), x, qg)
             print(f"| {name} | {b} | {t_bf:.0f} | {t_4:.0f} | {t_bf / t_4:.2f}x | {t_8:.0f} | {t_bf / t_8:.2f}x "
-                  f"| {t_q:.0f} | {t_bf / t_q:.2f}x |")
+                  f"| {t_q:.0f} | {t_bf / t_q:.2f}x | {t_qb:.0f} | {t_bf / t_qb:.2f}x |")
         w, deq4, q8, s8 = plain[0]
         x = torch.randn(4, k, generator=gen).bfloat16()
         ref4, ref8 = x.float() @ deq4.T, x.float() @ (q8.float() * s8.bfloat16().float()[:, None]).T
