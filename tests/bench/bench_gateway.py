@@ -15,8 +15,9 @@ echo app, the gateway process (found by its title, ``zserve: gateway 0``) for zs
 interleaved in rounds and medians reported. Then requests/s with 1, 2 and 4 gateways, nothing pinned.
 ``--stream-tokens`` measures instead the CPU per streamed token: 64 concurrent streams of 256 tokens
 (``ignore_eos``) from the tiny engine, against the aiohttp echo app streaming the same (one chunk to every
-stream per 20 ms step), the floor of zserve's stack; ``--stream-intervals 1,4,8`` adds a zserve per
-``--stream-interval`` value (fewer, larger chunks). Rerun with:
+stream per 20 ms step), the floor of zserve's stack, and the forward echo app streaming a fixed chunk for each
+of the same engine's outputs, the floor of a token forwarded from an engine on the same core;
+``--stream-intervals 1,4,8`` adds a zserve per ``--stream-interval`` value (fewer, larger chunks). Rerun with:
 
     .venv/bin/python tests/bench/bench_gateway.py --requests 3000 --concurrency 32 --rounds 3
     .venv/bin/python tests/bench/bench_gateway.py --stream-tokens --stream-intervals 1,4,8
@@ -341,15 +342,22 @@ def print_streaming(targets: list[Target], args, placement: str) -> None:
           f"{args.rounds} rounds (interleaved, medians); the aiohttp echo writes one chunk to every stream every "
           f"20 ms (an engine step); zserve: 1 gateway, tiny-random engine, float32")
     print(placement)
-    floor = med(targets[0], lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
-    print(f"{'target':30} {'tokens/round':>12} {'tokens/s':>9} {'CPU µs/token':>13} {'vs aio':>7} {'server CPU':>10} "
-          f"{'failed':>6}")
+    def per_token(t: Target) -> float:
+        return med(t, lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
+
+    floor = per_token(targets[0])
+    fwd = next((t for t in targets if t.name == "forward echo"), None)
+    print(f"{'target':30} {'tokens/round':>12} {'tokens/s':>9} {'CPU µs/token':>13} {'vs aio':>7} {'vs fwd':>7} "
+          f"{'server CPU':>10} {'failed':>6}")
     for t in targets:
-        per_tok = med(t, lambda r: r.server_cpu_s / max(1, r.tokens) * 1e6)
+        per_tok = per_token(t)
+        vs_fwd = f"{per_tok / per_token(fwd):6.2f}x" if fwd is not None else "      -"
         print(f"{t.name:30} {med(t, lambda r: r.tokens):12.0f} {med(t, lambda r: r.tokens / r.wall_s):9.0f} "
-              f"{per_tok:13.1f} {per_tok / floor:6.2f}x {med(t, lambda r: r.server_cpu_s / r.wall_s) * 100:9.0f}% "
-              f"{failures(t):6}")
-    print("(CPU: the echo app's process, zserve's gateway process)")
+              f"{per_tok:13.1f} {per_tok / floor:6.2f}x {vs_fwd} "
+              f"{med(t, lambda r: r.server_cpu_s / r.wall_s) * 100:9.0f}% {failures(t):6}")
+    print("(CPU: the echo app's process, zserve's gateway process. forward echo: the aiohttp app that streams a fixed "
+          "chunk for each of zserve's engine outputs, written as zserve writes them: the floor of a streamed token "
+          "forwarded from an engine)")
 
 
 def main() -> None:
@@ -398,6 +406,7 @@ def main() -> None:
             for n in args.stream_intervals:
                 targets.append(start_zserve(1, server_core, args.engine == "shared", max(64, args.streams),
                                             stream_interval=n))
+            targets.insert(1, start_forward(targets[1], server_core))
             measure(targets, args, loader_core, args.stream_tokens)
             print_streaming(targets, args, placement)
             results["streaming"] = {t.name: [asdict(r) for r in t.rounds] for t in targets}

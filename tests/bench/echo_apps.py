@@ -10,7 +10,10 @@ is installed, else h11). ``forward`` is the aiohttp app that also asks an engine
 sends a fixed prompt (``--prompt-tokens`` ids, max_tokens 1, greedy) to a running zserve engine over ZeroMQ
 (protocol/, the socket read from the event loop as zserve's gateway reads it) and answers when the engine's
 output comes back: what any gateway of this two-tier design pays to wait on an engine, with none of the
-work a real gateway does (validation, chat template, tokenizer, sampling parameters, text). Run one with:
+work a real gateway does (validation, chat template, tokenizer, sampling parameters, text). Streamed, it asks
+for ``max_tokens`` tokens (``ignore_eos``) and writes a fixed chunk for each engine output as it arrives, from
+the socket's reader, with zserve's own direct write (``gateway.sse.EventWriter``): the floor of a streamed token
+forwarded from an engine, without a detokenizer, stop strings, metrics or the response's shape. Run one with:
 
     .venv/bin/python tests/bench/echo_apps.py aiohttp --port 8101
     .venv/bin/python tests/bench/echo_apps.py fastapi --port 8102
@@ -134,11 +137,18 @@ def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None
     from aiohttp import web
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from gateway.sse import EventWriter, open_stream
     from protocol import AddRequest, SamplingParams, StepOutputs, decode, encode
 
     answer = orjson.dumps(ANSWER)
     sampling = SamplingParams(max_tokens=1, temperature=0.0)
     prompt = tuple(range(1, prompt_tokens + 1))
+
+    def chunk(content: str, finish: str | None) -> bytes:
+        """The JSON of one ``chat.completion.chunk`` (as the aiohttp app's, without the SSE framing)."""
+        return orjson.dumps({"id": "chatcmpl-echo", "object": "chat.completion.chunk", "created": ANSWER["created"],
+                             "model": "echo", "choices": [{"index": 0, "delta": {"content": content},
+                                                           "logprobs": None, "finish_reason": finish}]})
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -149,6 +159,7 @@ def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None
         sock.setsockopt(zmq.IDENTITY, f"forward-{os.getpid()}".encode())
         sock.connect(engine)
         waiting: dict[str, asyncio.Future] = {}
+        writers: dict[str, EventWriter] = {}  # streamed requests: a chunk per engine output, written at once
         recheck: list[bool] = []
 
         def pump() -> None:
@@ -157,8 +168,14 @@ def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None
                 msg = decode(sock.recv_multipart(zmq.NOBLOCK))
                 if isinstance(msg, StepOutputs):
                     for out in msg.outputs:
-                        fut = waiting.pop(out.request_id, None)
-                        if fut is not None and out.finish_reason is not None:
+                        rid, finish = out.request_id, out.finish_reason
+                        if (events := writers.get(rid)) is not None:
+                            try:
+                                events.data(chunk("Hello", finish))
+                            except ConnectionError:
+                                pass
+                        if finish is not None and (fut := waiting.pop(rid, None)) is not None:
+                            writers.pop(rid, None)
                             fut.set_result(out)
 
         loop.add_reader(sock.get(zmq.FD), pump)
@@ -170,12 +187,24 @@ def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None
                 return web.json_response({"error": {"message": "messages must be a list"}}, status=400)
             rid = f"fwd-{next(counter)}"
             fut = waiting[rid] = loop.create_future()
-            sock.send_multipart(encode(AddRequest(rid, prompt, sampling)), zmq.NOBLOCK, copy=False)
+            n = int(body.get("max_tokens") or 16) if body.get("stream") else 1
+            params = sampling if n == 1 else SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            if body.get("stream"):
+                resp = await open_stream(request)
+                events = writers[rid] = EventWriter(request, resp)
+            sock.send_multipart(encode(AddRequest(rid, prompt, params)), zmq.NOBLOCK, copy=False)
             if not recheck:  # a send can take the edge that announces a reply: read once per loop iteration
                 recheck.append(True)
                 loop.call_soon(pump)
-            await fut
-            return web.Response(body=answer, content_type="application/json")
+            if not body.get("stream"):
+                await fut
+                return web.Response(body=answer, content_type="application/json")
+            await events.until(fut)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+            events.data(orjson.dumps({"id": "chatcmpl-echo", "object": "chat.completion.chunk",
+                                      "created": ANSWER["created"], "model": "echo", "choices": [], "usage": usage}))
+            await events.close()
+            return resp
 
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
