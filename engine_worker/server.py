@@ -61,6 +61,27 @@ CLOSE_LINGER_MS = 2000  # at exit, how long queued outputs may wait for a gatewa
 HANDBACK_GRACE_S = 0.25
 
 
+def bind_engine_socket(ctx: zmq.Context, endpoint: str, keys: CurveKeys | None = None, name: str = "engine"
+                       ) -> zmq.Socket:
+    """The engine's ROUTER, bound at ``endpoint``: each gateway is one peer, known by its ZeroMQ identity (its
+    client id).
+
+    ``ROUTER_HANDOVER``: a new connection with a gateway's identity takes it over from an older one still open.
+    A restarted engine's endpoint is reached first by the gateway's old socket (ZeroMQ reconnects it on its own),
+    which the gateway then closes as the supervisor's cluster state drops the dead engine, and opens a new one.
+    Without handover the ROUTER keeps the identity for the old connection and silently drops everything the new
+    one sends, the greeting included, for as long as the engine lives: that gateway never routed to it."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if keys is not None:
+        secure_server(sock, keys, name)
+    sock.bind(endpoint)
+    return sock
+
+
 class EngineServer:
     def __init__(self, rank: int, endpoint: str, runner, scheduler: Scheduler, hello: EngineHello,
                  stats_interval: float = 0.1, max_waiting: int | None = None, keys: CurveKeys | None = None,
@@ -79,13 +100,7 @@ class EngineServer:
         self.hello = replace(hello, max_waiting=max_waiting)  # announced as enforced: gateways check requests by it
         self.stats_interval = stats_interval
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (1 << 20))
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if keys is not None:
-            secure_server(self.sock, keys, f"engine {rank}")
-        self.sock.bind(endpoint)
+        self.sock = bind_engine_socket(self.ctx, endpoint, keys, f"engine {rank}")
         self.status = status or StatusPipe(None)  # to the supervisor (LoraReport; Ready and heartbeats: engine.py)
         self.control_fd = control_fd  # from the supervisor (PIPE_COMMANDS)
         self.lines = LineBuffer()

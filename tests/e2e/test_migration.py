@@ -295,14 +295,20 @@ def test_a_stream_moves_as_often_as_the_limit_allows_then_fails(server):
 def test_a_scale_down_whose_drain_times_out_moves_its_streams_to_the_engine_that_stays(server):
     wait_until(lambda: len(ready_pids(server, "engine")) == 2, 60, what="two ready engines")
 
+    last: dict[int, list] = {}  # each gateway's view of the engines, as /status last gave it
+
     def both_route_to_both() -> bool:  # (an engine replaced by the test before is ready before gateways reach it)
         seen = {}
         for _ in range(20):
             st = httpx.get(server.url + "/status", headers={"Connection": "close"}, timeout=10).json()
             seen[st["gateway"]] = sum(e["routable"] for e in st["engines"])
+            last[st["gateway"]] = st["engines"]
         return seen == {0: 2, 1: 2}
 
-    wait_until(both_route_to_both, 60, 0.1, "both gateways to route to both engines")
+    try:
+        wait_until(both_route_to_both, 60, 0.1, "both gateways to route to both engines")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the gateways' engines: {last}") from None
     streams = [Stream() for _ in range(8)]
     before = metric(server.url, 'zserve_migrations_total{cause="drain_timeout"}')
     with ThreadPoolExecutor(8) as pool:

@@ -169,3 +169,45 @@ def test_a_lost_greeting_is_sent_again_when_the_engine_shows_it_knows_the_gatewa
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_gateway_whose_old_connection_to_a_restarted_engine_is_still_open_is_greeted_on_its_new_one(endpoint):
+    """A restarted engine's endpoint is reached first by the gateway's old socket (ZeroMQ reconnects it on its own);
+    the supervisor's cluster state then drops the dead engine (the gateway closes that socket) and brings the new
+    one (a new socket, the same identity), and the two can overlap at the engine. The engine's socket
+    (``bind_engine_socket``) hands the identity over to the newest connection, so its greeting is answered. Without
+    handover the engine dropped everything the new connection sent, for its whole life, and that gateway never
+    routed to it (seen in tests/e2e/test_migration.py after an engine was killed twice)."""
+    from engine_worker.server import bind_engine_socket
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context.instance()
+        router = bind_engine_socket(ctx, endpoint)
+        hello = EngineHello(0, MODEL, 8, 64, 100, (2,), 1, "cpu", "float32")
+
+        async def engine() -> None:  # answers every greeting, as an engine does
+            while True:
+                ident, *frames = await router.recv_multipart()
+                if isinstance(decode(frames), ClientHello):
+                    await router.send_multipart([ident, *encode(hello)])
+
+        answering = asyncio.create_task(engine())
+        client = EngineClient([])
+        old = ctx.socket(zmq.DEALER)  # the gateway's old connection, still open at the engine
+        old.setsockopt(zmq.LINGER, 0)
+        old.setsockopt(zmq.IDENTITY, client.client_id.encode())
+        old.connect(endpoint)
+        await old.send_multipart(encode(ClientHello(client.client_id)))
+        assert isinstance(decode(await asyncio.wait_for(old.recv_multipart(), 10)), EngineHello)
+        await client.apply_cluster(ready_at(endpoint))  # the new connection, same identity
+        for _ in range(300):
+            if client.engines[endpoint].routable:
+                break
+            await asyncio.sleep(0.01)
+        assert client.engines[endpoint].routable, "the new connection's greeting was not answered"
+        old.close()
+        answering.cancel()
+        router.close()
+        await client.close()
+
+    asyncio.run(scenario())
