@@ -214,7 +214,10 @@ def test_a_flood_past_max_concurrent_requests_gets_429s_never_5xx_and_memory_sta
 
     codes = asyncio.run(flood())
     assert not [c for c in codes if c >= 500], sorted(set(codes))
-    assert codes.count(429) > 0 and codes.count(200) >= 128  # each gateway served its 64 at once, at least
+    # The gateways share one accept queue, so a burst goes to whichever accepts first: usually about half each, but
+    # once 437 of the 500 went to one gateway and 63 to the other (127 served). What holds: the gateway with the
+    # larger share (250 or more) served its 64 at once and refused the rest.
+    assert codes.count(429) > 0 and codes.count(200) >= 64
     assert set(codes) <= {200, 429}
     assert sum(g.memory_info().rss for g in gateways) - rss < 64 << 20  # bounded: no queue behind the limit
     r = httpx.post(server.url + "/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
