@@ -66,6 +66,25 @@ def http_implementation() -> str:
     return "httptools"
 
 
+def chunk_json(content: str | None, finish: str | None, usage: dict | None = None) -> bytes:
+    """One ``chat.completion.chunk`` as a minimal OpenAI-compatible server writes it: a dict through orjson (with
+    ``usage``: the usage chunk, no choices)."""
+    import orjson
+
+    body: dict[str, Any] = {"id": "chatcmpl-echo", "object": "chat.completion.chunk", "created": ANSWER["created"],
+                            "model": "echo", "choices": []}
+    if usage is None:
+        body["choices"] = [{"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": finish}]
+    else:
+        body["usage"] = usage
+    return orjson.dumps(body)
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def serve_aiohttp(host: str, port: int, step_ms: float = 20.0) -> None:
     import orjson
     import uvloop
@@ -75,11 +94,8 @@ def serve_aiohttp(host: str, port: int, step_ms: float = 20.0) -> None:
     streams: list[tuple[web.StreamResponse, list[int], asyncio.Future]] = []  # response, [tokens left], done
 
     def chunk(content: str, finish: str | None) -> bytes:
-        """One SSE event as a minimal OpenAI-compatible server writes it: a dict through orjson."""
-        body = {"id": "chatcmpl-echo", "object": "chat.completion.chunk", "created": ANSWER["created"],
-                "model": "echo", "choices": [{"index": 0, "delta": {"content": content}, "logprobs": None,
-                                              "finish_reason": finish}]}
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        """One SSE event."""
+        return b"data: " + chunk_json(content, finish) + b"\n\n"
 
     async def engine_steps() -> None:
         """Like an engine step: every step_ms, one token to every open stream."""
@@ -107,10 +123,7 @@ def serve_aiohttp(host: str, port: int, step_ms: float = 20.0) -> None:
         done = asyncio.get_running_loop().create_future()
         streams.append((resp, [n], done))
         await done
-        usage = {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n}
-        await resp.write(b"data: " + orjson.dumps({"id": "chatcmpl-echo", "object": "chat.completion.chunk",
-                                                   "created": ANSWER["created"], "model": "echo", "choices": [],
-                                                   "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        await resp.write(b"data: " + chunk_json(None, None, usage_of(12, n)) + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -144,12 +157,6 @@ def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None
     sampling = SamplingParams(max_tokens=1, temperature=0.0)
     prompt = tuple(range(1, prompt_tokens + 1))
 
-    def chunk(content: str, finish: str | None) -> bytes:
-        """The JSON of one ``chat.completion.chunk`` (as the aiohttp app's, without the SSE framing)."""
-        return orjson.dumps({"id": "chatcmpl-echo", "object": "chat.completion.chunk", "created": ANSWER["created"],
-                             "model": "echo", "choices": [{"index": 0, "delta": {"content": content},
-                                                           "logprobs": None, "finish_reason": finish}]})
-
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         ctx = zmq.Context()
@@ -171,7 +178,7 @@ def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None
                         rid, finish = out.request_id, out.finish_reason
                         if (events := writers.get(rid)) is not None:
                             try:
-                                events.data(chunk("Hello", finish))
+                                events.data(chunk_json("Hello", finish))
                             except ConnectionError:
                                 pass
                         if finish is not None and (fut := waiting.pop(rid, None)) is not None:
@@ -187,22 +194,21 @@ def serve_forward(host: str, port: int, engine: str, prompt_tokens: int) -> None
                 return web.json_response({"error": {"message": "messages must be a list"}}, status=400)
             rid = f"fwd-{next(counter)}"
             fut = waiting[rid] = loop.create_future()
-            n = int(body.get("max_tokens") or 16) if body.get("stream") else 1
-            params = sampling if n == 1 else SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-            if body.get("stream"):
+            streamed = bool(body.get("stream"))
+            n = int(body.get("max_tokens") or 16) if streamed else 1
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) if streamed else sampling
+            if streamed:
                 resp = await open_stream(request)
                 events = writers[rid] = EventWriter(request, resp)
             sock.send_multipart(encode(AddRequest(rid, prompt, params)), zmq.NOBLOCK, copy=False)
             if not recheck:  # a send can take the edge that announces a reply: read once per loop iteration
                 recheck.append(True)
                 loop.call_soon(pump)
-            if not body.get("stream"):
+            if not streamed:
                 await fut
                 return web.Response(body=answer, content_type="application/json")
             await events.until(fut)
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-            events.data(orjson.dumps({"id": "chatcmpl-echo", "object": "chat.completion.chunk",
-                                      "created": ANSWER["created"], "model": "echo", "choices": [], "usage": usage}))
+            events.data(chunk_json(None, None, usage_of(prompt_tokens, n)))
             await events.close()
             return resp
 
