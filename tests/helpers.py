@@ -147,31 +147,64 @@ def pinned_client(url: str, timeout: float = 60) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=1, keepalive_expiry=None))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
 
 
 def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free loopback ports (an engine host's registry and its engines)."""
-    for _ in range(200):
-        first = free_port()
-        if first + n > 65535:
+    """The first of ``n`` consecutive free loopback ports, below the kernel's ephemeral range.
+
+    A port the kernel picks for ``bind(("", 0))`` comes from the range it also takes the source ports of outgoing
+    connections from: a fixed port handed to a process that binds it later (an engine host's engines, scaled up
+    minutes after the fixture chose their ports) can meanwhile be the source port of some client's connection, and
+    the bind fails with EADDRINUSE (one CI run lost an engine's KV event replay port so). Ports below that range
+    are never handed out by the kernel; this process also never hands out one twice."""
+    import random
+
+    low, _ = _ephemeral_range()
+    start = 20000 if low > 21000 else 1024
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        first = rng.randrange(start, low - n)
+        ports = range(first, first + n)
+        if _handed_out.intersection(ports):
             continue
         socks = []
         try:
-            for port in range(first, first + n):
+            for port in ports:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", port))
+            _handed_out.update(ports)
             return first
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+
+
+def engine_host_ports(kv_events_port: bool = False) -> int:
+    """How many ports from its ``--bind`` port an engine host of one model may take: its registry and every engine
+    rank, then (without ``--kv-events-port``) two a rank for KV events (``launch.hosts.engine_registry``)."""
+    from launch.hosts.engine_registry import engine_ports, kv_events_ports
+
+    bind = "tcp://127.0.0.1:1"
+    stop = engine_ports(bind, 1).stop if kv_events_port else kv_events_ports(bind, 1).stop
+    return stop - 1
+
+
+def free_port() -> int:
+    """A free loopback port for a process to bind later (``free_ports``: outside the ephemeral range)."""
+    return free_ports(1)
 
 
 # -- a tiny-random server and what tests ask it --------------------------------------------------------

@@ -261,3 +261,14 @@ def tcp_port(endpoint: str) -> int:
 def with_port(endpoint: str, port: int) -> str:
     """``tcp://HOST:ANY`` → ``tcp://HOST:PORT``."""
     return f"tcp://{endpoint.removeprefix('tcp://').rsplit(':', 1)[0]}:{port}"
+
+
+def bind_or_exit(sock: zmq.Socket, endpoint: str, what: str) -> None:
+    """Bind ``sock`` at ``endpoint``, or log one line naming ``what`` could not and exit 1 (a process the supervisor
+    restarts with back-off: a port held by another process may be free by then)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        log.error("cannot bind %s at %s: %s", what, endpoint, e.strerror)
+        raise SystemExit(1) from None

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from tests.helpers import LAUNCH, Server, Traffic, free_port, free_ports, wait_until  # noqa: E402
+from tests.helpers import LAUNCH, Server, Traffic, engine_host_ports, free_port, free_ports, wait_until  # noqa: E402
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 
@@ -91,7 +91,7 @@ def main() -> None:
     servers: list[Server] = []
     procs: list[subprocess.Popen] = []
     try:
-        port = free_ports(4)
+        port = free_ports(engine_host_ports())
         eng = Server(command=[*LAUNCH, "engine", *MODEL, "--count", "1", "--bind", f"tcp://127.0.0.1:{port}",
                               "--keys", keys], log_name="bench-engine-host")
         servers.append(eng)

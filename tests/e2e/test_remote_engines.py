@@ -38,6 +38,7 @@ from tests.helpers import (
     StreamResult,
     Traffic,
     close_streams,
+    engine_host_ports,
     free_port,
     free_ports,
     procs,
@@ -72,10 +73,8 @@ def keys(tmp_path_factory):
 def engine_host(keys):
     # (the other engine hosts here take the default KV event ports). An engine host's ports run 65 from --bind's
     # (its registry, 64 engine ranks) and 128 from --kv-events-port (two per rank): ranges launch refuses to overlap.
-    port = free_ports(8)
-    kv = free_ports(8)
-    while kv < port + 65 and port < kv + 128:
-        kv = free_ports(8)
+    port = free_ports(engine_host_ports(kv_events_port=True))
+    kv = free_ports(128)  # free_ports never hands out a port twice: the two ranges do not meet
     s = Server(command=[*LAUNCH, "engine", *MODEL, "--count", "2", "--bind", f"tcp://127.0.0.1:{port}",
                         "--kv-events-port", str(kv), "--keys", str(keys), "--heartbeat-timeout", "10",
                         "--enable-lora"], log_name="engine-host")
@@ -226,7 +225,7 @@ def test_gateway_hosts_follow_an_engine_that_dies_and_a_tier_that_scales(engine_
 
 
 def test_reloading_an_engine_host_with_one_engine_drops_no_request_of_a_gateway_host(keys):
-    port = free_ports(4)
+    port = free_ports(engine_host_ports())
     eng = Server(command=[*LAUNCH, "engine", *MODEL, "--bind", f"tcp://127.0.0.1:{port}", "--keys", str(keys)],
                  log_name="reload-engine-host")
     try:
@@ -252,7 +251,7 @@ def test_streams_move_off_an_engine_host_that_is_cut_off(engine_host, keys):
     """An engine host stops answering with its connections open, as behind a cut cable (SIGSTOP on its every
     process: no reset, no FIN): the gateway host drops its engines once its registry has been silent for
     --heartbeat-timeout, and the streams they served move to the other engine host's engines and go on."""
-    port = free_ports(4)
+    port = free_ports(engine_host_ports())
     lone = Server(command=[*LAUNCH, "engine", *MODEL, "--bind", f"tcp://127.0.0.1:{port}", "--keys", str(keys)],
                   log_name="cut-engine-host")
     frozen: list[int] = []
@@ -411,7 +410,7 @@ def test_plain_tcp_between_hosts_needs_insecure(engine_host):
                  ["engine", *MODEL, "--bind", "tcp://127.0.0.1:1"]):
         r = launch(*args)
         assert r.returncode == 2 and "--insecure" in r.stderr, r.stderr
-    port = free_ports(4)
+    port = free_ports(engine_host_ports())
     eng = Server(command=[*LAUNCH, "engine", *MODEL, "--bind", f"tcp://127.0.0.1:{port}", "--insecure"],
                  log_name="insecure-engine-host")
     try:
