@@ -15,6 +15,9 @@ COUNT       ?= 2
 # (ID[:engines=N,...] each).
 MODELS      ?= SmolLM2-135M-Instruct all-MiniLM-L6-v2 whisper-base
 PYTEST_ARGS ?=
+# Test files run on this many pytest-xdist workers, each file's tests in one worker (its module's server fixture is
+# started once). The e2e tests spend a third of their time waiting on processes: two workers keep both cores busy.
+TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 
@@ -49,7 +52,7 @@ lint: install-test
 	$(BIN)/ruff check .
 
 test: install-test kernels lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: install-test
 	$(BIN)/python tests/bench/bench_serving.py

@@ -110,6 +110,30 @@ def wait_until(cond, timeout: float, interval: float = 0.05, what: str = "condit
         time.sleep(interval)
 
 
+def offer_paced(send, per_second: float, window: float, senders: int = 6) -> tuple[list, float]:
+    """Call ``send(i)`` ``window * per_second`` times from ``senders`` threads, each call at its slot of an even
+    pace from now on (a sender that falls behind sends at once). Returns every result and the span from the start
+    to the last call's start: what a rate limit must be held to. On a busy machine the calls fall behind their
+    slots, and the span, not ``window``, is how long the limit refilled."""
+    results: list = []
+    last = [0.0]
+    start = time.monotonic()
+    per_sender = int(window * per_second / senders)
+
+    def sender(k: int) -> None:
+        for i in range(per_sender):
+            time.sleep(max(0.0, start + (i * senders + k) / per_second - time.monotonic()))
+            last[0] = max(last[0], time.monotonic() - start)
+            results.append(send(i * senders + k))
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(senders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results, last[0]
+
+
 def streams_go_on(streams, at: list[int], what: str, more: int = 20, timeout: float = 60) -> None:
     """Wait until every stream has failed, read ``more`` chunks past ``at`` (the counts at some event: a kill, a
     drain) or ended with a finish reason (one that reached its last tokens sooner), as streams read by ``run_stream``

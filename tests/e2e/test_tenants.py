@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import LAUNCH, ROOT, Server, metric, wait_until
+from tests.helpers import LAUNCH, ROOT, Server, metric, offer_paced, wait_until
 from zserve.tenants import key_digest
 
 MODEL = "tiny-random"
@@ -65,27 +65,11 @@ def complete(url: str, name: str, max_tokens: int = 1, prompt: str = "hi", **kw)
 def test_a_tenants_rate_holds_across_four_gateways_within_five_percent(server):
     # Empty the burst first (10 s worth), then offer 3x the rate for a window and count what passed.
     wait_until(lambda: complete(server.url, "rate").status_code == 429, 60, 0.0, "the burst to run out")
-    window, offered = 6.0, 3 * RATE_RPM / 60
-    results: list[tuple[float, int]] = []
-    start = time.monotonic()
-
-    def sender(k: int, n: int) -> None:
-        for i in range(n):
-            at = start + (i * n_senders + k) / offered
-            time.sleep(max(0.0, at - time.monotonic()))
-            results.append((time.monotonic() - start, complete(server.url, "rate").status_code))
-
-    n_senders = 6
-    threads = [threading.Thread(target=sender, args=(k, int(window * offered / n_senders))) for k in range(n_senders)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    passed = sum(1 for _, code in results if code == 200)
-    refused = sum(1 for _, code in results if code == 429)
-    assert passed + refused == len(results), sorted({c for _, c in results})
-    expected = RATE_RPM / 60 * window
-    assert abs(passed - expected) <= 0.05 * expected, (passed, expected, len(results))
+    codes, span = offer_paced(lambda _: complete(server.url, "rate").status_code, 3 * RATE_RPM / 60, 6.0)
+    passed, refused = codes.count(200), codes.count(429)
+    assert passed + refused == len(codes), sorted(set(codes))
+    expected = RATE_RPM / 60 * span
+    assert abs(passed - expected) <= 0.05 * expected, (passed, expected, len(codes), span)
 
 
 def test_every_response_carries_openais_headers_and_a_429_says_when_to_retry(server):

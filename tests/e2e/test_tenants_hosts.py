@@ -5,13 +5,11 @@
 from __future__ import annotations
 
 import subprocess
-import threading
-import time
 
 import httpx
 import pytest
 
-from tests.helpers import LAUNCH, ROOT, TINY, hosts_sharing, wait_until
+from tests.helpers import LAUNCH, ROOT, TINY, hosts_sharing, offer_paced, wait_until
 from zserve.tenants import key_digest
 
 pytestmark = pytest.mark.slow
@@ -37,23 +35,10 @@ def complete(url: str) -> int:
 def test_a_tenants_rate_holds_across_two_hosts_within_five_percent(hosts):
     a, b = hosts
     wait_until(lambda: complete(a.url) == 429 and complete(b.url) == 429, 60, 0.0, "the shared burst to run out")
-    window, offered, senders = 6.0, 3 * RPM / 60, 6
-    codes: list[int] = []
-    start = time.monotonic()
-
-    def sender(k: int, n: int) -> None:
-        for i in range(n):
-            time.sleep(max(0.0, start + (i * senders + k) / offered - time.monotonic()))
-            codes.append(complete((a, b)[(i + k) % 2].url))
-
-    threads = [threading.Thread(target=sender, args=(k, int(window * offered / senders))) for k in range(senders)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    expected = RPM / 60 * window
+    codes, span = offer_paced(lambda i: complete((a, b)[i % 2].url), 3 * RPM / 60, 6.0)
+    expected = RPM / 60 * span
     assert set(codes) <= {200, 429} and abs(codes.count(200) - expected) <= 0.05 * expected, \
-        (codes.count(200), expected, len(codes))
+        (codes.count(200), expected, len(codes), span)
     r = subprocess.run([*LAUNCH, "status", "--tenants", "--port", str(b.port)], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     row = next(line.split() for line in r.stdout.splitlines() if line.startswith("shared"))
