@@ -3,7 +3,7 @@
 Usage:
     .venv/bin/python tests/bench/bench_engine.py [--model SmolLM2-135M-Instruct] [--dtype auto]
         [--concurrency 1 8 32 64] [--mode burst sustained] [--waves 3] [--min-new 128] [--max-new 256]
-        [--threads N] [--no-hf] [--profile] [--sampling greedy t1 ...] [--rounds R]
+        [--threads N] [--no-hf] [--profile] [--sampling greedy t1 ...] [--rounds R] [--quantization auto]
 
 Requests have a shared 20-token system prefix, then 20-60 random tokens (as chat traffic looks),
 and each asks for a number of tokens drawn uniformly from [--min-new, --max-new] (EOS ignored, so
@@ -52,7 +52,7 @@ from engine_worker.scheduler import Scheduler
 from engine_worker.sequence import Sequence
 from protocol.messages import SamplingParams
 from zserve.catalog import resolve, smollm2_gguf_path
-from zserve.config import EngineConfig
+from zserve.config import QUANTIZATIONS, EngineConfig
 
 # --sampling presets: (temperature, top_p, top_k); zserve and transformers get the same settings.
 PRESETS = {"greedy": (0.0, 1.0, 0), "t1": (1.0, 1.0, 0), "t07p09": (0.7, 0.9, 0), "t07k40": (0.7, 1.0, 40),
@@ -217,14 +217,15 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
     import collections
 
     from engine_worker import cpu_kernels
-    from engine_worker.models import layers
+    from engine_worker.models import layers, quant_linear
 
     spent: collections.Counter = collections.Counter()
 
     patches = [(cpu_kernels, n, f"{n} (native)") for n in ("decode_attention", "add_rms_norm", "rope_and_store",
                                                              "silu_and_mul")]
-    patches += [(layers.Linear, "forward", "linear layers (oneDNN)"), (runner.sampler, "sample", "sampling"),
-                (runner.attention, "plan", "step layout (plan)")]
+    patches += [(layers.Linear, "forward", "linear layers (oneDNN)"),
+                (quant_linear.QuantWeight, "matmul", "quantized matmuls (qgemm)"),
+                (runner.sampler, "sample", "sampling"), (runner.attention, "plan", "step layout (plan)")]
     with contextlib.ExitStack() as undo:
         for owner, attr, label in patches:
             orig = getattr(owner, attr)
@@ -272,6 +273,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                    help="auto: a GGUF file's quantized weights stay quantized, as the server runs them")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--min-new", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=256)
@@ -299,7 +302,7 @@ def main() -> None:
     device = select_device(None)
     dtype = resolve_dtype(args.dtype, device)
     source = resolve(args.model)
-    loaded = load_model(source, dtype, device)
+    loaded = load_model(source, dtype, device, quantization=args.quantization)
     max_c = max(args.concurrency)
     engine = Engine.generation(loaded, device, dtype, EngineConfig(max_num_seqs=max_c, max_model_len=512,
                                                                    max_num_batched_tokens=args.max_num_batched_tokens),
