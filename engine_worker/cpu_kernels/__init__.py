@@ -127,7 +127,9 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
 def _fn(name: str, dtype: torch.dtype):
+    """The kernel ``name`` for ``dtype`` (looked up once: these calls are in every layer of every step)."""
     return getattr(_library(), f"zs_{name}_{_DTYPES[dtype]}")
 
 
@@ -178,13 +180,16 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tens
             or tables.dtype != torch.int32 or lens.dtype != torch.int32 or not tables.is_contiguous()
             or not lens.is_contiguous() or tables.shape[0] != b or lens.shape[0] != b):
         raise ValueError("decode_attention: unsupported layout")
-    out = torch.empty((b, h * d), dtype=q.dtype)
+    out = torch.empty(b, h * d, dtype=q.dtype)
     rc = _fn("decode_attention", q.dtype)(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), slots * d,
             tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, block_size, scale, window or 0)
     if rc != 0:
         raise ValueError(f"decode_attention kernel rejected its arguments (code {rc})")
     return out
+
+
+_SCALE_DTYPES = (torch.float32, torch.float16)  # qgemm's scales and mins
 
 
 def _check(cond: bool, what: str) -> None:
@@ -202,7 +207,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _check(x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (hidden,) and weight.dtype == x.dtype
            and (residual is None or (residual.is_contiguous() and residual.shape == x.shape
                                      and residual.dtype == x.dtype)), "add_rms_norm")
-    out = torch.empty((rows, hidden), dtype=x.dtype)
+    out = torch.empty(rows, hidden, dtype=x.dtype)
     _fn("add_rms_norm", x.dtype)(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                                  weight.data_ptr(), out.data_ptr(), rows, hidden, eps)
     return out
@@ -212,7 +217,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` [rows, 2 * inter] laid out ``[gate | up]``."""
     rows, width = gate_up.shape
     _check(gate_up.is_contiguous() and width % 2 == 0, "silu_and_mul")
-    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     _fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
     return out
 
@@ -284,23 +289,31 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, seg
 
 def qgemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int, group: int,
           bits: int) -> torch.Tensor:
-    """``x @ W.T`` ([M, n], ``x``'s dtype) for ``x`` [M, K] float32 or bfloat16 (unit column stride) and ``W`` kept
-    quantized in ``qgemm.cpp``'s tiled layout (``engine_worker.models.quant_linear.QuantWeight``; scales and mins
-    float32 or float16). bfloat16 runs the bf16 kernel (weights formed as bf16, vdpbf16ps) where the CPU has one,
-    else float32 and back."""
+    """``x @ W.T`` ([M, n], in ``x``'s dtype) for ``x`` [M, K] on the CPU and ``W`` kept quantized in ``qgemm.cpp``'s
+    tiled layout (``engine_worker.models.quant_linear.QuantWeight``; scales and mins float32 or float16). bfloat16
+    runs the bf16 kernel (weights formed as bf16, vdpbf16ps) where the CPU has one, float32 the float32 kernel; any
+    other dtype, or a bf16 ``x`` on a CPU without the bf16 kernel, goes through float32 and back.
+
+    Called for every linear layer of a quantized model in every step (121 a decode step of SmolLM2), so it does
+    only what it must: a few microseconds of Python here were 8% of a batch-1 decode step."""
+    lib = _library()
     m, k = x.shape
-    _check(x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1 and x.device.type == "cpu"
-           and scales.dtype in (torch.float32, torch.float16) and (mins is None or mins.dtype == scales.dtype), "qgemm")
+    _check(x.is_cpu and scales.dtype in _SCALE_DTYPES and (mins is None or mins.dtype == scales.dtype), "qgemm")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    dtype = x.dtype
     args = (codes.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
-            int(scales.dtype == torch.float16), n, k, group, bits)
-    if x.dtype == torch.bfloat16:
-        y = torch.empty((m, n), dtype=torch.bfloat16)
-        rc = _library().zs_qgemm_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
+            scales.dtype == torch.float16, n, k, group, bits)
+    if dtype == torch.bfloat16:
+        y = torch.empty(m, n, dtype=dtype)
+        rc = lib.zs_qgemm_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
         if rc == -2:  # (no bf16 kernel here)
-            return qgemm(x.float(), codes, scales, mins, n, group, bits).to(torch.bfloat16)
+            return qgemm(x.float(), codes, scales, mins, n, group, bits).to(dtype)
+    elif dtype == torch.float32:
+        y = torch.empty(m, n, dtype=dtype)
+        rc = lib.zs_qgemm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
     else:
-        y = torch.empty((m, n), dtype=torch.float32)
-        rc = _library().zs_qgemm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
+        return qgemm(x.float(), codes, scales, mins, n, group, bits).to(dtype)
     if rc != 0:
         raise ValueError(f"qgemm kernel rejected its arguments (code {rc})")
     return y

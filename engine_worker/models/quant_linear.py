@@ -114,11 +114,8 @@ class QuantWeight(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), self.int4_packed, self.group,
                                                    self.int4_scales_zeros)
             return y.to(x.dtype)
-        if x.device.type == "cpu" and cpu_kernels.available():
-            native = x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
-            y = cpu_kernels.qgemm(x if native else x.float().contiguous(), self.codes, self.scales, self.mins, self.n,
-                                  self.group, self.bits)
-            return y.to(x.dtype)
+        if x.is_cpu and cpu_kernels.available():
+            return cpu_kernels.qgemm(x, self.codes, self.scales, self.mins, self.n, self.group, self.bits)
         return F.linear(x, self.dequantize(x.dtype))
 
 

@@ -117,6 +117,18 @@ def test_parts_of_different_types_share_one_matrix_and_bf16_inputs_come_back_bf1
     assert (y.double() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
+def test_float16_and_column_strided_inputs_go_through_float32_and_come_back_in_their_dtype():
+    parts = quant_parts(raw_blocks(T.Q8_0, 24, 64, seed=4), T.Q8_0, (24, 64))
+    w = QuantWeight([parts], CPU)
+    base = torch.randn(64, 5, generator=torch.Generator().manual_seed(6))
+    strided = base.t()  # [5, 64] with a column stride of 5
+    expected = w.matmul(strided.contiguous())
+    assert torch.equal(w.matmul(strided), expected)
+    half = w.matmul(strided.half())
+    assert half.dtype == torch.float16
+    assert torch.equal(half, w.matmul(strided.half().float()).half())
+
+
 def test_a_gguf_files_weights_are_kept_quantized_with_auto_only():
     source = resolve("SmolLM2-135M-Instruct")
     assert quantized_source(source, "auto") and not quantized_source(source, "none")
