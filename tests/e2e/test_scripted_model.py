@@ -45,7 +45,8 @@ def test_streamed_completions_give_the_same_text(scripted) -> None:
     for i, start in enumerate(STARTS):
         assert "".join(texts[i]) == sm.EXPECTED[start], start
         assert finish[i] == "stop"
-    assert len([t for t in texts[STARTS.index(sm.STORY_TRIGGER)] if t]) > 1  # it really streamed
+    # (How many chunks is not asserted: a gateway that falls behind its engine merges a stream's queued outputs into
+    # one chunk, engine_client.take_outputs, and these texts are a few tokens.)
 
 
 def test_story_obeys_stop_sequences_and_max_tokens(scripted) -> None:
