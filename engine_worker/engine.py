@@ -30,7 +30,7 @@ from protocol.control import Heartbeat, Ready
 from protocol.messages import MODEL_TASKS
 from zserve.catalog import ModelSource
 from zserve.config import EngineConfig
-from zserve.curve import CurveKeys
+from zserve.curve import BindError, CurveKeys
 from zserve.heap import settle
 from zserve.launch_spec import ChildPipes, EngineLaunch, parse_child_argv
 from zserve.proc import (
@@ -262,7 +262,11 @@ class Engine:
         status = StatusPipe(pipes.status_fd)
         with boot_phase(status, f"engine {launch.rank}"):  # keys that cannot be read never will be
             keys = CurveKeys.for_server(launch.keys_dir) if launch.keys_dir else None
-        cls.build(launch, status).serve(launch, status, pipes.control_fd, keys)
+        try:
+            cls.build(launch, status).serve(launch, status, pipes.control_fd, keys)
+        except BindError as e:  # a port another process holds: one line, and the supervisor restarts us with back-off
+            log.error("%s", e)
+            raise SystemExit(1) from None
 
 
 def _heartbeat(server: EngineServer, status: StatusPipe, interval: float) -> None:

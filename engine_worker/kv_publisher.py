@@ -27,7 +27,7 @@ from protocol.kv_events import (
     seq_of,
 )
 from protocol.validate import ProtocolError
-from zserve.curve import CurveKeys, bind_or_exit, secure_server
+from zserve.curve import CurveKeys, bind, secure_server
 
 log = logging.getLogger("zserve.engine")
 
@@ -46,8 +46,8 @@ class KvEventPublisher:
         if keys is not None:
             secure_server(self.pub, keys, "KV events")
             secure_server(self.replay, keys, "KV event replay")
-        bind_or_exit(self.pub, endpoint, "the KV event publisher")
-        bind_or_exit(self.replay, self.replay_at, "the KV event replay socket")
+        bind(self.pub, endpoint, "the KV event publisher")
+        bind(self.replay, self.replay_at, "the KV event replay socket")
         self.seq = -1
         self.kept: deque[tuple[int, bytes]] = deque(maxlen=buffer)
 

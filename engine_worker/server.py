@@ -45,7 +45,7 @@ from protocol import (
 from protocol.constants import ERR_BAD_FRAME, ERR_ENGINE_BUSY, ERR_ENGINE_DRAINING, ERR_LORA_NOT_LOADED
 from protocol.control import PIPE_COMMANDS, ControlMessage, EngineOp, LineBuffer, LoraCommand, LoraReport
 from zserve.catalog import ModelSource
-from zserve.curve import CurveKeys, bind_or_exit, secure_server
+from zserve.curve import CurveKeys, bind, secure_server
 from zserve.proc import StatusPipe
 
 from .kv_publisher import KvEventPublisher
@@ -78,7 +78,7 @@ def bind_engine_socket(ctx: zmq.Context, endpoint: str, keys: CurveKeys | None =
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if keys is not None:
         secure_server(sock, keys, name)
-    bind_or_exit(sock, endpoint, f"{name}'s socket")
+    bind(sock, endpoint, f"{name}'s socket")
     return sock
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -171,15 +172,15 @@ def pinned_client(url: str, timeout: float = 60) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=1, keepalive_expiry=None))
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
     try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 _handed_out: set[int] = set()
+_port_rng = random.Random()  # (seeded from os.urandom: two test processes do not walk the same ports)
 
 
 def free_ports(n: int) -> int:
@@ -190,13 +191,10 @@ def free_ports(n: int) -> int:
     minutes after the fixture chose their ports) can meanwhile be the source port of some client's connection, and
     the bind fails with EADDRINUSE (one CI run lost an engine's KV event replay port so). Ports below that range
     are never handed out by the kernel; this process also never hands out one twice."""
-    import random
-
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     start = 20000 if low > 21000 else 1024
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):
-        first = rng.randrange(start, low - n)
+        first = _port_rng.randrange(start, low - n)
         ports = range(first, first + n)
         if _handed_out.intersection(ports):
             continue
@@ -221,9 +219,8 @@ def engine_host_ports(kv_events_port: bool = False) -> int:
     rank, then (without ``--kv-events-port``) two a rank for KV events (``launch.hosts.engine_registry``)."""
     from launch.hosts.engine_registry import engine_ports, kv_events_ports
 
-    bind = "tcp://127.0.0.1:1"
-    stop = engine_ports(bind, 1).stop if kv_events_port else kv_events_ports(bind, 1).stop
-    return stop - 1
+    bind = "tcp://127.0.0.1:0"  # (from port 0 on, the end of the last range is the count)
+    return (engine_ports(bind, 1) if kv_events_port else kv_events_ports(bind, 1)).stop
 
 
 def free_port() -> int:

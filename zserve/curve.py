@@ -263,12 +263,17 @@ def with_port(endpoint: str, port: int) -> str:
     return f"tcp://{endpoint.removeprefix('tcp://').rsplit(':', 1)[0]}:{port}"
 
 
-def bind_or_exit(sock: zmq.Socket, endpoint: str, what: str) -> None:
-    """Bind ``sock`` at ``endpoint``, or log one line naming ``what`` could not and exit 1 (a process the supervisor
-    restarts with back-off: a port held by another process may be free by then)."""
+
+class BindError(RuntimeError):
+    """A ZeroMQ socket could not bind its endpoint (the message names the socket, the endpoint and why)."""
+
+
+def bind(sock: zmq.Socket, endpoint: str, what: str) -> None:
+    """Bind ``sock`` at ``endpoint``, or close it and raise ``BindError`` naming ``what``: the process decides
+    whether that is fatal (``launch engine``'s registry) or worth a restart (an engine, whose port another process
+    may hold for a while)."""
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         sock.close(0)
-        log.error("cannot bind %s at %s: %s", what, endpoint, e.strerror)
-        raise SystemExit(1) from None
+        raise BindError(f"cannot bind {what} at {endpoint}: {zmq.strerror(e.errno)}") from None

@@ -304,16 +304,12 @@ def qgemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torc
     dtype = x.dtype
     args = (codes.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
             scales.dtype == torch.float16, n, k, group, bits)
-    if dtype == torch.bfloat16:
+    kernel = lib.zs_qgemm_bf16 if dtype == torch.bfloat16 else lib.zs_qgemm_f32 if dtype == torch.float32 else None
+    if kernel is not None:
         y = torch.empty(m, n, dtype=dtype)
-        rc = lib.zs_qgemm_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
-        if rc == -2:  # (no bf16 kernel here)
-            return qgemm(x.float(), codes, scales, mins, n, group, bits).to(dtype)
-    elif dtype == torch.float32:
-        y = torch.empty(m, n, dtype=dtype)
-        rc = lib.zs_qgemm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
-    else:
-        return qgemm(x.float(), codes, scales, mins, n, group, bits).to(dtype)
-    if rc != 0:
-        raise ValueError(f"qgemm kernel rejected its arguments (code {rc})")
-    return y
+        rc = kernel(x.data_ptr(), x.stride(0), y.data_ptr(), n, m, *args)
+        if rc == 0:
+            return y
+        if rc != -2 or dtype != torch.bfloat16:  # (-2 from the bf16 kernel: none on this CPU)
+            raise ValueError(f"qgemm kernel rejected its arguments (code {rc})")
+    return qgemm(x.float(), codes, scales, mins, n, group, bits).to(dtype)

@@ -43,7 +43,8 @@ from protocol.control import (
 )
 from protocol.holds import Hold
 from zserve.config import MAX_ENGINES_PER_MODEL
-from zserve.curve import CurveKeys, is_tcp, secure_client, secure_server, tcp_host, tcp_port, with_port
+from zserve.curve import BindError, CurveKeys, is_tcp, secure_client, secure_server, tcp_host, tcp_port, with_port
+from zserve.curve import bind as bind_socket  # (this module's --bind is a parameter named bind)
 
 from ..sockets import ListenError
 
@@ -110,10 +111,9 @@ class RegistryServer:
         if keys is not None:
             secure_server(self.sock, keys, f"the engine registry at {bind}")
         try:
-            self.sock.bind(bind)
-        except zmq.ZMQError as e:
-            self.sock.close(0)
-            raise ListenError(f"cannot bind the engine registry at {bind}: {e}") from None
+            bind_socket(self.sock, bind, "the engine registry")
+        except BindError as e:
+            raise ListenError(str(e)) from None
         self.timeout = subscriber_timeout
         self.subscribers: dict[bytes, tuple[float, str, int]] = {}  # identity → (last hello, its host, applied)
         self.loras: dict[bytes, dict] = {}  # identity → the LoRA adapters its last hello asked for, by model

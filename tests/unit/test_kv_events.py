@@ -202,13 +202,14 @@ def test_a_prompt_is_told_stored_on_arrival_touched_again_and_taken_back_if_it_n
     assert s.add(refused) is not None and events == []  # a request the engine refuses tells nothing
 
 
-def test_a_replay_port_another_process_holds_exits_with_one_line_that_names_it(caplog):
+def test_a_replay_port_another_process_holds_is_an_error_that_names_the_socket_and_the_endpoint():
     """The KV event ports of an engine host are fixed: one held by another socket (a client's source port once
-    took one) ends the engine with exit code 1 and a line naming the socket and the endpoint, for the
-    supervisor to restart it later, not a traceback."""
+    took one) is a ``BindError`` naming the socket and the endpoint, which the engine process logs as one line
+    before exiting 1 for the supervisor to restart it (``Engine.run``), not a traceback."""
     import socket
 
     from tests.helpers import free_ports
+    from zserve.curve import BindError
 
     ctx = zmq.Context.instance()
     first = free_ports(2)
@@ -216,8 +217,7 @@ def test_a_replay_port_another_process_holds_exits_with_one_line_that_names_it(c
     with socket.socket() as held:
         held.bind(("127.0.0.1", port))
         held.listen()
-        with caplog.at_level("ERROR", logger="zserve.curve"), pytest.raises(SystemExit) as exited:
+        with pytest.raises(BindError) as refused:
             KvEventPublisher(ctx, f"tcp://127.0.0.1:{first}")
-    assert exited.value.code == 1
-    assert f"the KV event replay socket at tcp://127.0.0.1:{port}" in caplog.text
-    assert "in use" in caplog.text
+    assert f"the KV event replay socket at tcp://127.0.0.1:{port}" in str(refused.value)
+    assert "in use" in str(refused.value)
