@@ -135,7 +135,7 @@ class TextPipeline:
     tokens were counted where they were generated, and its timing is not the engine's."""
 
     __slots__ = ("detok", "stopper", "final_ids", "stop_ids", "prompt_ids", "n_out", "interval", "held", "sent_at",
-                 "timer", "ended_early", "_open", "min_tokens")
+                 "timer", "ended_early", "_open", "min_tokens", "plain")
 
     def __init__(self, state: ModelState, prompt_ids: list[int], sampling: SamplingParams, opts: TextOptions,
                  metered: bool = True):
@@ -157,6 +157,7 @@ class TextPipeline:
         self.timer = TokenTimer(lora=state.lora, prompt_tokens=len(prompt_ids), model=state.model.model_id) \
             if metered else UNMETERED
         self.ended_early = False
+        self.plain = self.stopper is None and self.interval <= 1  # (push's short way)
         if metered:
             IN_FLIGHT.inc()
         self._open = metered
@@ -167,6 +168,11 @@ class TextPipeline:
         self.n_out += len(ids)
         self.timer.tokens(len(ids))
         finish = out.finish_reason
+        if self.plain and finish is None and out.logprobs is None and out.prompt_logprobs is None:
+            # Mid-stream, no stop strings, no logprobs, nothing held back: what the rest does for such an output
+            # (it runs for every streamed token).
+            return Delta("" if self.detok is None else self.detok.push(ids), ids, None, None, self.n_out, None,
+                         out.num_cached_tokens)
         # The token that ended generation (EOS or a stop token id) counts as output but is not text.
         text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in self.final_ids else ids
         detok = self.detok

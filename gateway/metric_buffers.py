@@ -54,6 +54,21 @@ class BufferedHistogram:
         acc[bisect_left(self._bounds, amount)] += n  # the first bucket with amount <= bound, as observe() picks
         acc[-1] += amount * n
 
+    @property
+    def bounds(self) -> list[float]:
+        """The buckets' upper bounds, +Inf last: ``add`` takes one count per bound."""
+        return self._bounds
+
+    def add(self, counts: Sequence[int], total: float, labels: Labels = ()) -> None:
+        """Observations counted already: ``counts[i]`` of them in bucket ``i`` (the first bound not below them,
+        as ``observe`` files one: ``bisect_left(bounds, value)``), adding up to ``total``."""
+        acc = self._pending.get(labels)
+        if acc is None:
+            acc = self._pending[labels] = [0] * len(self._bounds) + [0.0]
+        for i, count in enumerate(counts):
+            acc[i] += count
+        acc[-1] += total
+
     def flush(self) -> None:
         if not self._pending:
             return

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from bisect import bisect_left
 from collections.abc import AsyncIterator
 from contextlib import suppress
 from time import monotonic
@@ -89,6 +90,10 @@ class Recorder:
             "and reason (gateway.routing: cache, hash, bound, load, round-robin).", ["model", "engine", "reason"],
             registry=registry))
         self.vllm = VllmRequestMetrics(registry)
+        # The requests streaming now (``TokenTimer``): what they counted is folded into the buffers at each flush.
+        self.streaming: set[TokenTimer] = set()
+        self.itl_bounds = self.inter_token.bounds
+        self.vllm_itl_bounds = self.vllm.inter_token.bounds
         self.tenants = TenantMetrics(registry)
         self._all = (*self.tenants.all, self.http_requests, self.http_duration, self.ttft, self.inter_token,
                      self.prompt_tokens, self.generation_tokens, self.in_flight, self.migrations,
@@ -105,6 +110,8 @@ class Recorder:
 
     def flush(self) -> None:
         """Add everything recorded since the last flush to the prometheus_client metrics."""
+        for timer in self.streaming:
+            timer.fold()
         for metric in self._all:
             metric.flush()
 
@@ -243,9 +250,14 @@ async def metrics_middleware(request: web.Request, handler):
 class TokenTimer:
     """Records one request's time to first token, inter-token gaps, token counts and end, under zserve's names
     and vLLM's (``gateway.vllm_metrics``). ``engine`` is the rank of the engine the request went to, set by whoever
-    sent it there (``serving.choices``); vLLM's series carry it from the first token on."""
+    sent it there (``serving.choices``); vLLM's series carry it from the first token on.
 
-    __slots__ = ("start", "last", "engine", "_recorder", "_lora", "_model", "_prompt_tokens", "_labels", "_finish")
+    A streamed token only adds to the timer's own numbers (its count, and its gap's bucket in each inter-token
+    histogram): this runs for every token. They go to the recorder's buffers when the request ends, and at each
+    ``Recorder.flush`` for the requests still streaming (``fold``), so a scrape counts every token so far."""
+
+    __slots__ = ("start", "last", "engine", "_recorder", "_lora", "_model", "_prompt_tokens", "_labels", "_finish",
+                 "_tokens", "_gaps", "_gap_sum", "_itl", "_vllm_itl")
 
     def __init__(self, recorder: Recorder = RECORDER, lora: str | None = None, prompt_tokens: int = 0,
                  model: str = "") -> None:
@@ -258,6 +270,11 @@ class TokenTimer:
         self._prompt_tokens = prompt_tokens  # vLLM counts them with the first token, by engine
         self._labels: tuple[str, str] = (model, "")  # vLLM's (model_name, engine), fixed at the first token
         self._finish = "abort"  # what vllm:request_success counts the request as unless a finish reason comes
+        self._tokens = 0  # generated, not yet folded
+        self._gaps = 0  # inter-token gaps observed, not yet folded: their counts per bucket and their sum
+        self._gap_sum = 0.0
+        self._itl: list[int] = []
+        self._vllm_itl: list[int] = []
         recorder.prompt_tokens.inc(prompt_tokens)
         if lora is not None:
             recorder.lora_requests.inc(labels=self._lora)
@@ -267,23 +284,44 @@ class TokenTimer:
         if n <= 0:
             return
         now = monotonic()
-        r = self._recorder
-        v = r.vllm
-        r.generation_tokens.inc(n)
-        if self._lora is not None:
-            r.lora_generation_tokens.inc(n, labels=self._lora)
-        if self.last is None:
-            labels = self._labels = (self._model, self.engine or "")
-            r.ttft.observe(now - self.start)
-            v.ttft.observe(now - self.start, labels)
-            v.prompt_tokens.inc(self._prompt_tokens, labels)
-        else:
-            labels = self._labels
-            gap = (now - self.last) / n  # n tokens in one chunk: n equal gaps
-            r.inter_token.observe(gap, n=n)
-            v.inter_token.observe(gap, labels, n=n)
-        v.generation_tokens.inc(n, labels)
+        last = self.last
         self.last = now
+        self._tokens += n
+        if last is None:
+            self._first(now)
+            return
+        gap = (now - last) / n  # n tokens in one chunk: n equal gaps
+        self._itl[bisect_left(self._recorder.itl_bounds, gap)] += n
+        self._vllm_itl[bisect_left(self._recorder.vllm_itl_bounds, gap)] += n
+        self._gaps += n
+        self._gap_sum += gap * n
+
+    def _first(self, now: float) -> None:
+        r = self._recorder
+        labels = self._labels = (self._model, self.engine or "")
+        r.ttft.observe(now - self.start)
+        v = r.vllm
+        v.ttft.observe(now - self.start, labels)
+        v.prompt_tokens.inc(self._prompt_tokens, labels)
+        self._itl = [0] * len(r.itl_bounds)
+        self._vllm_itl = [0] * len(r.vllm_itl_bounds)
+        r.streaming.add(self)
+
+    def fold(self) -> None:
+        """Add what the timer counted since the last fold to the recorder's buffers."""
+        r = self._recorder
+        if self._tokens:
+            n, self._tokens = self._tokens, 0
+            r.generation_tokens.inc(n)
+            if self._lora is not None:
+                r.lora_generation_tokens.inc(n, labels=self._lora)
+            r.vllm.generation_tokens.inc(n, self._labels)
+        if self._gaps:
+            r.inter_token.add(self._itl, self._gap_sum)
+            r.vllm.inter_token.add(self._vllm_itl, self._gap_sum, self._labels)
+            self._gaps, self._gap_sum = 0, 0.0
+            self._itl = [0] * len(self._itl)
+            self._vllm_itl = [0] * len(self._vllm_itl)
 
     def finished(self, reason: str) -> None:
         """The request's finish reason (stop, length, ...), once it has one."""
@@ -291,6 +329,9 @@ class TokenTimer:
 
     def end(self) -> None:
         """The request is over: its end-to-end latency and finish reason, when it reached an engine."""
+        if self.last is not None:
+            self.fold()
+            self._recorder.streaming.discard(self)
         if self.engine is None and self.last is None:
             return  # never sent (no engine would take it): vLLM counts only the requests its engine took
         labels = self._labels if self.last is not None else (self._model, self.engine or "")

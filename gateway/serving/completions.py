@@ -89,21 +89,24 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
     events: EventWriter | None = None
     early: list[bytes] = []  # what the engines wrote before the stream opened
 
-    def chunk(entries: list[dict], usage_: dict | None = None) -> bytes:
-        """``shape.chunk``'s JSON, from the bytes every chunk of the stream starts with."""
+    no_usage = b',"usage":null}' if include_usage else b"}"
+
+    def chunk(entries: bytes, usage_: dict | None = None) -> bytes:
+        """A chunk's JSON, from the bytes every chunk of the stream starts with and the JSON of its choices."""
         if continuous_usage:
             usage_ = usage(prompt_tokens, choices)
-        tail = b',"usage":' + orjson.dumps(usage_) + b"}" if include_usage else b"}"
-        return head + orjson.dumps(entries) + tail
+        if usage_ is None:
+            return head + entries + no_usage
+        return head + entries + b',"usage":' + orjson.dumps(usage_) + b"}"
 
     def on_delta(c: Choice, d: Delta) -> None:  # run by the engine reader, for each engine output
         c.take(d)
-        delta = shape.delta(c, d)
-        if delta is not None:
+        entries = shape.delta_json(c, d)
+        if entries is not None:
             if events is None:
-                early.append(chunk([delta]))
+                early.append(chunk(entries))
             else:
-                events.data(chunk([delta]))
+                events.data(chunk(entries))
 
     # The choices go to their engines before the stream opens, so its headers can say which (ENGINE_HEADER); a
     # failure to send them is still written as the stream's error event, as one that comes later is.
@@ -120,7 +123,7 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
         for c in choices:
             first = shape.first_chunk(c)
             if first is not None:
-                events.data(chunk([first]))
+                events.data(chunk(orjson.dumps([first])))
         for data in early:
             events.data(data)
         if failed is not None:
@@ -130,7 +133,7 @@ async def respond(request: web.Request, state: ModelState, *, request_id: str, m
         else:
             await events.until(run.done)
         if include_usage:
-            events.data(chunk([], usage(prompt_tokens, choices)))
+            events.data(chunk(b"[]", usage(prompt_tokens, choices)))
     except (*ENGINE_ERRORS, APIError) as e:
         events.send((e if isinstance(e, APIError) else engine_error(e)).body())  # type: ignore[union-attr]
     except (ConnectionResetError, asyncio.CancelledError):
@@ -166,6 +169,13 @@ class Shape:
     def delta(self, c: Choice, d: Delta) -> dict | None:
         """One choice's entry of a stream chunk, or None when the delta adds nothing to send."""
         raise NotImplementedError
+
+    def delta_json(self, c: Choice, d: Delta) -> bytes | None:
+        """``delta``'s entry as the JSON of a chunk's ``choices`` list, or None. The shapes write the common chunk
+        (a plain text delta in mid-stream: most of a stream's chunks, one per token) straight into a template,
+        byte for byte what this makes of it (``tests/unit/test_stream_chunks.py``), without the dicts."""
+        entry = self.delta(c, d)
+        return None if entry is None else orjson.dumps([entry])
 
     def full(self, rid: str, created: int, model: str, choices: list[Choice], usage_: dict) -> dict:
         raise NotImplementedError
@@ -210,6 +220,11 @@ class CompletionShape(Shape):
         if d.finish_reason is not None:
             entry["stop_reason"] = c.stop_reason
         return entry
+
+    def delta_json(self, c: Choice, d: Delta) -> bytes | None:
+        if d.text and d.finish_reason is None and not self.want_logprobs and not c.prefix:
+            return b'[{"index":%d,"text":%b,"logprobs":null,"finish_reason":null}]' % (c.index, orjson.dumps(d.text))
+        return super().delta_json(c, d)
 
     def full(self, rid, created, model, choices, usage_):
         out = []
@@ -260,6 +275,12 @@ class ChatShape(Shape):
         # With echo, the echoed message's text comes first (vLLM sends it in a chunk of its own, right after).
         return {"index": c.index, "delta": {"role": "assistant", "content": c.prefix}, "logprobs": None,
                 "finish_reason": None}
+
+    def delta_json(self, c: Choice, d: Delta) -> bytes | None:
+        if d.text and d.finish_reason is None and c.msg is None and not self.want_logprobs:
+            return b'[{"index":%d,"delta":{"content":%b},"logprobs":null,"finish_reason":null}]' % (
+                c.index, orjson.dumps(d.text))
+        return super().delta_json(c, d)
 
     def delta(self, c: Choice, d: Delta) -> dict | None:
         finish = d.finish_reason

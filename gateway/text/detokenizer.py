@@ -48,6 +48,8 @@ class IncrementalDetokenizer:
         if bytewise is None:
             bytewise = tokenizer.decodes_bytewise
         self._utf8 = _UTF8("replace") if bytewise else None
+        self._partial = False  # the UTF-8 decoder holds the start of a character
+        self._token_bytes = tokenizer.token_bytes
         self._skipped = tokenizer.all_special_ids if skip_special_tokens else frozenset()
 
     @property
@@ -61,13 +63,30 @@ class IncrementalDetokenizer:
             return ""
         self._ids.extend(new_ids)
         if self._utf8 is not None:
-            token_bytes, skipped = self._tokenizer.token_bytes, self._skipped
-            return self._utf8.decode(b"".join([token_bytes(i) for i in new_ids if i not in skipped]))
+            token_bytes, skipped = self._token_bytes, self._skipped
+            if len(new_ids) == 1:  # (a streamed token: one engine output, one id)
+                i = new_ids[0]
+                return self._text(b"" if i in skipped else token_bytes(i))
+            return self._text(b"".join([token_bytes(i) for i in new_ids if i not in skipped]))
         return self._advance(final=False)
+
+    def _text(self, raw: bytes) -> str:
+        """The text of the next ``raw`` bytes. While no character is left unfinished (most of the time) whole
+        UTF-8 decodes in one C call; the incremental decoder takes over from an unfinished or invalid sequence
+        on, until it has nothing held back (what it returns for bytes that do decode whole is the same)."""
+        if not self._partial:
+            try:
+                return raw.decode()
+            except UnicodeDecodeError:
+                pass
+        text = self._utf8.decode(raw)
+        self._partial = bool(self._utf8.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """At the end of generation: the held-back text, incomplete characters included."""
         if self._utf8 is not None:
+            self._partial = False
             return self._utf8.decode(b"", True)
         return self._advance(final=True)
 
