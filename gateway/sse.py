@@ -73,20 +73,15 @@ class EventWriter:
         self.data(orjson.dumps(payload))
 
     def data(self, payload: bytes) -> None:
-        """One ``data:`` event of JSON text ``payload``."""
-        if self._writable():
-            self._transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))  # one chunk
+        """One ``data:`` event of JSON text ``payload``: written now unless events wait or the transport is
+        paused (then it waits for ``until``)."""
+        if self._direct and not self._pending and not self._protocol.writing_paused:
+            t = self._transport
+            if t is None or t.is_closing():
+                raise ConnectionResetError("the client closed the connection")
+            t.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))  # one chunk
         else:
             self._wait(b"data: " + payload + b"\n\n")
-
-    def _writable(self) -> bool:
-        """Whether an event may go to the transport now (else it waits for ``until``)."""
-        if not self._direct or self._pending or self._protocol.writing_paused:
-            return False
-        t = self._transport
-        if t is None or t.is_closing():
-            raise ConnectionResetError("the client closed the connection")
-        return True
 
     def _wait(self, event: bytes) -> None:
         self._pending.append(event)

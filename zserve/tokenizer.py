@@ -604,6 +604,14 @@ class Tokenizer:
         window of context (``gateway.text.detokenizer``)."""
         return self._token_bytes is not None
 
+    @property
+    def byte_table(self) -> dict[int, bytes]:
+        """``token_bytes`` of the ids asked for so far, by id (the cache it fills; a lookup is cheaper than the
+        call, for a caller that does one per streamed token)."""
+        table = self._token_bytes
+        assert table is not None, "byte_table needs a bytewise decoder"
+        return table
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the byte-level decoder makes of one token (``decodes_bytewise`` tokenizers only): its
         characters through the byte table, or its own UTF-8 when one is outside it (an added token in plain

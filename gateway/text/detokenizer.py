@@ -50,6 +50,7 @@ class IncrementalDetokenizer:
         self._utf8 = _UTF8("replace") if bytewise else None
         self._partial = False  # the UTF-8 decoder holds the start of a character
         self._token_bytes = tokenizer.token_bytes
+        self._bytes = tokenizer.byte_table if bytewise else {}  # the bytes of the tokens seen so far, by id
         self._skipped = tokenizer.all_special_ids if skip_special_tokens else frozenset()
 
     @property
@@ -63,10 +64,11 @@ class IncrementalDetokenizer:
             return ""
         self._ids.extend(new_ids)
         if self._utf8 is not None:
-            token_bytes, skipped = self._token_bytes, self._skipped
+            skipped = self._skipped
             if len(new_ids) == 1:  # (a streamed token: one engine output, one id)
                 i = new_ids[0]
-                return self._text(b"" if i in skipped else token_bytes(i))
+                return self._text(b"" if i in skipped else self._bytes.get(i) or self._token_bytes(i))
+            token_bytes = self._token_bytes
             return self._text(b"".join([token_bytes(i) for i in new_ids if i not in skipped]))
         return self._advance(final=False)
 
@@ -79,8 +81,10 @@ class IncrementalDetokenizer:
                 return raw.decode()
             except UnicodeDecodeError:
                 pass
-        text = self._utf8.decode(raw)
-        self._partial = bool(self._utf8.getstate()[0])
+        utf8 = self._utf8
+        assert utf8 is not None  # (bytewise only)
+        text = utf8.decode(raw)
+        self._partial = bool(utf8.getstate()[0])
         return text
 
     def flush(self) -> str:
