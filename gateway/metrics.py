@@ -2,8 +2,9 @@
 processes (prometheus_client's multiprocess mode; the supervisor owns the directory and removes a
 dead gateway's files), plus engine metrics from the stats every engine publishes to every gateway.
 
-Recording is cheap on purpose: a request or a streamed token only adds to plain numbers in this
-process (``gateway.metric_buffers``, one buffer per metric), because each prometheus_client call in
+Recording is cheap on purpose: a request only adds to plain numbers in this process
+(``gateway.metric_buffers``, one buffer per metric), and a streamed token to its request's own numbers
+(``TokenTimer``, folded into the buffers at each flush), because each prometheus_client call in
 multiprocess mode is a locked mmap write (~10 per request, 2-3 per token). ``Recorder.flush`` adds what was
 recorded to the prometheus_client metrics in bulk: every ``FLUSH_INTERVAL`` s when something changed
 (the app's ``flush_periodically``), right before this gateway renders ``/metrics`` (so one gateway's
