@@ -76,3 +76,44 @@ def test_a_finished_run_is_freed_by_reference_counting_alone(streamed):
         assert [r() for r in refs] == [None] * len(refs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("ending", ["finished", "cancelled"])
+def test_a_flush_counts_the_tokens_of_streams_in_flight_and_an_ended_stream_leaves_the_recorder(ending):
+    """A streamed token adds only to its request's own timer, which the recorder folds into its buffers at each
+    flush: a scrape in mid-stream counts the tokens so far, and a request that ended (or was cancelled) is no longer
+    among the recorder's streaming requests."""
+    from prometheus_client import REGISTRY
+
+    from gateway.metrics import RECORDER
+
+    def generated() -> float:
+        return REGISTRY.get_sample_value("zserve_generation_tokens_total") or 0.0
+
+    async def main() -> None:
+        client, eng, _ = fake_engine_client()
+        state = SimpleNamespace(engines=ModelEngines(client, None), eos_token_ids=frozenset(), stream_interval=1,
+                                lora=None, model=SimpleNamespace(model_id="m"))
+        choices = [Choice(j, [1, 2], SamplingParams(max_tokens=3)) for j in range(2)]
+        run = ChoiceRun(state, "cmpl-y", choices, TextOptions(stop=[], detokenize=False), lambda c, d: None)  # type: ignore[arg-type]
+        timers = set(run._timers)
+        run.start()
+        RECORDER.flush()
+        before = generated()
+        for _ in range(2):
+            client._dispatch(eng, encode(StepOutputs(0, tuple(RequestOutput(f"cmpl-y-{j}", (5,), None)
+                                                              for j in range(2)))))
+        assert timers <= RECORDER.streaming
+        RECORDER.flush()
+        assert generated() - before == 4  # two tokens of each choice, neither finished
+        if ending == "finished":
+            client._dispatch(eng, encode(StepOutputs(0, tuple(RequestOutput(f"cmpl-y-{j}", (6,), "length")
+                                                              for j in range(2)))))
+            await run.wait()
+        else:
+            run.cancel()
+        assert not timers & RECORDER.streaming
+        RECORDER.flush()
+        assert generated() - before == (6 if ending == "finished" else 4)
+
+    asyncio.run(main())
