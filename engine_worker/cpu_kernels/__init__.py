@@ -6,6 +6,8 @@ batched matmuls and a softmax over it: three passes over the whole context. ``ke
 it in one pass, reading the blocks through the block table with an online softmax.
 
 ``qgemm.cpp`` multiplies by weights kept quantized as GGUF stores them (``engine_worker.models.quant_linear``).
+``decode_layers.cpp`` runs a decode step's decoder layers through these kernels in one call
+(``engine_worker.models.native_decode``).
 
 Build: ``g++ -O3 -march=native -fopenmp -shared`` (a few seconds, no torch headers), cached under
 the user's cache directory keyed by the source, the compiler and the CPU's flags, and renamed
@@ -32,8 +34,8 @@ from zserve.paths import private_dir, user_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("kernels.cpp"), Path(__file__).with_name("qgemm.cpp"))
-ABI_VERSION = 3
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("kernels.cpp", "qgemm.cpp", "decode_layers.cpp"))
+ABI_VERSION = 4
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -122,6 +124,10 @@ def _library() -> ctypes.CDLL | None:
     lib.zs_qgemm_f32.restype = ctypes.c_int
     lib.zs_qgemm_bf16.argtypes = [p, i64, p, i64, i64, p, p, p, i32, i64, i64, i32, i32]
     lib.zs_qgemm_bf16.restype = ctypes.c_int
+    for suffix in _DTYPES.values():
+        fn = getattr(lib, f"zs_decode_layers_{suffix}")
+        fn.argtypes = [p, p, i64, p, i32, i32, i32, i32, i32, i32, f32, p, p, p, p, i64, p, i64, p, i32, f32, i32]
+        fn.restype = ctypes.c_int
     lib.zs_qgemm_set_portable.argtypes = [i32]
     lib.zs_qgemm_set_few_rows.argtypes = [i32]
     return lib
@@ -285,6 +291,17 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, seg
                        bt: tuple[torch.Tensor, ...]) -> None:
     """One ``LoraKernel(at, bt)(x, y, rows, segs)`` call (see ``LoraKernel``)."""
     LoraKernel(at, bt)(x, y, rows, segs)
+
+
+def decode_layers_available() -> bool:
+    """Whether ``decode_layers`` can run: the kernels built (it calls them, portable or vectorised as set)."""
+    return available()
+
+
+def decode_layers(dtype: torch.dtype, *args) -> int:
+    """``zs_decode_layers`` for ``dtype`` (float32 or bfloat16) with ``engine_worker.models.native_decode``'s
+    arguments; its return code (0, -2 for no bf16 matmul kernel on this CPU, -1 for arguments it cannot take)."""
+    return _fn("decode_layers", dtype)(*args)
 
 
 def qgemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int, group: int,

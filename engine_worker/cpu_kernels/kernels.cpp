@@ -694,6 +694,6 @@ ZS_LORA(bf16, uint16_t)
 
 void zs_set_portable_only(int on) { g_portable_only = on != 0; }
 
-int zs_abi_version(void) { return 3; }
+int zs_abi_version(void) { return 4; }
 
 }  // extern "C"

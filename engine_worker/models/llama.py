@@ -28,6 +28,7 @@ from torch import nn
 from engine_worker import cpu_kernels
 from engine_worker.attention import AttentionBackend, StepLayout
 from engine_worker.gguf_quant import QuantParts
+from engine_worker.models import native_decode
 from engine_worker.models.layers import (
     Linear,
     RMSNorm,
@@ -239,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[N, hidden]`` (before the final norm) for the step's flat token batch,
         laid out by ``attn.plan``; ``lora``: the step's LoRA adapters, by token row (``engine_worker.lora``)."""
         x = self.embed(input_ids)
+        if self.native and lora is None:  # a decode step: every layer in one native call, where it can
+            out = native_decode.run(self, x, layout, attn)
+            if out is not None:
+                return out
         cos = signed_sin = None
         if not self.native:
             cos, signed_sin = self.rope(layout.positions, self.dtype)

@@ -128,14 +128,23 @@ def run_zserve(runner: ModelRunner, work, max_num_seqs: int, budget: int, timing
                      [b - a for v in stamps.values() for a, b in zip(v, v[1:])], sched.preemptions)
 
 
-def _timed(spent: dict, name: str, fn):
-    """``fn``, adding the seconds each call takes to ``spent[name]``."""
+def _timed(spent: dict, name: str, fn, stack: list[str] | None = None):
+    """``fn``, adding the seconds each call takes to ``spent[name]``; with ``stack`` (shared by the wrappers of one
+    split), a call's seconds are its own: those of timed calls inside it (a quantized matmul inside a linear layer's
+    forward) are taken out of it."""
     def wrapper(*a, **kw):
+        if stack is not None:
+            stack.append(name)
         t = time.perf_counter()
         try:
             return fn(*a, **kw)
         finally:
-            spent[name] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            spent[name] += dt
+            if stack is not None:
+                stack.pop()
+                if stack:
+                    spent[stack[-1]] -= dt
     return wrapper
 
 
@@ -217,19 +226,21 @@ def _timed_split(runner: ModelRunner, sched: Scheduler, steps: int) -> None:
     import collections
 
     from engine_worker import cpu_kernels
-    from engine_worker.models import layers, quant_linear
+    from engine_worker.models import layers, native_decode, quant_linear
 
     spent: collections.Counter = collections.Counter()
+    stack: list[str] = []
 
     patches = [(cpu_kernels, n, f"{n} (native)") for n in ("decode_attention", "add_rms_norm", "rope_and_store",
                                                              "silu_and_mul")]
-    patches += [(layers.Linear, "forward", "linear layers (oneDNN)"),
+    patches += [(layers.Linear, "forward", "linear layers (oneDNN, or the glue around qgemm)"),
                 (quant_linear.QuantWeight, "matmul", "quantized matmuls (qgemm)"),
-                (runner.sampler, "sample", "sampling"), (runner.attention, "plan", "step layout (plan)")]
+                (runner.sampler, "sample", "sampling"), (runner.attention, "plan", "step layout (plan)"),
+                (native_decode, "run", "decoder layers (one native call)")]
     with contextlib.ExitStack() as undo:
         for owner, attr, label in patches:
             orig = getattr(owner, attr)
-            setattr(owner, attr, _timed(spent, label, orig))
+            setattr(owner, attr, _timed(spent, label, orig, stack))
             undo.callback(setattr, owner, attr, orig)
         n = len(sched.running)
         t = time.perf_counter()
