@@ -41,17 +41,16 @@ def run(model, x: torch.Tensor, layout: StepLayout, attn) -> torch.Tensor | None
             or layout.num_decode != n or layout.decode_tables is None or cache is None or cache.dtype != x.dtype
             or not x.is_contiguous() or not attn.native_kernels):
         return None
-    from engine_worker.models.llama import LlamaMLP
-
     cfg = model.config
     fields: list[int] = []
     for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
-        if type(m) is not LlamaMLP:
+        gate_up = getattr(m, "gate_up_proj", None)  # a dense MLP's (a mixture of experts has none)
+        if gate_up is None:
             return None
         fields += (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                    cache.layer_views[i][0].data_ptr())
-        for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+        for lin in (a.qkv_proj, a.o_proj, gate_up, m.down_proj):
             f = _linear_fields(lin)
             if f is None:
                 return None
