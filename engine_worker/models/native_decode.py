@@ -41,6 +41,14 @@ def run(model, x: torch.Tensor, layout: StepLayout, attn) -> torch.Tensor | None
             or layout.num_decode != n or layout.decode_tables is None or cache is None or cache.dtype != x.dtype
             or not x.is_contiguous() or not attn.native_kernels):
         return None
+    # What the kernels' Python wrappers check call by call, checked once for the step (the weights and the cache are
+    # laid out so at load: contiguous, in the model's dtype, which each layer's first norm weight stands for here).
+    tables, lens, positions, slots = layout.decode_tables, layout.decode_lens, layout.positions, layout.slot_mapping
+    if (tables.dtype != torch.int32 or lens.dtype != torch.int32 or positions.dtype != torch.int64
+            or slots.dtype != torch.int64 or not (tables.is_contiguous() and lens.is_contiguous()
+                                                  and positions.is_contiguous() and slots.is_contiguous())
+            or model.layers[0].input_layernorm.weight.dtype != x.dtype):
+        return None
     cfg = model.config
     fields: list[int] = []
     for i, layer in enumerate(model.layers):
@@ -57,13 +65,12 @@ def run(model, x: torch.Tensor, layout: StepLayout, attn) -> torch.Tensor | None
             fields += f
     table = array("q", fields)
     cos, sin = model.rope.float_tables()
-    tables, lens = layout.decode_tables, layout.decode_lens
     kv0 = cache.layer_views[0][0]
     out = torch.empty_like(x)
     rc = cpu_kernels.decode_layers(
         x.dtype, x.data_ptr(), out.data_ptr(), n, table.buffer_info()[0], len(model.layers), cfg.hidden_size,
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, model.layers[0].input_layernorm.eps,
-        layout.positions.data_ptr(), layout.slot_mapping.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         kv0.shape[2] * cfg.head_dim, tables.data_ptr(), tables.shape[1], lens.data_ptr(), cache.block_size,
         cfg.head_dim ** -0.5, attn.window or 0)
     if rc == -2:  # no bf16 matmul kernel on this CPU: found at the first layer's first matmul, nothing changed yet
