@@ -36,45 +36,34 @@ enum Field : int {
 constexpr int kLinearFields = 8;
 constexpr int kLayerFields = kLinears + 4 * kLinearFields;
 
-struct Kernels32 {
-    using T = float;
-    static void norm(const T *x, T *res, const T *w, T *out, int64_t n, int h, float eps) {
-        zs_add_rms_norm_f32(x, h, res, w, out, n, h, eps);
-    }
-    static void silu(const T *gu, T *out, int64_t n, int inter) { zs_silu_and_mul_f32(gu, out, n, inter); }
-    static int rope(T *qkv, int64_t n, int64_t stride, const int64_t *pos, const float *c, const float *s, T *kv,
-                    int64_t plane, const int64_t *slots, int H, int KV, int D) {
-        return zs_rope_and_store_f32(qkv, n, stride, pos, c, s, kv, plane, slots, H, KV, D);
-    }
-    static int attend(const T *q, int64_t qs, const T *kv, int64_t plane, const int32_t *tables, int64_t ts,
-                      const int32_t *lens, T *out, int B, int H, int KV, int D, int bs, float scale, int window) {
-        return zs_decode_attention_f32(q, qs, kv, plane, tables, ts, lens, out, B, H, KV, D, bs, scale, window);
-    }
-    static int gemm(const T *x, T *y, int64_t m, const int64_t *l) {
-        return zs_qgemm_f32(x, l[5], y, l[4], m, (const uint8_t *)l[0], (const void *)l[1], (const void *)l[2],
-                            int(l[3]), l[4], l[5], int(l[6]), int(l[7]));
-    }
-};
+// The kernels of one activation dtype, by the suffix of their exported names.
+#define ZS_KERNELS(NAME, TYPE, SUFFIX)                                                                             \
+    struct NAME {                                                                                                  \
+        using T = TYPE;                                                                                            \
+        static void norm(const T *x, T *res, const T *w, T *out, int64_t n, int h, float eps) {                    \
+            zs_add_rms_norm_##SUFFIX(x, h, res, w, out, n, h, eps);                                                \
+        }                                                                                                          \
+        static void silu(const T *gu, T *out, int64_t n, int inter) {                                              \
+            zs_silu_and_mul_##SUFFIX(gu, out, n, inter);                                                           \
+        }                                                                                                          \
+        static int rope(T *qkv, int64_t n, int64_t stride, const int64_t *pos, const float *c, const float *s, T *kv, \
+                        int64_t plane, const int64_t *slots, int H, int KV, int D) {                               \
+            return zs_rope_and_store_##SUFFIX(qkv, n, stride, pos, c, s, kv, plane, slots, H, KV, D);              \
+        }                                                                                                          \
+        static int attend(const T *q, int64_t qs, const T *kv, int64_t plane, const int32_t *tables, int64_t ts,   \
+                          const int32_t *lens, T *out, int B, int H, int KV, int D, int bs, float scale, int window) { \
+            return zs_decode_attention_##SUFFIX(q, qs, kv, plane, tables, ts, lens, out, B, H, KV, D, bs, scale,   \
+                                                window);                                                           \
+        }                                                                                                          \
+        /* l: one linear's fields (codes, scales, mins, half, N, K, G, bits) */                                    \
+        static int gemm(const T *x, T *y, int64_t m, const int64_t *l) {                                           \
+            return zs_qgemm_##SUFFIX(x, l[5], y, l[4], m, (const uint8_t *)l[0], (const void *)l[1],               \
+                                     (const void *)l[2], int(l[3]), l[4], l[5], int(l[6]), int(l[7]));             \
+        }                                                                                                          \
+    };
 
-struct Kernels16 {
-    using T = uint16_t;
-    static void norm(const T *x, T *res, const T *w, T *out, int64_t n, int h, float eps) {
-        zs_add_rms_norm_bf16(x, h, res, w, out, n, h, eps);
-    }
-    static void silu(const T *gu, T *out, int64_t n, int inter) { zs_silu_and_mul_bf16(gu, out, n, inter); }
-    static int rope(T *qkv, int64_t n, int64_t stride, const int64_t *pos, const float *c, const float *s, T *kv,
-                    int64_t plane, const int64_t *slots, int H, int KV, int D) {
-        return zs_rope_and_store_bf16(qkv, n, stride, pos, c, s, kv, plane, slots, H, KV, D);
-    }
-    static int attend(const T *q, int64_t qs, const T *kv, int64_t plane, const int32_t *tables, int64_t ts,
-                      const int32_t *lens, T *out, int B, int H, int KV, int D, int bs, float scale, int window) {
-        return zs_decode_attention_bf16(q, qs, kv, plane, tables, ts, lens, out, B, H, KV, D, bs, scale, window);
-    }
-    static int gemm(const T *x, T *y, int64_t m, const int64_t *l) {
-        return zs_qgemm_bf16(x, l[5], y, l[4], m, (const uint8_t *)l[0], (const void *)l[1], (const void *)l[2],
-                             int(l[3]), l[4], l[5], int(l[6]), int(l[7]));
-    }
-};
+ZS_KERNELS(Kernels32, float, f32)
+ZS_KERNELS(Kernels16, uint16_t, bf16)
 
 // x [n, hidden]: the embeddings in; the residual stream, updated in place (as the first layer's input norm makes
 // it). out [n, hidden]: the last layer's MLP output. The caller adds the two, as the model's forward does.
