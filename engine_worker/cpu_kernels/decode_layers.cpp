@@ -31,7 +31,7 @@ namespace {
 // One layer's arguments, as int64s (pointers as addresses): the layout native_decode.py packs.
 enum Field : int {
     kLn1, kLn2, kKv,  // the two norms' weights; the layer's [2, KV, slots, D] cache
-    kLinears,  // then four linears (qkv, o, gate_up, down), each kLinearFields: codes, scales, mins, half, N, K, G, bits
+    kLinears,  // then four linears (qkv, o, gate_up, down) of kLinearFields: codes, scales, mins, half, N, K, G, bits
 };
 constexpr int kLinearFields = 8;
 constexpr int kLayerFields = kLinears + 4 * kLinearFields;
