@@ -263,7 +263,6 @@ def with_port(endpoint: str, port: int) -> str:
     return f"tcp://{endpoint.removeprefix('tcp://').rsplit(':', 1)[0]}:{port}"
 
 
-
 class BindError(RuntimeError):
     """A ZeroMQ socket could not bind its endpoint (the message names the socket, the endpoint and why)."""
 

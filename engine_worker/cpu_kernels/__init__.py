@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("kernels.cpp", "qgemm.cpp", "decode_layers.cpp"))
 ABI_VERSION = 4
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
-_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the activations the kernels take, by name suffix
 
 __all__ = ["LoraKernel", "add_rms_norm", "available", "decode_attention", "lora_shrink_expand", "qgemm",
            "rope_and_store", "silu_and_mul", "supports", "supports_lora"]
@@ -116,7 +116,7 @@ def _library() -> ctypes.CDLL | None:
                                ctypes.c_int),
     }
     for name, (args, ret) in signatures.items():
-        for suffix in _DTYPES.values():
+        for suffix in DTYPES.values():
             fn = getattr(lib, f"zs_{name}_{suffix}")
             fn.argtypes, fn.restype = args, ret
     lib.zs_set_portable_only.argtypes = [i32]
@@ -124,7 +124,7 @@ def _library() -> ctypes.CDLL | None:
     lib.zs_qgemm_f32.restype = ctypes.c_int
     lib.zs_qgemm_bf16.argtypes = [p, i64, p, i64, i64, p, p, p, i32, i64, i64, i32, i32]
     lib.zs_qgemm_bf16.restype = ctypes.c_int
-    for suffix in _DTYPES.values():
+    for suffix in DTYPES.values():
         fn = getattr(lib, f"zs_decode_layers_{suffix}")
         fn.argtypes = [p, p, i64, p, i32, i32, i32, i32, i32, i32, f32, p, p, p, p, i64, p, i64, p, i32, f32, i32]
         fn.restype = ctypes.c_int
@@ -136,7 +136,7 @@ def _library() -> ctypes.CDLL | None:
 @functools.cache
 def _fn(name: str, dtype: torch.dtype):
     """The kernel ``name`` for ``dtype`` (looked up once: these calls are in every layer of every step)."""
-    return getattr(_library(), f"zs_{name}_{_DTYPES[dtype]}")
+    return getattr(_library(), f"zs_{name}_{DTYPES[dtype]}")
 
 
 def set_portable_only(on: bool) -> None:
@@ -162,13 +162,13 @@ def available() -> bool:
 
 def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether decode attention for this cache can use the native kernel."""
-    return (device.type == "cpu" and dtype in _DTYPES and head_dim <= 256 and num_heads % num_kv_heads == 0
+    return (device.type == "cpu" and dtype in DTYPES and head_dim <= 256 and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= 64 and available())
 
 
 def supports_lora(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a decode step's LoRA updates on this device and dtype can use ``lora_shrink_expand``."""
-    return device.type == "cpu" and dtype in _DTYPES and available()
+    return device.type == "cpu" and dtype in DTYPES and available()
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
@@ -265,7 +265,7 @@ class LoraKernel:
     def __init__(self, at: torch.Tensor, bt: tuple[torch.Tensor, ...]):
         slots, fan_in, width = at.shape
         max_rank = bt[0].shape[1] if bt else 0
-        _check(at.device.type == "cpu" and at.dtype in _DTYPES and at.is_contiguous() and 1 <= len(bt) <= 3
+        _check(at.device.type == "cpu" and at.dtype in DTYPES and at.is_contiguous() and 1 <= len(bt) <= 3
                and width == max_rank * len(bt)
                and all(b.is_contiguous() and b.dtype == at.dtype and b.shape[:2] == (slots, max_rank) for b in bt),
                "lora_shrink_expand")
@@ -291,11 +291,6 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, seg
                        bt: tuple[torch.Tensor, ...]) -> None:
     """One ``LoraKernel(at, bt)(x, y, rows, segs)`` call (see ``LoraKernel``)."""
     LoraKernel(at, bt)(x, y, rows, segs)
-
-
-def decode_layers_available() -> bool:
-    """Whether ``decode_layers`` can run: the kernels built (it calls them, portable or vectorised as set)."""
-    return available()
 
 
 def decode_layers(dtype: torch.dtype, *args) -> int:

@@ -21,8 +21,6 @@ import torch
 from engine_worker import cpu_kernels
 from engine_worker.attention.layout import StepLayout
 
-_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
 
 def _linear_fields(lin) -> tuple[int, ...] | None:
     q = lin.quant
@@ -33,12 +31,12 @@ def _linear_fields(lin) -> tuple[int, ...] | None:
 
 
 def run(model, x: torch.Tensor, layout: StepLayout, attn) -> torch.Tensor | None:
-    """The decoder layers' output for decode-only step ``layout`` (what ``LlamaForCausalLM.forward`` returns), or
-    None when this step cannot go this way (``x`` then untouched)."""
+    """The decoder layers' output for decode-only step ``layout`` (what ``LlamaForCausalLM.forward`` returns, which
+    calls this with its native kernels on), or None when this step cannot go this way (``x`` then untouched)."""
     n = x.shape[0]
     cache = getattr(attn, "cache", None)
-    if (not model.native or x.dtype not in _DTYPES or not cpu_kernels.decode_layers_available() or layout.prefills
-            or layout.num_decode != n or layout.decode_tables is None or cache is None or cache.dtype != x.dtype
+    if (x.dtype not in cpu_kernels.DTYPES or not cpu_kernels.available() or layout.prefills or layout.num_decode != n
+            or layout.decode_tables is None or cache is None or cache.dtype != x.dtype
             or not x.is_contiguous() or not attn.native_kernels):
         return None
     # What the kernels' Python wrappers check call by call, checked once for the step (the weights and the cache are

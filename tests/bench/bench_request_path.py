@@ -35,7 +35,7 @@ from gateway.app import build_app  # noqa: E402
 from gateway.engine_client import ModelEngines  # noqa: E402
 from gateway.security import Keys  # noqa: E402
 from gateway.state import GatewayState, ServedModel, load_text  # noqa: E402
-from protocol import EngineHello, RequestOutput, StepOutputs, encode  # noqa: E402
+from protocol import RequestOutput, StepOutputs, encode  # noqa: E402
 from tests.unit.fake_engine import fake_engine_client  # noqa: E402
 from zserve.catalog import resolve  # noqa: E402
 
@@ -43,10 +43,7 @@ MODEL = "tiny-random"
 
 
 async def serve_zserve() -> tuple[web.AppRunner, int]:
-    client, eng, _ = fake_engine_client()
-    eng.hello = EngineHello(0, MODEL, 8, 64, 100, (2,), 1, "cpu", "float32")
-    eng.known_rank = 0
-    client._update_ready()
+    client, eng, _ = fake_engine_client(MODEL)
     loop = asyncio.get_running_loop()
     placeholder = "chatcmpl-" + "0" * 32 + "-0"  # (the length of the route's request ids)
     head, data = encode(StepOutputs(0, (RequestOutput(placeholder, (5,), "length", num_prompt_tokens=37),)))

@@ -65,7 +65,6 @@ def frames(finishing: bool) -> list[list[bytes]]:
 
 async def one_pass(tokenizer: Tokenizer, profile: cProfile.Profile | None) -> float:
     client, eng, _ = fake_engine_client()
-    eng.known_rank = 0  # (as its hello tells a gateway)
     state = SimpleNamespace(engines=ModelEngines(client, None), eos_token_ids=frozenset(), stream_interval=1,
                             lora=None, model=SimpleNamespace(model_id="m"), tokenizer=tokenizer)
     shape = ChatShape(None, False, NO_TOOLS)  # type: ignore[arg-type]
